@@ -1,0 +1,23 @@
+"""celery-fanin: a fan-in for Celery that runs its successor exactly once, whatever its children end in."""
+
+from .canvas import BatchStatus, FanInGroup, FanInResult, fan_in_group
+from .exceptions import BatchNotFound, FanInDatabaseError, FanInError, FanInNotConfigured, InvalidFanIn
+from .extension import FanIn
+from .outcome import BatchOutcome, ChildResult
+
+__all__ = [
+    "BatchNotFound",
+    "BatchOutcome",
+    "BatchStatus",
+    "ChildResult",
+    "FanIn",
+    "FanInDatabaseError",
+    "FanInError",
+    "FanInGroup",
+    "FanInNotConfigured",
+    "FanInResult",
+    "InvalidFanIn",
+    "fan_in_group",
+]
+
+__version__ = "0.1.0"

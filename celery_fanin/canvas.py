@@ -1,0 +1,280 @@
+"""`fan_in_group` and the handle it returns: the producer side.
+
+``fan_in_group(children, then=successor).apply_async()`` validates and encodes everything first, then writes the
+batch, its planned count and every child in one transaction, and only then publishes the children itself (the
+fast path). A producer that dies after the commit loses nothing: the relay publishes what it did not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from celery import Celery, current_app
+from celery.canvas import Signature, _chain, _chord, group
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult
+from celery.utils import uuid as new_task_id
+from kombu.exceptions import EncodeError
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import dispatch, publish
+from .exceptions import BatchNotFound, FanInDatabaseError, InvalidFanIn
+from .extension import FanIn
+from .store import batches, queries
+
+logger = logging.getLogger("celery_fanin.canvas")
+
+MAX_STEP_LENGTH = 200
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    """A batch as the store sees it now."""
+
+    batch_id: str
+    step: str
+    state: str
+    planned: int
+    remaining: int
+    succeeded: int
+    failed: int
+    published: int
+    created_at: datetime
+    completed_at: datetime | None
+    successor_task_id: str
+    successor_state: str | None  # None until the last child's terminal outcome creates the successor
+    successor_runs: int
+    successor_duplicates: int
+
+    @property
+    def finished(self) -> bool:
+        """True once the successor has run to a final state."""
+        return self.successor_state in batches.SUCCESSOR_FINAL_STATES
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["created_at"] = self.created_at.isoformat()
+        data["completed_at"] = self.completed_at.isoformat() if self.completed_at else None
+        return data
+
+
+def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
+    bid = _parse_batch_id(batch_id)
+    try:
+        with fanin.engine.connect() as conn:
+            batch = queries.batch(conn, bid)
+            if batch is None:
+                raise BatchNotFound(f"no fan-in batch with id {bid}")
+            succ = queries.successor(conn, bid, batch.step)
+    except SQLAlchemyError as exc:
+        raise FanInDatabaseError(f"could not read batch {bid}: {exc}") from exc
+    return BatchStatus(
+        batch_id=str(batch.id),
+        step=batch.step,
+        state=batch.state,
+        planned=batch.planned,
+        remaining=batch.remaining,
+        succeeded=batch.succeeded,
+        failed=batch.failed,
+        published=batch.published_upto,
+        created_at=batch.created_at,
+        completed_at=batch.completed_at,
+        successor_task_id=batch.successor_task_id,
+        successor_state=succ.state if succ else None,
+        successor_runs=succ.runs if succ else 0,
+        successor_duplicates=succ.duplicates if succ else 0,
+    )
+
+
+def _parse_batch_id(batch_id: str | uuid.UUID) -> uuid.UUID:
+    if isinstance(batch_id, uuid.UUID):
+        return batch_id
+    try:
+        return uuid.UUID(str(batch_id))
+    except ValueError:
+        raise BatchNotFound(f"{batch_id!r} is not a batch id (batch ids are UUIDs)") from None
+
+
+class FanInResult:
+    """The handle `apply_async` returns. Holds no worker and no connection; every call reads the store."""
+
+    def __init__(self, app: Celery, batch_id: str, successor_task_id: str) -> None:
+        self.app = app
+        self.batch_id = batch_id
+        self.successor_task_id = successor_task_id
+
+    @property
+    def id(self) -> str:
+        return self.batch_id
+
+    def __repr__(self) -> str:
+        return f"<FanInResult batch_id={self.batch_id}>"
+
+    def status(self) -> BatchStatus:
+        return read_status(FanIn.of(self.app), self.batch_id)
+
+    def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:
+        """Block until the successor has finished (succeeded, failed or revoked); returns the final status.
+
+        Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status.finished:
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError(
+                    f"batch {self.batch_id} not finished after {timeout}s: state={status.state} "
+                    f"remaining={status.remaining} successor={status.successor_state}"
+                )
+            time.sleep(interval)
+
+    def successor(self) -> AsyncResult:
+        """The successor's Celery result (needs a result backend; the store has its state without one)."""
+        return self.app.AsyncResult(self.successor_task_id)
+
+
+def _check_plain_signature(value: object, what: str) -> Signature:
+    if isinstance(value, (group, _chain, _chord)):
+        raise InvalidFanIn(f"{what} is a {type(value).__name__}; fan_in_group takes plain task signatures")
+    if not isinstance(value, Signature):
+        raise InvalidFanIn(f"{what} is not a task signature (got {type(value).__name__}); use task.s(...)")
+    return value
+
+
+class FanInGroup:
+    """A group of children and the one successor that runs after every child has reached a terminal outcome."""
+
+    def __init__(
+        self,
+        children: Iterable[Signature],
+        then: Signature | None = None,
+        step: str | None = None,
+        app: Celery | None = None,
+    ) -> None:
+        self.children = children
+        self.then = then
+        self.step = step
+        self._app = app
+
+    @property
+    def app(self) -> Celery:
+        if self._app is not None:
+            return self._app
+        if isinstance(self.then, Signature) and self.then._app is not None:
+            return self.then._app
+        return current_app
+
+    def _validate(self) -> tuple[Signature, str, list[Signature]]:
+        if self.then is None:
+            raise InvalidFanIn("fan_in_group needs then=: the signature of the successor to run after the children")
+        then = _check_plain_signature(self.then, "then")
+        step = then.task if self.step is None else self.step
+        if not isinstance(step, str) or not step.strip():
+            raise InvalidFanIn("step must be a non-empty string")
+        if len(step) > MAX_STEP_LENGTH:
+            raise InvalidFanIn(f"step is {len(step)} characters long; at most {MAX_STEP_LENGTH} are allowed")
+        if isinstance(self.children, (Signature, str, bytes)) or not isinstance(self.children, Iterable):
+            raise InvalidFanIn("children must be an iterable of task signatures")
+        children = [_check_plain_signature(c, f"child {i}") for i, c in enumerate(self.children)]
+        return then, step, children
+
+    def apply_async(self) -> FanInResult:
+        """Record the batch, then publish the children; returns at once with the handle."""
+        app = self.app
+        fanin = FanIn.of(app)
+        then, step, sigs = self._validate()
+        try:
+            successor_message = publish.encode_signature(app, then)
+        except EncodeError as exc:
+            raise InvalidFanIn(f"then: its arguments cannot be encoded with the app's serializer: {exc}") from exc
+        new_children = []
+        for i, sig in enumerate(sigs):
+            try:
+                encoded = publish.encode_signature(app, sig)
+            except EncodeError as exc:
+                raise InvalidFanIn(
+                    f"child {i}: its arguments cannot be encoded with the app's serializer: {exc}"
+                ) from exc
+            new_children.append(batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task, encoded))
+        if len({c.task_id for c in new_children}) != len(new_children):
+            raise InvalidFanIn("two children share a task_id; every child needs its own")
+        batch = batches.NewBatch(
+            id=uuid.uuid4(),
+            step=step,
+            successor_task_id=then.options.get("task_id") or new_task_id(),
+            successor_name=then.task,
+            successor_message=successor_message,
+        )
+        outbox_id = self._create_and_publish(fanin, batch, new_children, sigs)
+        if outbox_id is not None:  # an empty group: its successor exists already; send it now rather than on NOTIFY
+            try:
+                dispatch.publish_outbox(fanin, ids=[outbox_id])
+            except Exception:
+                logger.warning("could not publish successor of empty batch_id=%s; the relay will", batch.id,
+                               exc_info=True, extra={"batch_id": str(batch.id), "step": step})  # fmt: skip
+        logger.info("created batch_id=%s step=%s planned=%d", batch.id, step, len(new_children),
+                    extra={"batch_id": str(batch.id), "step": step})  # fmt: skip
+        return FanInResult(app, str(batch.id), batch.successor_task_id)
+
+    __call__ = apply_async
+
+    def _create_and_publish(
+        self, fanin: FanIn, batch: batches.NewBatch, children: list[batches.NewChild], sigs: list[Signature]
+    ) -> int | None:
+        app = fanin.app
+        try:
+            conn = fanin.engine.connect()
+        except SQLAlchemyError as exc:
+            raise FanInDatabaseError(f"cannot reach the fan-in database; nothing was published: {exc}") from exc
+        with conn:
+            try:
+                with conn.begin():
+                    batches.hold_publish_lock(conn, batch.id)
+                    outbox_id = batches.create_batch(conn, batch, children)
+            except SQLAlchemyError as exc:
+                raise FanInDatabaseError(f"could not record the batch; nothing was published: {exc}") from exc
+            # Committed: from here on the batch is durable, and whatever this process fails to publish, the relay
+            # publishes once this connection (and with it the publish lock) is gone.
+            try:
+                chunk = fanin.settings.chunk_size
+                for start in range(0, len(children), chunk):
+                    part = range(start, min(start + chunk, len(children)))
+                    with publish.producer(app) as prod:
+                        publish.publish_children(app, prod, batch.id, ((i, children[i].task_id, sigs[i]) for i in part))
+                    batches.mark_published(conn, batch.id, part.stop)
+                    conn.commit()
+            except Exception:
+                logger.warning(
+                    "batch_id=%s is recorded but not all children were published; the relay will publish them",
+                    batch.id, exc_info=True, extra={"batch_id": str(batch.id)},
+                )  # fmt: skip
+            finally:
+                try:
+                    conn.rollback()
+                    batches.release_publish_lock(conn, batch.id)
+                    conn.commit()
+                except SQLAlchemyError:
+                    conn.invalidate()  # closing the connection releases the lock
+        return outbox_id
+
+
+def fan_in_group(
+    children: Iterable[Signature],
+    then: Signature | None = None,
+    step: str | None = None,
+    app: Celery | None = None,
+) -> FanInGroup:
+    """Run `children` in parallel, then `then` once with the outcome of all of them, whatever each ended in.
+
+    `step` names the successor within the batch (default: its task name). The successor receives the outcome
+    mapping as its first argument, before its own arguments, as a chord body receives the header's results.
+    """
+    return FanInGroup(children, then=then, step=step, app=app)

@@ -1,0 +1,119 @@
+"""Moving committed rows onto the broker: the outbox claim, and children whose producer died before publishing.
+
+Shared by the producer's fast path and the relay, so both publish the same way and keep the same bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import Connection
+
+from . import publish
+from .extension import FanIn
+from .outcome import build_outcome
+from .store import batches, outbox, queries
+
+logger = logging.getLogger("celery_fanin.dispatch")
+
+
+def _retry_delay(attempts: int) -> float:
+    return float(min(60, 2 ** min(attempts, 6)))
+
+
+def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | None = None) -> int:
+    """Claim due outbox rows, publish their successors and mark them sent, all in one transaction.
+
+    The row locks taken by the claim are held until the commit that marks the rows sent, so no other relay (or
+    producer) publishes them meanwhile. If publishing fails as a whole (the broker is down), the transaction rolls
+    back and the rows stay pending; a row that fails on its own is kept pending with a backoff and its error.
+    Returns the number of successors published.
+    """
+    app = fanin.app
+    settings = fanin.settings
+    limit = limit or settings.relay_batch_size
+    with fanin.engine.begin() as conn:
+        rows = outbox.claim(conn, limit, ids)
+        if not rows:
+            return 0
+        sent: list[outbox.OutboxRow] = []
+        with publish.producer(app) as prod:
+            for row in rows:
+                try:
+                    _publish_successor(fanin, conn, prod, row, settings.outcome_failures_limit)
+                except Exception as exc:  # one bad row must not hold back the others
+                    logger.exception(
+                        "could not publish successor batch_id=%s step=%s", row.batch_id, row.step,
+                        extra={"batch_id": str(row.batch_id), "step": row.step},
+                    )  # fmt: skip
+                    outbox.mark_failed(conn, row, repr(exc), _retry_delay(row.attempts))
+                else:
+                    sent.append(row)
+        # Only after the producer's batch flushed: a failed flush raises and rolls the claim back.
+        outbox.mark_sent(conn, sent)
+    for row in sent:
+        logger.info(
+            "published successor batch_id=%s step=%s", row.batch_id, row.step,
+            extra={"batch_id": str(row.batch_id), "step": row.step},
+        )  # fmt: skip
+    return len(sent)
+
+
+def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow, limit: int) -> None:
+    batch = queries.batch(conn, row.batch_id)
+    if batch is None:  # cascade-deleted rows cannot be claimed; this guards a hand-edited database
+        raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
+    succ = queries.successor(conn, row.batch_id, row.step)
+    task_id = succ.task_id if succ is not None else batch.successor_task_id
+    then = publish.decode_signature(fanin.app, batch.successor_message)
+    outcome = build_outcome(conn, batch, limit)
+    publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, then, outcome)  # type: ignore[arg-type]
+
+
+def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID) -> int:
+    """Publish a batch's children from its `published_upto` mark onwards, a chunk at a time.
+
+    The caller holds the batch's publish lock on `conn`. Each chunk's mark is committed after the chunk reached
+    the broker, so a crash republishes at most one chunk (duplicates are counted once by the terminal guard).
+    """
+    app = fanin.app
+    total = 0
+    while True:
+        rows = batches.unpublished_children(conn, batch_id, fanin.settings.chunk_size)
+        conn.commit()
+        if not rows:
+            return total
+        with publish.producer(app) as prod:
+            publish.publish_children(
+                app, prod, batch_id, ((idx, task_id, publish.decode_signature(app, enc)) for idx, task_id, enc in rows)
+            )
+        batches.mark_published(conn, batch_id, rows[-1][0] + 1)
+        conn.commit()
+        total += len(rows)
+
+
+def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
+    """Finish publishing every batch whose producer is gone; skips batches a live producer is still publishing."""
+    total = 0
+    with fanin.engine.connect() as conn:
+        pending = batches.unpublished_batches(conn, limit)
+        conn.commit()
+        for batch_id in pending:
+            if not batches.try_publish_lock(conn, batch_id):
+                conn.commit()
+                continue
+            try:
+                count = publish_remaining_children(fanin, conn, batch_id)
+            finally:
+                conn.rollback()
+                batches.release_publish_lock(conn, batch_id)
+                conn.commit()
+            if count:
+                logger.warning(
+                    "published %d children of batch_id=%s that its producer did not", count, batch_id,
+                    extra={"batch_id": str(batch_id)},
+                )  # fmt: skip
+            total += count
+    return total

@@ -1,0 +1,23 @@
+"""The exceptions celery-fanin raises; all derive from `FanInError`."""
+
+from __future__ import annotations
+
+
+class FanInError(Exception):
+    """Base class of every celery-fanin error."""
+
+
+class FanInNotConfigured(FanInError):
+    """The app was not wired with `FanIn(app)`, or has no database URL."""
+
+
+class InvalidFanIn(FanInError, ValueError):
+    """`fan_in_group` was given something it cannot run; raised before anything is written or published."""
+
+
+class FanInDatabaseError(FanInError):
+    """Postgres could not be reached or refused the write; nothing was published."""
+
+
+class BatchNotFound(FanInError, LookupError):
+    """No batch with that id exists in the store."""

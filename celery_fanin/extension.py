@@ -1,0 +1,154 @@
+"""`FanIn(app)`: reads the `fanin_*` settings from `app.conf`, owns the database engine, wires the worker hooks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+
+from .exceptions import FanInNotConfigured
+
+_REGISTRY: weakref.WeakKeyDictionary[Celery, FanIn] = weakref.WeakKeyDictionary()
+_REGISTRY_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, with its default; read from `app.conf` as `fanin_<name>`."""
+
+    database_url: str | None = None
+    pool_size: int = 5
+    # Most failures listed inline in the outcome a successor receives; the full list stays in Postgres.
+    outcome_failures_limit: int = 100
+    # Children written and published per round trip by the producer and the relay.
+    chunk_size: int = 1000
+    relay_poll_interval: float = 1.0
+    relay_batch_size: int = 100
+    # Attempts a worker makes to record a terminal outcome before it logs and gives up (to reconciliation).
+    record_attempts: int = 5
+
+    @classmethod
+    def from_conf(cls, conf: Any) -> Settings:
+        values: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            key = f"fanin_{name}"
+            value = conf.get(key)
+            if value is not None:
+                values[name] = value
+        if not values.get("database_url"):
+            values["database_url"] = os.environ.get("FANIN_DATABASE_URL") or None
+        return cls(**values)
+
+
+def normalise_database_url(url: str) -> str:
+    """Accept `postgresql://` and `postgres://` URLs and select the psycopg 3 driver SQLAlchemy needs."""
+    parsed = make_url(url.replace("postgres://", "postgresql://", 1) if url.startswith("postgres://") else url)
+    if parsed.get_backend_name() != "postgresql":
+        raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
+    if parsed.drivername in ("postgresql", "postgresql+psycopg2"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _unproxy(app: Celery) -> Celery:
+    """`celery.current_app` is a proxy; the registry is keyed by the real app object."""
+    get = getattr(app, "_get_current_object", None)
+    return get() if callable(get) else app
+
+
+class FanIn:
+    """The celery-fanin extension of one Celery app.
+
+    ``FanIn(app)`` wires the app's producers and workers; calling it again for the same app returns the same
+    object. The engine is created lazily and again in every forked process, since connections must not cross fork.
+    """
+
+    app: Celery
+    _engine: Engine | None
+    _engine_pid: int | None
+    _engine_lock: threading.Lock
+
+    def __new__(cls, app: Celery) -> FanIn:
+        app = _unproxy(app)
+        with _REGISTRY_LOCK:
+            existing = _REGISTRY.get(app)
+            if existing is not None:
+                return existing
+            self = super().__new__(cls)
+            self.app = app
+            self._engine = None
+            self._engine_pid = None
+            self._engine_lock = threading.Lock()
+            _REGISTRY[app] = self
+        from . import hooks  # the hooks import this module
+
+        hooks.install(app)
+        return self
+
+    def __init__(self, app: Celery) -> None:  # all the work is in __new__, which runs once per app
+        pass
+
+    @classmethod
+    def of(cls, app: Celery) -> FanIn:
+        """The extension wired into `app`; a clear error if `FanIn(app)` was never called."""
+        app = _unproxy(app)
+        found = _REGISTRY.get(app)
+        if found is None:
+            raise FanInNotConfigured(f"celery-fanin is not enabled for app {app.main!r}: call FanIn(app) first")
+        return found
+
+    @classmethod
+    def find(cls, app: Celery) -> FanIn | None:
+        return _REGISTRY.get(_unproxy(app))
+
+    @property
+    def settings(self) -> Settings:  # type: ignore[override]
+        # Read on use, not at FanIn(app): apps are often configured after the extension is created.
+        return Settings.from_conf(self.app.conf)
+
+    @property
+    def database_url(self) -> str:
+        url = self.settings.database_url
+        if not url:
+            raise FanInNotConfigured(
+                "no database configured: set app.conf.fanin_database_url or the FANIN_DATABASE_URL environment "
+                "variable (for example postgresql+psycopg://user@127.0.0.1/dbname)"
+            )
+        return normalise_database_url(url)
+
+    @property
+    def engine(self) -> Engine:
+        pid = os.getpid()
+        if self._engine is None or self._engine_pid != pid:
+            with self._engine_lock:
+                if self._engine is None or self._engine_pid != pid:
+                    if self._engine is not None:
+                        # Inherited across fork: drop the parent's connections without closing its sockets.
+                        self._engine.dispose(close=False)
+                    self._engine = create_engine(
+                        self.database_url,
+                        pool_size=self.settings.pool_size,
+                        pool_pre_ping=True,
+                        isolation_level="READ COMMITTED",
+                    )
+                    self._engine_pid = pid
+        return self._engine
+
+    def dispose(self) -> None:
+        with self._engine_lock:
+            if self._engine is not None:
+                self._engine.dispose()
+            self._engine = None
+            self._engine_pid = None
+
+    def migrate(self) -> list[str]:
+        """Create or upgrade the schema; returns the names of the migrations applied."""
+        from .store import migrate
+
+        return [f"{m.version:04d}_{m.name}" for m in migrate.migrate(self.engine)]

@@ -1,0 +1,108 @@
+"""`BatchOutcome`: what a successor receives, and child results streamed from the store."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery, current_app
+from sqlalchemy import Connection
+
+from .extension import FanIn
+from .publish import decode_result
+from .store import queries
+
+
+def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int) -> dict[str, Any]:
+    """The JSON-serialisable mapping a successor gets as its first argument.
+
+    Built when the successor is published, after the transaction that saw zero committed, so every child's
+    terminal row is visible. Failures are listed up to `failures_limit`; the full list stays in Postgres.
+    """
+    listed = queries.failures(conn, batch.id, limit=failures_limit + 1)
+    return {
+        "batch_id": str(batch.id),
+        "step": batch.step,
+        "state": batch.state,
+        "planned": batch.planned,
+        "succeeded": batch.succeeded,
+        "failed": batch.failed,
+        "failures": listed[:failures_limit],
+        "failures_truncated": len(listed) > failures_limit,
+    }
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    index: int
+    task_id: str
+    state: str
+    value: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "succeeded"
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """A successor's view of its batch: counts, the listed failures, and every child's result on demand."""
+
+    batch_id: str
+    step: str
+    planned: int
+    succeeded: int
+    failed: int
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures_truncated: bool = False
+    state: str = "complete"
+    app: Celery | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_message(cls, outcome: Mapping[str, Any], app: Celery | None = None) -> BatchOutcome:
+        try:
+            return cls(
+                batch_id=str(outcome["batch_id"]),
+                step=str(outcome["step"]),
+                planned=int(outcome["planned"]),
+                succeeded=int(outcome["succeeded"]),
+                failed=int(outcome["failed"]),
+                failures=list(outcome.get("failures") or []),
+                failures_truncated=bool(outcome.get("failures_truncated", False)),
+                state=str(outcome.get("state", "complete")),
+                app=app,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a celery-fanin outcome: {exc!r}") from exc
+
+    @property
+    def ok(self) -> bool:
+        """True when every child succeeded."""
+        return self.failed == 0 and self.succeeded == self.planned
+
+    def _app(self) -> Celery:
+        return self.app or current_app
+
+    def results(self, fetch_size: int = 1000) -> Iterator[ChildResult]:
+        """Every child's terminal state and return value, in child order, streamed from Postgres.
+
+        Values were stored with the app's result serializer by the worker that ran the child, so no Celery
+        result backend is involved. Failed children yield `value=None`.
+        """
+        app = self._app()
+        engine = FanIn.of(app).engine
+        for idx, task_id, state, encoded in queries.child_results(engine, uuid.UUID(self.batch_id), fetch_size):
+            value = decode_result(app, encoded) if encoded is not None else None
+            yield ChildResult(idx, task_id, state, value)
+
+    def values(self) -> Iterator[Any]:
+        """The return values of the children that succeeded, in child order."""
+        return (r.value for r in self.results() if r.ok)
+
+    def all_failures(self) -> list[dict[str, Any]]:
+        """Every failed child, read from Postgres (the message lists at most `fanin_outcome_failures_limit`)."""
+        engine = FanIn.of(self._app()).engine
+        with engine.connect() as conn:
+            return queries.failures(conn, uuid.UUID(self.batch_id))

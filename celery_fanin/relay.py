@@ -1,0 +1,126 @@
+"""The relay sidecar: publishes outbox rows (successors) and children whose producer died before publishing.
+
+It wakes on NOTIFY (sent only by the rare transaction that creates a successor) and also polls, because
+notifications sent while no listener is connected are lost. Database and broker outages are retried with
+backoff; SIGTERM and SIGINT finish the current round and stop. Several relays side by side are safe: the outbox
+claim skips rows another relay holds, and a batch's children are published under its advisory lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+from . import dispatch
+from .extension import FanIn
+
+logger = logging.getLogger("celery_fanin.relay")
+
+CHANNEL = "fanin_outbox"
+
+
+@dataclass
+class RelayStats:
+    successors_published: int = 0
+    children_published: int = 0
+    rounds: int = 0
+    errors: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+def _psycopg_conninfo(sqlalchemy_url: str) -> str:
+    url = make_url(sqlalchemy_url).set(drivername="postgresql")
+    return url.render_as_string(hide_password=False)
+
+
+class Relay:
+    """One relay loop. `run()` blocks until `stop()` (or SIGTERM/SIGINT when `install_signal_handlers`)."""
+
+    def __init__(self, fanin: FanIn, poll_interval: float | None = None, max_backoff: float = 30.0) -> None:
+        self.fanin = fanin
+        self.poll_interval = poll_interval if poll_interval is not None else fanin.settings.relay_poll_interval
+        self.max_backoff = max_backoff
+        self.stats = RelayStats()
+        self._stop = threading.Event()
+        self._listener: psycopg.Connection[tuple[object, ...]] | None = None
+
+    def stop(self, *_: object) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            logger.info("relay received signal %d, stopping", signum)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> RelayStats:
+        backoff = 0.5
+        logger.info("relay started (poll every %.1fs)", self.poll_interval)
+        while not self._stop.is_set():
+            try:
+                self._ensure_listener()
+                self.run_once()
+                backoff = 0.5
+                self._wait()
+            except Exception:
+                self.stats.errors += 1
+                logger.exception("relay round failed; retrying in %.1fs", backoff)
+                self._close_listener()
+                self._stop.wait(backoff)
+                backoff = min(self.max_backoff, backoff * 2)
+        self._close_listener()
+        logger.info("relay stopped: %s", self.stats)
+        return self.stats
+
+    def run_once(self) -> int:
+        """One round: drain the outbox, then finish any orphaned children. Returns messages published."""
+        published = 0
+        while not self._stop.is_set():
+            n = dispatch.publish_outbox(self.fanin)
+            published += n
+            self.stats.successors_published += n
+            if n < self.fanin.settings.relay_batch_size:
+                break
+        children = dispatch.publish_orphaned_children(self.fanin)
+        self.stats.children_published += children
+        self.stats.rounds += 1
+        return published + children
+
+    def _ensure_listener(self) -> None:
+        if self._listener is not None and not self._listener.closed:
+            return
+        conn = psycopg.connect(_psycopg_conninfo(self.fanin.database_url), autocommit=True)
+        conn.execute(f"LISTEN {CHANNEL}")  # a constant, never input
+        self._listener = conn
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(Exception):  # closing a broken connection may raise; it is gone either way
+                self._listener.close()
+        self._listener = None
+
+    def _wait(self) -> None:
+        """Sleep until a NOTIFY arrives or the poll interval passes, returning early on stop."""
+        assert self._listener is not None
+        deadline = time.monotonic() + self.poll_interval
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            # Short slices so that stop() is honoured promptly.
+            for _ in self._listener.notifies(timeout=min(remaining, 0.25), stop_after=1):
+                return

@@ -1,0 +1,319 @@
+"""The transactions that carry celery-fanin's guarantees.
+
+Every function takes an open SQLAlchemy `Connection`; the caller owns the transaction (``engine.begin()``), so a
+reviewer can see each guarantee's boundary at its call site. All of them must run at READ COMMITTED: the conditional
+decrement relies on a waiting UPDATE re-checking its WHERE clause against the row version that made it wait.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, text
+
+# Terminal states a child can end in; `succeeded` counts as a success, every other one as a failure.
+CHILD_TERMINAL_STATES = frozenset(
+    {"succeeded", "failed", "time_limit", "worker_lost", "revoked", "rejected", "unknown"}
+)
+CHILD_PENDING = "pending"
+# Successor states after which `wait()` returns.
+SUCCESSOR_FINAL_STATES = frozenset({"succeeded", "failed", "revoked"})
+
+# The namespace of the per-batch advisory lock a producer holds while it publishes its children (two-int form,
+# which does not overlap the single-bigint key space used by migrations).
+_PUBLISH_LOCK_CLASS = 0x66616E69  # "fani"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A value encoded with one of kombu's serializers, as stored in a bytea column."""
+
+    content_type: str
+    content_encoding: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class NewChild:
+    task_id: str
+    task_name: str
+    message: Encoded
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    id: uuid.UUID
+    step: str
+    successor_task_id: str
+    successor_name: str
+    successor_message: Encoded
+
+
+@dataclass(frozen=True)
+class TerminalRecord:
+    """What `record_terminal` did: whether this report was the one that counted, and what it left."""
+
+    counted: bool
+    remaining: int | None
+    successor_created: bool
+
+
+def create_batch(conn: Connection, batch: NewBatch, children: Sequence[NewChild]) -> int | None:
+    """Write the batch, its planned count and every child in one transaction, before anything is published.
+
+    Invariant: `remaining = planned = len(children)` is committed together with exactly those child rows, so no
+    child can finish before its counter exists and the counter never exceeds the children created. An empty batch
+    is complete at once: its successor and outbox row are written in the same transaction. Returns that outbox
+    row's id, or None.
+    """
+    planned = len(children)
+    conn.execute(
+        text(
+            """
+            INSERT INTO fanin_batches (id, step, state, planned, remaining, successor_task_id, successor_name,
+                                       successor_message, successor_content_type, successor_content_encoding,
+                                       completed_at)
+            VALUES (:id, :step, CASE WHEN :planned = 0 THEN 'complete' ELSE 'running' END, :planned, :planned,
+                    :stid, :sname, :smsg, :sct, :sce, CASE WHEN :planned = 0 THEN now() END)
+            """
+        ),
+        {
+            "id": batch.id,
+            "step": batch.step,
+            "planned": planned,
+            "stid": batch.successor_task_id,
+            "sname": batch.successor_name,
+            "smsg": batch.successor_message.body,
+            "sct": batch.successor_message.content_type,
+            "sce": batch.successor_message.content_encoding,
+        },
+    )
+    if children:
+        # One statement for all children: arrays unnested server-side are about twice as fast as multi-row VALUES.
+        conn.execute(
+            text(
+                """
+                INSERT INTO fanin_children (task_id, batch_id, idx, task_name, message, content_type,
+                                            content_encoding)
+                SELECT t.task_id, :batch_id, t.ord - 1, t.task_name, t.message, t.ct, t.ce
+                  FROM unnest(CAST(:task_ids AS text[]), CAST(:names AS text[]), CAST(:messages AS bytea[]),
+                              CAST(:cts AS text[]), CAST(:ces AS text[]))
+                       WITH ORDINALITY AS t(task_id, task_name, message, ct, ce, ord)
+                """
+            ),
+            {
+                "batch_id": batch.id,
+                "task_ids": [c.task_id for c in children],
+                "names": [c.task_name for c in children],
+                "messages": [c.message.body for c in children],
+                "cts": [c.message.content_type for c in children],
+                "ces": [c.message.content_encoding for c in children],
+            },
+        )
+        return None
+    return _insert_successor(conn, batch.id)
+
+
+def _insert_successor(conn: Connection, batch_id: uuid.UUID) -> int | None:
+    row = conn.execute(
+        text(
+            """
+            WITH succ AS (
+                INSERT INTO fanin_successors (batch_id, step, task_id)
+                SELECT id, step, successor_task_id FROM fanin_batches WHERE id = :id
+                ON CONFLICT (batch_id, step) DO NOTHING
+                RETURNING batch_id, step
+            ), out AS (
+                INSERT INTO fanin_outbox (batch_id, step) SELECT batch_id, step FROM succ RETURNING id
+            )
+            SELECT id, pg_notify('fanin_outbox', id::text) FROM out
+            """
+        ),
+        {"id": batch_id},
+    ).first()
+    return None if row is None else int(row[0])
+
+
+# The one statement a child's terminal report costs: a conditional child transition and, only if it happened, the
+# conditional decrement; the report that takes `remaining` to zero also inserts the successor (unique on
+# (batch_id, step)) and its outbox row, and is the only one that NOTIFYs the relay.
+_RECORD_TERMINAL = text(
+    """
+    WITH child AS (
+        UPDATE fanin_children
+           SET state = :state, finished_at = now(),
+               result = :result, result_content_type = :rct, result_content_encoding = :rce,
+               exc_type = :exc_type, exc_message = :exc_message
+         WHERE task_id = :task_id AND state = 'pending'
+     RETURNING batch_id
+    ), batch AS (
+        UPDATE fanin_batches b
+           SET remaining = b.remaining - 1,
+               succeeded = b.succeeded + CAST(:ok AS integer),
+               failed = b.failed + 1 - CAST(:ok AS integer),
+               state = CASE WHEN b.remaining = 1 THEN 'complete' ELSE b.state END,
+               completed_at = CASE WHEN b.remaining = 1 THEN now() ELSE b.completed_at END
+          FROM child
+         WHERE b.id = child.batch_id AND b.remaining > 0
+     RETURNING b.id, b.step, b.successor_task_id, b.remaining
+    ), succ AS (
+        INSERT INTO fanin_successors (batch_id, step, task_id)
+        SELECT id, step, successor_task_id FROM batch WHERE remaining = 0
+        ON CONFLICT (batch_id, step) DO NOTHING
+     RETURNING batch_id, step
+    ), out AS (
+        INSERT INTO fanin_outbox (batch_id, step) SELECT batch_id, step FROM succ RETURNING id
+    )
+    SELECT (SELECT count(*) FROM child) AS counted,
+           (SELECT remaining FROM batch) AS remaining,
+           (SELECT count(pg_notify('fanin_outbox', id::text)) FROM out) AS created
+    """
+)
+
+
+def record_terminal(
+    conn: Connection,
+    task_id: str,
+    state: str,
+    *,
+    result: Encoded | None = None,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> TerminalRecord:
+    """Count one child's terminal outcome, at most once however often it is reported.
+
+    Invariant: a child row moves from `pending` to a terminal state at most once (a concurrent or repeated report
+    finds it terminal and changes nothing); `remaining` is decremented only by the report that made that move and
+    never below zero; exactly one transaction sees it reach zero, and that one inserts the successor.
+    """
+    if state not in CHILD_TERMINAL_STATES:
+        raise ValueError(f"not a terminal child state: {state!r}")
+    row = conn.execute(
+        _RECORD_TERMINAL,
+        {
+            "task_id": task_id,
+            "state": state,
+            "ok": state == "succeeded",
+            "result": result.body if result else None,
+            "rct": result.content_type if result else None,
+            "rce": result.content_encoding if result else None,
+            "exc_type": exc_type,
+            "exc_message": exc_message,
+        },
+    ).one()
+    return TerminalRecord(counted=bool(row.counted), remaining=row.remaining, successor_created=bool(row.created))
+
+
+def _lock_key(batch_id: uuid.UUID) -> dict[str, object]:
+    return {"cls": _PUBLISH_LOCK_CLASS, "id": str(batch_id)}
+
+
+def hold_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
+    """Take the session-level lock that says "this batch's children are being published by a live process".
+
+    Taken inside the creating transaction, it outlives the commit; it is released by `release_publish_lock` or by
+    the connection closing when the producer dies, which is how the relay knows the producer is gone.
+    """
+    conn.execute(
+        text("SELECT pg_advisory_lock(:cls, hashtext(:id))"), {"cls": _PUBLISH_LOCK_CLASS, "id": str(batch_id)}
+    )
+
+
+def try_publish_lock(conn: Connection, batch_id: uuid.UUID) -> bool:
+    return bool(
+        conn.execute(text("SELECT pg_try_advisory_lock(:cls, hashtext(:id))"), _lock_key(batch_id)).scalar_one()
+    )
+
+
+def release_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
+    conn.execute(
+        text("SELECT pg_advisory_unlock(:cls, hashtext(:id))"), {"cls": _PUBLISH_LOCK_CLASS, "id": str(batch_id)}
+    )
+
+
+def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int) -> None:
+    """Record that children with idx < upto are on the broker (monotonic: never moves back)."""
+    conn.execute(
+        text("UPDATE fanin_batches SET published_upto = :upto WHERE id = :id AND published_upto < :upto"),
+        {"id": batch_id, "upto": upto},
+    )
+
+
+def unpublished_batches(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
+    """Batches some of whose children may never have reached the broker (their producer died or is publishing)."""
+    rows = conn.execute(
+        text("SELECT id FROM fanin_batches WHERE published_upto < planned ORDER BY created_at LIMIT :n"), {"n": limit}
+    )
+    return [r[0] for r in rows]
+
+
+def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[tuple[int, str, Encoded]]:
+    """The next children of a batch not yet known to be published, in index order, with their stored messages."""
+    rows = conn.execute(
+        text(
+            """
+            SELECT c.idx, c.task_id, c.message, c.content_type, c.content_encoding
+              FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id
+             WHERE c.batch_id = :id AND c.idx >= b.published_upto
+             ORDER BY c.idx LIMIT :n
+            """
+        ),
+        {"id": batch_id, "n": limit},
+    )
+    return [(r.idx, r.task_id, Encoded(r.content_type, r.content_encoding, bytes(r.message))) for r in rows]
+
+
+# --- the successor's own lifecycle -------------------------------------------------------------------------------
+
+
+def claim_successor_run(conn: Connection, batch_id: uuid.UUID, step: str, retries: int) -> bool:
+    """Let exactly one delivery of a successor run its body (per attempt); refuse and count any other.
+
+    A first delivery finds the successor `pending` or `sent`; a Celery retry of it finds `retrying` with fewer runs
+    than its retry number + 1. Anything else (already running, finished, or a second copy of the same attempt) is a
+    duplicate: the caller must not run the body.
+    """
+    row = conn.execute(
+        text(
+            """
+            UPDATE fanin_successors
+               SET state = 'running', runs = runs + 1, started_at = coalesce(started_at, now())
+             WHERE batch_id = :id AND step = :step
+               AND (state IN ('pending', 'sent') OR (state = 'retrying' AND runs <= :retries))
+         RETURNING runs
+            """
+        ),
+        {"id": batch_id, "step": step, "retries": retries},
+    ).first()
+    if row is not None:
+        return True
+    conn.execute(
+        text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
+        {"id": batch_id, "step": step},
+    )
+    return False
+
+
+def record_successor_state(
+    conn: Connection,
+    batch_id: uuid.UUID,
+    step: str,
+    state: str,
+    *,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> None:
+    """Move the successor to `retrying` or a final state; a final state is never left again."""
+    conn.execute(
+        text(
+            """
+            UPDATE fanin_successors
+               SET state = :state, exc_type = :exc_type, exc_message = :exc_message,
+                   finished_at = CASE WHEN :state = 'retrying' THEN NULL ELSE now() END
+             WHERE batch_id = :id AND step = :step AND state NOT IN ('succeeded', 'failed', 'revoked')
+            """
+        ),
+        {"id": batch_id, "step": step, "state": state, "exc_type": exc_type, "exc_message": exc_message},
+    )

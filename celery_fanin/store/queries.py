@@ -1,0 +1,128 @@
+"""Read-only statements: batch status, the successor's outcome, child results, failures."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, text
+
+from .batches import Encoded
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    id: uuid.UUID
+    step: str
+    state: str
+    planned: int
+    remaining: int
+    succeeded: int
+    failed: int
+    published_upto: int
+    successor_task_id: str
+    successor_name: str
+    successor_message: Encoded
+    created_at: datetime
+    completed_at: datetime | None
+
+
+@dataclass(frozen=True)
+class SuccessorRow:
+    task_id: str
+    state: str
+    runs: int
+    duplicates: int
+    exc_type: str | None
+    exc_message: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
+    r = conn.execute(
+        text(
+            """
+            SELECT id, step, state, planned, remaining, succeeded, failed, published_upto, successor_task_id,
+                   successor_name, successor_message, successor_content_type, successor_content_encoding,
+                   created_at, completed_at
+              FROM fanin_batches WHERE id = :id
+            """
+        ),
+        {"id": batch_id},
+    ).first()
+    if r is None:
+        return None
+    return BatchRow(
+        r.id, r.step, r.state, r.planned, r.remaining, r.succeeded, r.failed, r.published_upto,
+        r.successor_task_id, r.successor_name,
+        Encoded(r.successor_content_type, r.successor_content_encoding, bytes(r.successor_message)),
+        r.created_at, r.completed_at,
+    )  # fmt: skip
+
+
+def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow | None:
+    r = conn.execute(
+        text(
+            """
+            SELECT task_id, state, runs, duplicates, exc_type, exc_message, started_at, finished_at
+              FROM fanin_successors WHERE batch_id = :id AND step = :step
+            """
+        ),
+        {"id": batch_id, "step": step},
+    ).first()
+    if r is None:
+        return None
+    return SuccessorRow(r.task_id, r.state, r.runs, r.duplicates, r.exc_type, r.exc_message, r.started_at,
+                        r.finished_at)  # fmt: skip
+
+
+def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) -> list[dict[str, Any]]:
+    """Failed children in child order: index, task id, task name, terminal state, exception type and message."""
+    rows = conn.execute(
+        text(
+            """
+            SELECT idx, task_id, task_name, state, exc_type, exc_message FROM fanin_children
+             WHERE batch_id = :id AND state NOT IN ('pending', 'succeeded')
+             ORDER BY idx LIMIT :n
+            """
+        ),
+        {"id": batch_id, "n": limit},
+    )
+    return [
+        {
+            "index": r.idx,
+            "task_id": r.task_id,
+            "task_name": r.task_name,
+            "state": r.state,
+            "exc_type": r.exc_type,
+            "exc_message": r.exc_message,
+        }
+        for r in rows
+    ]
+
+
+def child_results(
+    engine: Engine, batch_id: uuid.UUID, fetch_size: int = 1000
+) -> Iterator[tuple[int, str, str, Encoded | None]]:
+    """Every child's (index, task id, state, encoded result), in child order, streamed with a server-side cursor."""
+    with engine.connect() as conn:
+        rows = conn.execution_options(stream_results=True, yield_per=fetch_size).execute(
+            text(
+                """
+                SELECT idx, task_id, state, result, result_content_type, result_content_encoding
+                  FROM fanin_children WHERE batch_id = :id ORDER BY idx
+                """
+            ),
+            {"id": batch_id},
+        )
+        for r in rows:
+            encoded = (
+                Encoded(r.result_content_type, r.result_content_encoding, bytes(r.result))
+                if r.result is not None
+                else None
+            )
+            yield r.idx, r.task_id, r.state, encoded
