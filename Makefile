@@ -24,6 +24,6 @@ test: install
 	$(BIN)/python -m pytest
 
 lint: install
-	$(BIN)/ruff check celery_fanin tests example_app bench
-	$(BIN)/ruff format --check celery_fanin tests example_app bench
+	$(BIN)/ruff check celery_fanin tests example_app
+	$(BIN)/ruff format --check celery_fanin tests example_app
 	$(BIN)/mypy
