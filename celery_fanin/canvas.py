@@ -104,10 +104,17 @@ def _parse_batch_id(batch_id: str | uuid.UUID) -> uuid.UUID:
 class FanInResult:
     """The handle `apply_async` returns. Holds no worker and no connection; every call reads the store."""
 
-    def __init__(self, app: Celery, batch_id: str, successor_task_id: str) -> None:
+    def __init__(self, app: Celery, batch_id: str, successor_task_id: str | None = None) -> None:
+        """A handle on an existing batch; `FanInResult(app, batch_id)` rebuilds one from a stored id."""
         self.app = app
-        self.batch_id = batch_id
-        self.successor_task_id = successor_task_id
+        self.batch_id = str(_parse_batch_id(batch_id))
+        self._successor_task_id = successor_task_id
+
+    @property
+    def successor_task_id(self) -> str:
+        if self._successor_task_id is None:
+            self._successor_task_id = self.status().successor_task_id
+        return self._successor_task_id
 
     @property
     def id(self) -> str:

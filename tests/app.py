@@ -1,0 +1,128 @@
+"""The Celery app that the end-to-end tests run in real `celery worker` subprocesses.
+
+Configuration comes from the environment the tests give each subprocess. The successor task `record_run`
+writes every run of its body to `e2e_successor_runs`, so "the successor ran exactly once" is what the successor
+itself recorded, not something inferred from counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import psycopg
+import redis
+from celery import Celery
+from celery.exceptions import Reject
+
+from celery_fanin import BatchOutcome, FanIn
+
+BROKER_URL = os.environ.get("FANIN_TEST_BROKER", "redis://127.0.0.1:6379/15")
+
+app = Celery("tests.app", broker=BROKER_URL)
+app.conf.update(
+    fanin_database_url=os.environ.get("FANIN_DATABASE_URL"),
+    fanin_relay_poll_interval=0.2,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    task_acks_late=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
+    task_reject_on_worker_lost=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
+    worker_hijack_root_logger=False,
+)
+FanIn(app)
+
+RUNS_TABLE_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_successor_runs (
+    id serial PRIMARY KEY,
+    batch_id text NOT NULL,
+    label text NOT NULL,
+    outcome jsonb NOT NULL,
+    values jsonb,
+    ran_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+def _db() -> psycopg.Connection:
+    url = os.environ["FANIN_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+    return psycopg.connect(url, autocommit=True)
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(BROKER_URL)
+
+
+@app.task
+def ok(i: int) -> int:
+    return i * 10
+
+
+@app.task
+def fail(i: int) -> None:
+    raise ValueError(f"child {i} failed on purpose")
+
+
+@app.task(bind=True, autoretry_for=(ConnectionError,), max_retries=3, default_retry_delay=0.1, retry_jitter=False)
+def flaky(self: Any, i: int, fail_times: int) -> int:
+    """Fails `fail_times` attempts with a retryable error, then succeeds (or fails for good past max_retries)."""
+    attempts = _redis().incr(f"e2e:flaky:{self.request.id}")
+    if attempts <= fail_times:
+        raise ConnectionError(f"transient failure {attempts} of child {i}")
+    return i
+
+
+@app.task(bind=True, max_retries=2)
+def always_retry(self: Any, i: int) -> None:
+    raise self.retry(countdown=0.1)
+
+
+@app.task
+def sleepy(seconds: float) -> float:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seconds
+
+
+@app.task
+def die(i: int) -> None:
+    """Kill the pool process running this task, as the OOM killer would."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task
+def die_once(i: int) -> int:
+    """SIGKILL the pool process on the first delivery only; a redelivered message succeeds."""
+    if _redis().incr(f"e2e:die_once:{i}") == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
+@app.task
+def reject(i: int) -> None:
+    raise Reject(f"child {i} rejected", requeue=False)
+
+
+@app.task
+def record_run(outcome: dict[str, Any], label: str, with_values: bool = False) -> dict[str, Any]:
+    """The successor: records that its body ran, with the outcome it received."""
+    values = list(BatchOutcome.from_message(outcome, app=app).values()) if with_values else None
+    with _db() as conn:
+        conn.execute(
+            "INSERT INTO e2e_successor_runs (batch_id, label, outcome, values) VALUES (%s, %s, %s, %s)",
+            (outcome["batch_id"], label, json.dumps(outcome), json.dumps(values)),
+        )
+    return {"label": label, "succeeded": outcome["succeeded"], "failed": outcome["failed"]}
+
+
+@app.task
+def failing_successor(outcome: dict[str, Any], label: str) -> None:
+    with _db() as conn:
+        conn.execute(
+            "INSERT INTO e2e_successor_runs (batch_id, label, outcome) VALUES (%s, %s, %s)",
+            (outcome["batch_id"], label, json.dumps(outcome)),
+        )
+    raise RuntimeError("the successor failed on purpose")

@@ -1,0 +1,90 @@
+"""Fixtures that start real worker and relay subprocesses against the session database and the test broker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.workers import CeleryProcess, start_relay, start_worker
+
+
+@pytest.fixture
+def e2e_env(clean_db: str, clean_redis: str) -> dict[str, str]:
+    with psycopg.connect(clean_db, autocommit=True) as conn:
+        from tests.app import RUNS_TABLE_DDL
+
+        conn.execute(RUNS_TABLE_DDL)
+        conn.execute("TRUNCATE e2e_successor_runs")
+    return {"FANIN_DATABASE_URL": clean_db, "FANIN_TEST_BROKER": clean_redis}
+
+
+@pytest.fixture
+def processes(e2e_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[_Processes]:
+    procs = _Processes(e2e_env, tmp_path)
+    yield procs
+    failed = getattr(request.node, "rep_call", None)
+    procs.stop_all(dump=bool(failed and failed.failed))
+
+
+class _Processes:
+    """Starts workers and relays for one test and stops them all afterwards (dumping logs if the test failed)."""
+
+    def __init__(self, env: dict[str, str], tmp_path: Path) -> None:
+        self.env = env
+        self.tmp_path = tmp_path
+        self.started: list[CeleryProcess] = []
+
+    def worker(self, extra_env: dict[str, str] | None = None, **kwargs: Any) -> CeleryProcess:
+        n = len(self.started)
+        proc = start_worker({**self.env, **(extra_env or {})}, self.tmp_path / f"worker{n}.log", **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def relay(self) -> CeleryProcess:
+        proc = start_relay(self.env, self.tmp_path / f"relay{len(self.started)}.log")
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self, dump: bool = False) -> None:
+        for proc in self.started:
+            proc.stop()
+            if dump:
+                print(f"===== {proc.log.name} =====\n{proc.output()[-6000:]}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item.rep_call = rep  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def successor_runs(e2e_env: dict[str, str]) -> Callable[[str], list[dict[str, Any]]]:
+    """The runs the successor body itself recorded for a batch."""
+
+    def runs(batch_id: str) -> list[dict[str, Any]]:
+        with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT label, outcome, values FROM e2e_successor_runs WHERE batch_id = %s ORDER BY id", (batch_id,)
+            ).fetchall()
+        return [{"label": r[0], "outcome": r[1], "values": r[2]} for r in rows]
+
+    return runs
+
+
+@pytest.fixture
+def producer(e2e_env: dict[str, str]) -> Any:
+    """`tests.app.app` in this process, pointed at the test database and broker, for calling apply_async."""
+    from celery_fanin import FanIn
+    from tests.app import app
+
+    app.conf.fanin_database_url = e2e_env["FANIN_DATABASE_URL"]
+    app.conf.broker_url = e2e_env["FANIN_TEST_BROKER"]
+    yield app
+    FanIn.of(app).dispose()

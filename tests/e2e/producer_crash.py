@@ -1,0 +1,43 @@
+"""A producer that dies by SIGKILL after its batch is committed, before or while publishing the children.
+
+Run as `python -m tests.e2e.producer_crash N_CHILDREN KILL_ON_CHUNK`: prints the batch id, then kills itself on the
+KILL_ON_CHUNK-th chunk (1 = before publishing anything). Fault injection for the relay's recovery test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from celery_fanin import canvas, fan_in_group, publish
+from tests import app as tasks
+
+
+def main() -> None:
+    n, kill_on = int(sys.argv[1]), int(sys.argv[2])
+    tasks.app.conf.fanin_chunk_size = 10
+    calls = {"n": 0}
+    real = publish.publish_children
+
+    def crashing(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == kill_on:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(*args, **kwargs)
+
+    canvas.publish.publish_children = crashing  # type: ignore[method-assign]
+    original_create = canvas.batches.create_batch
+
+    def create_and_announce(conn: Any, batch: Any, children: Any) -> Any:
+        print(batch.id, flush=True)
+        return original_create(conn, batch, children)
+
+    canvas.batches.create_batch = create_and_announce  # type: ignore[assignment]
+    fan_in_group([tasks.ok.s(i) for i in range(n)], then=tasks.record_run.s("crash")).apply_async()
+    print("producer was not killed", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Recovery from a dead producer, a stopped relay, two relays at once, and a successor delivered twice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from celery_fanin import FanIn, FanInResult, fan_in_group
+from celery_fanin.relay import Relay
+from tests import app as tasks
+from tests.workers import ROOT, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+
+Runs = Callable[[str], list[dict[str, Any]]]
+
+
+@pytest.mark.parametrize("kill_on_chunk", [1, 3], ids=["before-publishing", "mid-publishing"])
+def test_producer_killed_after_commit_relay_finishes(
+    e2e_env: dict[str, str], producer: Any, processes: Any, successor_runs: Runs, kill_on_chunk: int
+) -> None:
+    processes.worker()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.producer_crash", "35", str(kill_on_chunk)],
+        cwd=ROOT, env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    batch_id = proc.stdout.split()[0]
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        planned, published = conn.execute(
+            "SELECT planned, published_upto FROM fanin_batches WHERE id = %s", (batch_id,)
+        ).fetchone()  # type: ignore[misc]
+    assert (planned, published) == (35, (kill_on_chunk - 1) * 10)
+    processes.relay()
+    result = FanInResult(producer, batch_id)
+    status = result.wait(timeout=60)
+    assert (status.planned, status.succeeded, status.failed, status.published) == (35, 35, 0, 35)
+    runs = successor_runs(batch_id)
+    assert len(runs) == 1 and runs[0]["outcome"]["succeeded"] == 35
+
+
+def test_relay_stopped_while_batches_complete_then_started(producer: Any, processes: Any, successor_runs: Runs) -> None:
+    processes.worker()
+    handles = [fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s(f"b{k}")).apply_async()
+               for k in range(5)]  # fmt: skip
+    for h in handles:
+        wait_for(lambda h=h: h.status().state == "complete", 30, message=f"batch {h.batch_id} complete")
+    # No relay: every successor waits in the outbox and nothing ran.
+    assert all(h.status().successor_state == "pending" for h in handles)
+    assert all(successor_runs(h.batch_id) == [] for h in handles)
+    processes.relay()
+    for h in handles:
+        assert h.wait(timeout=30).successor_state == "succeeded"
+        assert len(successor_runs(h.batch_id)) == 1
+
+
+def test_two_relays_publish_each_successor_once(producer: Any, processes: Any, successor_runs: Runs) -> None:
+    processes.worker()
+    processes.relay()
+    processes.relay()
+    handles = [fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s(f"r{k}")).apply_async()
+               for k in range(30)]  # fmt: skip
+    for h in handles:
+        status = h.wait(timeout=60)
+        assert status.successor_state == "succeeded"
+        assert status.successor_duplicates == 0
+        assert len(successor_runs(h.batch_id)) == 1
+
+
+def test_successor_delivered_twice_runs_once(producer: Any, processes: Any, successor_runs: Runs) -> None:
+    processes.worker()
+    handle = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("twice")).apply_async()
+    fanin = FanIn.of(producer)
+    wait_for(lambda: handle.status().state == "complete", 30, message="batch complete")
+    relay = Relay(fanin)
+    assert relay.run_once() == 1
+    assert handle.wait(timeout=30).successor_state == "succeeded"
+    # As if the relay had died after publishing but before marking the row sent: the row goes out again.
+    with fanin.engine.begin() as conn:
+        conn.execute(text("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b"), {"b": handle.batch_id})
+    assert relay.run_once() == 1
+    wait_for(lambda: handle.status().successor_duplicates == 1, 30, message="the duplicate to be refused")
+    status = handle.status()
+    assert status.successor_runs == 1 and status.successor_state == "succeeded"
+    assert len(successor_runs(handle.batch_id)) == 1

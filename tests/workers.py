@@ -1,0 +1,99 @@
+"""Real processes for the end-to-end tests: `celery worker` (prefork) and `celery fanin relay` subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T], timeout: float, interval: float = 0.05, message: str = "condition") -> T:
+    """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+class CeleryProcess:
+    """A `celery -A tests.app ...` subprocess with its output captured in a log file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, ready_marker: str | None) -> None:
+        self.log = log
+        self.ready_marker = ready_marker
+        full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        self._log_file = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.app", *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        if self.ready_marker is None:
+            return
+        marker = self.ready_marker
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"process exited early ({self.proc.returncode}):\n{self.output()[-3000:]}")
+            return marker in self.output()
+
+        wait_for(ready, timeout, 0.1, f"{marker!r} in {self.log.name}")
+
+    def pool_pids(self) -> list[int]:
+        """The prefork pool processes (children of the worker's main process)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def stop(self, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log_file.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (main process and pool), as a crashed host would lose them."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def start_worker(env: dict[str, str], log: Path, concurrency: int = 2, extra: list[str] | None = None) -> CeleryProcess:
+    worker = CeleryProcess(
+        ["worker", "-P", "prefork", "-c", str(concurrency), "-l", "INFO", "--without-gossip", "--without-mingle",
+         "--without-heartbeat", "-n", f"e2e-{os.getpid()}-{time.monotonic_ns()}@%h", *(extra or [])],
+        env, log, ready_marker="ready.",
+    )  # fmt: skip
+    worker.wait_ready()
+    return worker
+
+
+def start_relay(env: dict[str, str], log: Path) -> CeleryProcess:
+    relay = CeleryProcess(["fanin", "relay", "--poll-interval", "0.2"], env, log, ready_marker="relay started")
+    relay.wait_ready()
+    return relay
