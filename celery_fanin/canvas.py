@@ -24,7 +24,7 @@ from kombu.exceptions import EncodeError
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import dispatch, publish
-from .exceptions import BatchNotFound, FanInDatabaseError, InvalidFanIn
+from .exceptions import BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
 from .extension import FanIn
 from .store import batches, queries
 
@@ -73,7 +73,7 @@ def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
                 raise BatchNotFound(f"no fan-in batch with id {bid}")
             succ = queries.successor(conn, bid, batch.step)
     except SQLAlchemyError as exc:
-        raise FanInDatabaseError(f"could not read batch {bid}: {exc}") from exc
+        raise FanInDatabaseError(f"could not read batch {bid}: {summarise(exc)}") from exc
     return BatchStatus(
         batch_id=str(batch.id),
         step=batch.step,
@@ -240,14 +240,18 @@ class FanInGroup:
         try:
             conn = fanin.engine.connect()
         except SQLAlchemyError as exc:
-            raise FanInDatabaseError(f"cannot reach the fan-in database; nothing was published: {exc}") from exc
+            raise FanInDatabaseError(
+                f"cannot reach the fan-in database; nothing was published: {summarise(exc)}"
+            ) from exc
         with conn:
             try:
                 with conn.begin():
                     batches.hold_publish_lock(conn, batch.id)
                     outbox_id = batches.create_batch(conn, batch, children)
             except SQLAlchemyError as exc:
-                raise FanInDatabaseError(f"could not record the batch; nothing was published: {exc}") from exc
+                raise FanInDatabaseError(
+                    f"could not record the batch; nothing was published: {summarise(exc)}"
+                ) from exc
             # Committed: from here on the batch is durable, and whatever this process fails to publish, the relay
             # publishes once this connection (and with it the publish lock) is gone.
             try:

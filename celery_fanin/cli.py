@@ -13,7 +13,7 @@ from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
 from .canvas import BatchStatus, read_status
-from .exceptions import FanInError
+from .exceptions import FanInError, summarise
 from .extension import FanIn
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,7 +38,7 @@ def _errors_as_exit(fn: F) -> F:
         except FanInError as exc:
             raise click.ClickException(str(exc)) from exc
         except SQLAlchemyError as exc:
-            raise click.ClickException(f"database error: {exc.__class__.__name__}: {exc}".splitlines()[0]) from exc
+            raise click.ClickException(f"database error: {summarise(exc)}") from exc
 
     return wrapper  # type: ignore[return-value]
 

@@ -21,3 +21,9 @@ class FanInDatabaseError(FanInError):
 
 class BatchNotFound(FanInError, LookupError):
     """No batch with that id exists in the store."""
+
+
+def summarise(exc: BaseException) -> str:
+    """The first line of a driver error: enough to act on, without SQLAlchemy's multi-line background notes."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
