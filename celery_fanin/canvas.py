@@ -8,11 +8,12 @@ fast path). A producer that dies after the commit loses nothing: the relay publi
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery import Celery, current_app
@@ -156,6 +157,91 @@ def _check_plain_signature(value: object, what: str) -> Signature:
     return value
 
 
+@dataclass(frozen=True)
+class Policy:
+    """A batch's recovery settings, validated: what happens to lost children, at the deadline, on failures."""
+
+    child_timeout: timedelta | None = None
+    on_lost: str = "fail"
+    max_redrives: int = 3
+    deadline: timedelta | datetime | None = None
+    on_deadline: str = "proceed"
+    on_expire: Signature | None = None
+    max_failures: int | float | None = None
+    on_failure: Signature | None = None
+
+    def validate(self) -> None:
+        if self.child_timeout is not None and (
+            not isinstance(self.child_timeout, timedelta) or self.child_timeout <= timedelta(0)
+        ):
+            raise InvalidFanIn("child_timeout must be a positive timedelta or number of seconds (0 or None: none)")
+        if self.on_lost not in ("fail", "redrive"):
+            raise InvalidFanIn(f"on_lost must be 'fail' or 'redrive', not {self.on_lost!r}")
+        if not isinstance(self.max_redrives, int) or isinstance(self.max_redrives, bool) or self.max_redrives < 0:
+            raise InvalidFanIn(f"max_redrives must be a whole number >= 0, not {self.max_redrives!r}")
+        if self.deadline is not None:
+            if isinstance(self.deadline, timedelta):
+                if self.deadline <= timedelta(0):
+                    raise InvalidFanIn("deadline must be a positive timedelta or a datetime in the future")
+            elif isinstance(self.deadline, datetime):
+                if _aware(self.deadline) <= datetime.now(timezone.utc):
+                    raise InvalidFanIn(f"deadline {self.deadline.isoformat()} is in the past")
+            else:
+                raise InvalidFanIn(f"deadline must be a timedelta or a datetime, not {type(self.deadline).__name__}")
+        if self.on_deadline not in ("proceed", "abandon"):
+            raise InvalidFanIn(f"on_deadline must be 'proceed' or 'abandon', not {self.on_deadline!r}")
+        if self.on_expire is not None:
+            _check_plain_signature(self.on_expire, "on_expire")
+            if self.deadline is None or self.on_deadline != "abandon":
+                raise InvalidFanIn("on_expire runs when a deadline abandons the batch: it needs deadline= and "
+                                   "on_deadline='abandon'")  # fmt: skip
+        mf = self.max_failures
+        if mf is not None:
+            if isinstance(mf, bool) or not isinstance(mf, (int, float)):
+                raise InvalidFanIn(f"max_failures must be a count (int >= 0) or a ratio (0 < float < 1), not {mf!r}")
+            if isinstance(mf, int) and mf < 0:
+                raise InvalidFanIn(f"max_failures must be >= 0, not {mf}")
+            if isinstance(mf, float) and not 0 < mf < 1:
+                raise InvalidFanIn(f"a max_failures ratio must be between 0 and 1 (exclusive), not {mf}")
+        if self.on_failure is not None:
+            _check_plain_signature(self.on_failure, "on_failure")
+            if mf is None:
+                raise InvalidFanIn("on_failure runs when failures pass max_failures: it needs max_failures=")
+
+    def deadline_at(self) -> datetime | None:
+        if self.deadline is None:
+            return None
+        if isinstance(self.deadline, timedelta):
+            return datetime.now(timezone.utc) + self.deadline
+        return _aware(self.deadline)
+
+    def failure_threshold(self, planned: int) -> int | None:
+        """The count of failures the batch tolerates; one more finishes it early."""
+        if self.max_failures is None:
+            return None
+        if isinstance(self.max_failures, float):
+            return math.floor(self.max_failures * planned)
+        return self.max_failures
+
+
+def _aware(value: datetime) -> datetime:
+    """Naive datetimes are taken as UTC, as Celery's own eta and expires are by default."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+
+
+def _as_timedelta(value: timedelta | float | int | None, what: str) -> timedelta | None:
+    if value is None or isinstance(value, timedelta):
+        return value if value else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidFanIn(f"{what} must be a timedelta or a number of seconds, not {value!r}")
+    if value < 0:
+        raise InvalidFanIn(f"{what} must not be negative")
+    return timedelta(seconds=value) if value else None
+
+
+_DEFAULT = object()
+
+
 class FanInGroup:
     """A group of children and the one successor that runs after every child has reached a terminal outcome."""
 
@@ -165,11 +251,42 @@ class FanInGroup:
         then: Signature | None = None,
         step: str | None = None,
         app: Celery | None = None,
+        *,
+        child_timeout: Any = _DEFAULT,
+        on_lost: str | None = None,
+        max_redrives: int | None = None,
+        deadline: timedelta | datetime | None = None,
+        on_deadline: str = "proceed",
+        on_expire: Signature | None = None,
+        max_failures: int | float | None = None,
+        on_failure: Signature | None = None,
     ) -> None:
         self.children = children
         self.then = then
         self.step = step
         self._app = app
+        self.options: dict[str, Any] = {
+            "child_timeout": child_timeout, "on_lost": on_lost, "max_redrives": max_redrives,
+            "deadline": deadline, "on_deadline": on_deadline, "on_expire": on_expire,
+            "max_failures": max_failures, "on_failure": on_failure,
+        }  # fmt: skip
+
+    def _policy(self, fanin: FanIn) -> Policy:
+        settings = fanin.settings
+        opts = self.options
+        timeout = settings.child_timeout if opts["child_timeout"] is _DEFAULT else opts["child_timeout"]
+        policy = Policy(
+            child_timeout=_as_timedelta(timeout, "child_timeout"),
+            on_lost=opts["on_lost"] if opts["on_lost"] is not None else settings.on_lost,
+            max_redrives=opts["max_redrives"] if opts["max_redrives"] is not None else settings.max_redrives,
+            deadline=opts["deadline"],
+            on_deadline=opts["on_deadline"],
+            on_expire=opts["on_expire"],
+            max_failures=opts["max_failures"],
+            on_failure=opts["on_failure"],
+        )
+        policy.validate()
+        return policy
 
     @property
     def app(self) -> Celery:
@@ -198,19 +315,14 @@ class FanInGroup:
         app = self.app
         fanin = FanIn.of(app)
         then, step, sigs = self._validate()
-        try:
-            successor_message = publish.encode_signature(app, then)
-        except EncodeError as exc:
-            raise InvalidFanIn(f"then: its arguments cannot be encoded with the app's serializer: {exc}") from exc
-        new_children = []
-        for i, sig in enumerate(sigs):
-            try:
-                encoded = publish.encode_signature(app, sig)
-            except EncodeError as exc:
-                raise InvalidFanIn(
-                    f"child {i}: its arguments cannot be encoded with the app's serializer: {exc}"
-                ) from exc
-            new_children.append(batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task, encoded))
+        policy = self._policy(fanin)
+        successor_message = _encode(app, then, "then")
+        on_expire = _encode(app, policy.on_expire, "on_expire") if policy.on_expire is not None else None
+        on_failure = _encode(app, policy.on_failure, "on_failure") if policy.on_failure is not None else None
+        new_children = [
+            batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task, _encode(app, sig, f"child {i}"))
+            for i, sig in enumerate(sigs)
+        ]
         if len({c.task_id for c in new_children}) != len(new_children):
             raise InvalidFanIn("two children share a task_id; every child needs its own")
         batch = batches.NewBatch(
@@ -219,6 +331,14 @@ class FanInGroup:
             successor_task_id=then.options.get("task_id") or new_task_id(),
             successor_name=then.task,
             successor_message=successor_message,
+            child_timeout=policy.child_timeout,
+            on_lost=policy.on_lost,
+            max_redrives=policy.max_redrives,
+            deadline_at=policy.deadline_at(),
+            on_deadline=policy.on_deadline,
+            max_failures=policy.failure_threshold(len(new_children)),
+            on_expire=on_expire,
+            on_failure=on_failure,
         )
         outbox_id = self._create_and_publish(fanin, batch, new_children, sigs)
         if outbox_id is not None:  # an empty group: its successor exists already; send it now rather than on NOTIFY
@@ -277,15 +397,29 @@ class FanInGroup:
         return outbox_id
 
 
+def _encode(app: Celery, sig: Signature, what: str) -> batches.Encoded:
+    try:
+        return publish.encode_signature(app, sig)
+    except EncodeError as exc:
+        raise InvalidFanIn(f"{what}: its arguments cannot be encoded with the app's serializer: {exc}") from exc
+
+
 def fan_in_group(
     children: Iterable[Signature],
     then: Signature | None = None,
     step: str | None = None,
     app: Celery | None = None,
+    **options: Any,
 ) -> FanInGroup:
     """Run `children` in parallel, then `then` once with the outcome of all of them, whatever each ended in.
 
     `step` names the successor within the batch (default: its task name). The successor receives the outcome
     mapping as its first argument, before its own arguments, as a chord body receives the header's results.
+
+    Recovery options (keyword only): `child_timeout` (timedelta or seconds; default `fanin_child_timeout`) with
+    `on_lost` ("fail": count the child as `lost`; "redrive": re-publish it, up to `max_redrives` times);
+    `deadline` (timedelta or datetime) with `on_deadline` ("proceed": run the successor with a partial outcome;
+    "abandon": mark the batch expired and run `on_expire` if given); `max_failures` (a count, or a ratio of the
+    children) after which the batch finishes early and `on_failure` (or the successor) runs.
     """
-    return FanInGroup(children, then=then, step=step, app=app)
+    return FanInGroup(children, then=then, step=step, app=app, **options)

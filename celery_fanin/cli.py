@@ -127,3 +127,32 @@ def status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
         click.echo(json.dumps(st.as_dict(), indent=2))
     else:
         _render(st)
+
+
+@fanin.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the repairs as JSON.")
+@click.pass_context
+@_errors_as_exit
+def reconcile(ctx: click.Context, as_json: bool) -> None:
+    """Recompute open batches' counters from their child rows; repair and finish what disagrees."""
+    from . import maintenance
+
+    fanin_ext = _fanin(ctx)
+    repairs = maintenance.reconcile(fanin_ext)
+    expired = maintenance.apply_deadlines(fanin_ext)
+    if as_json:
+        click.echo(json.dumps({"repairs": [r.as_dict() for r in repairs],
+                               "deadlines": [str(e.batch_id) for e in expired]}, indent=2))  # fmt: skip
+        return
+    if not repairs and not expired:
+        click.echo("all batches agree with their child rows")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("batch", "found", "done")
+    for r in repairs:
+        table.add_row(str(r.batch_id), "\n".join(r.problems), "\n".join(r.actions) or "reported only")
+    for e in expired:
+        table.add_row(str(e.batch_id), "deadline passed", f"on_deadline={e.on_deadline}, {len(e.abandoned)} abandoned")
+    Console().print(table)

@@ -14,7 +14,7 @@ from sqlalchemy import Connection
 from . import publish
 from .extension import FanIn
 from .outcome import build_outcome
-from .store import batches, outbox, queries
+from .store import batches, outbox, queries, recovery
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -39,10 +39,12 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
         if not rows:
             return 0
         sent: list[outbox.OutboxRow] = []
+        finished_early: list[uuid.UUID] = []
         with publish.producer(app) as prod:
             for row in rows:
                 try:
-                    _publish_successor(fanin, conn, prod, row, settings.outcome_failures_limit)
+                    if _publish_successor(fanin, conn, prod, row, settings.outcome_failures_limit):
+                        finished_early.append(row.batch_id)
                 except Exception as exc:  # one bad row must not hold back the others
                     logger.exception(
                         "could not publish successor batch_id=%s step=%s", row.batch_id, row.step,
@@ -58,18 +60,40 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
             "published successor batch_id=%s step=%s", row.batch_id, row.step,
             extra={"batch_id": str(row.batch_id), "step": row.step},
         )  # fmt: skip
+    for batch_id in finished_early:
+        # The batch passed its failure threshold: the children still queued or running are no longer wanted.
+        try:
+            with fanin.engine.connect() as conn:
+                revoke_children(fanin, recovery.open_children(conn, batch_id), batch_id)
+        except Exception:
+            logger.warning("could not revoke the unfinished children of batch_id=%s", batch_id, exc_info=True)
     return len(sent)
 
 
-def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow, limit: int) -> None:
+def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow, limit: int) -> bool:
+    """Publish one outbox row's successor; True if its batch finished early on its failure threshold."""
     batch = queries.batch(conn, row.batch_id)
     if batch is None:  # cascade-deleted rows cannot be claimed; this guards a hand-edited database
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
     succ = queries.successor(conn, row.batch_id, row.step)
     task_id = succ.task_id if succ is not None else batch.successor_task_id
-    then = publish.decode_signature(fanin.app, batch.successor_message)
+    kind = succ.kind if succ is not None else "then"
+    sig = publish.decode_signature(fanin.app, batch.message_for(kind))
     outcome = build_outcome(conn, batch, limit)
-    publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, then, outcome)  # type: ignore[arg-type]
+    publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, sig, outcome)  # type: ignore[arg-type]
+    return batch.state == "failed_threshold"
+
+
+def revoke_children(fanin: FanIn, task_ids: Sequence[str], batch_id: uuid.UUID | None = None) -> None:
+    """Broadcast a revoke (no terminate) for children a finished batch no longer waits for.
+
+    Queued copies are then discarded by the workers and reported as revoked; a running one finishes, and its
+    report is recorded as late (if the batch had already stopped counting it) or counted.
+    """
+    for start in range(0, len(task_ids), 1000):
+        fanin.app.control.revoke(list(task_ids[start : start + 1000]))
+    if task_ids:
+        logger.info("revoked %d unfinished children (batch_id=%s)", len(task_ids), batch_id or "several")
 
 
 def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID) -> int:

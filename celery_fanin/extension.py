@@ -32,6 +32,15 @@ class Settings:
     relay_batch_size: int = 100
     # Attempts a worker makes to record a terminal outcome before it logs and gives up (to reconciliation).
     record_attempts: int = 5
+    # Record each child's start (time, attempt, worker): one more statement per child, no counter involved.
+    track_started: bool = True
+    # Default per-batch child timeout in seconds (None: children may run forever) and what happens past it.
+    child_timeout: float | None = 6 * 3600.0
+    on_lost: str = "fail"
+    max_redrives: int = 3
+    # How often the relay looks for lost children and passed deadlines, and reconciles counters.
+    reaper_interval: float = 10.0
+    reconcile_interval: float = 300.0
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:

@@ -181,11 +181,16 @@ def record_successor(fanin: FanIn, marker: _Marker, state: str, exc: BaseExcepti
     )
 
 
+# Successor runs under way in this process: task id -> (the connection holding the run lock, its marker).
+_running: dict[str, tuple[Connection, _Marker]] = {}
+
+
 def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a task's `before_start` so that a successor's body runs once per (batch, step) and attempt.
 
     `before_start` runs inside the trace's exception handling, so the `Ignore` raised for a duplicate delivery
     ends the task as IGNORED without running its body (and without touching the first run's stored result).
+    The run lock stays held on its own connection until `task_postrun` (or the process's death) releases it.
     """
 
     def before_start_guarded(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
@@ -193,12 +198,7 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
         fanin = _fanin_for(self.app) if marker is not None and marker.is_successor else None
         if fanin is not None and marker is not None:
             retries = int(getattr(self.request, "retries", 0) or 0)
-            claimed = _with_retries(
-                fanin,
-                f"start of successor of batch {marker.batch_id}",
-                lambda conn: batches.claim_successor_run(conn, uuid.UUID(marker.batch_id), marker.step or "", retries),
-            )
-            if not claimed:
+            if not _claim_run(fanin, task_id, marker, retries):
                 logger.warning(
                     "duplicate delivery of successor batch_id=%s step=%s task_id=%s: body not run",
                     marker.batch_id, marker.step, task_id,
@@ -209,6 +209,43 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
 
     before_start_guarded._fanin_guard = True  # type: ignore[attr-defined]
     return before_start_guarded
+
+
+def _claim_run(fanin: FanIn, task_id: str, marker: _Marker, retries: int) -> bool:
+    attempts = max(1, fanin.settings.record_attempts)
+    for attempt in range(1, attempts + 1):
+        conn = None
+        try:
+            conn = fanin.engine.connect()
+            if batches.claim_successor_run(conn, uuid.UUID(marker.batch_id), marker.step or "", retries):
+                _running[task_id] = (conn, marker)
+                return True
+            conn.close()
+            return False
+        except SQLAlchemyError:
+            if conn is not None:
+                conn.invalidate()
+                conn.close()
+            if attempt == attempts:
+                # Without the store the guard cannot tell a duplicate from a first run: refuse rather than risk
+                # running twice; the message was taken off the queue, so reconciliation reports the successor.
+                logger.exception("cannot reach the store to start successor batch_id=%s", marker.batch_id)
+                return False
+            time.sleep(min(5.0, 0.2 * 2**attempt))
+    return False
+
+
+def _release_run(task_id: str) -> None:
+    held = _running.pop(task_id, None)
+    if held is None:
+        return
+    conn, marker = held
+    try:
+        batches.release_successor_run(conn, uuid.UUID(marker.batch_id), marker.step or "")
+        conn.close()
+    except SQLAlchemyError:
+        conn.invalidate()  # closing the session releases the lock
+        conn.close()
 
 
 def guard_tasks(app: Celery) -> bool:
@@ -237,6 +274,8 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     if fanin is None:
         return
     if marker.is_successor:
+        if task_id not in _running:
+            return  # a duplicate delivery the guard refused: the run that holds the lock reports
         if state == "SUCCESS":
             record_successor(fanin, marker, "succeeded")
         elif state == "FAILURE":
@@ -245,6 +284,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
             record_successor(fanin, marker, "retrying")
         elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
             record_successor(fanin, marker, "failed", retval)
+        _release_run(task_id)  # after the state is recorded, so no duplicate can slip in between
         return
     if state == "SUCCESS":
         record_child(fanin, task_id, marker, "succeeded", value=retval, has_value=True)
@@ -255,6 +295,21 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
         record_child(fanin, task_id, marker, "rejected", exc=retval)
     # RETRY, IGNORED, REJECTED with requeue: the child is not finished; another attempt reports.
+
+
+def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    task = task or sender
+    if task is None or task_id is None:
+        return
+    marker = _Marker.from_mapping(task.request)
+    if marker is None or marker.is_successor:
+        return
+    fanin = _fanin_for(task.app)
+    if fanin is None or not fanin.settings.track_started:
+        return
+    attempt = int(getattr(task.request, "retries", 0) or 0)
+    worker = getattr(task.request, "hostname", None)
+    _with_retries(fanin, f"start of task {task_id}", lambda conn: batches.record_start(conn, task_id, attempt, worker))
 
 
 def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -349,6 +404,7 @@ def install(app: Celery) -> None:
     with _install_lock:
         if _installed:
             return
+        signals.task_prerun.connect(_on_prerun, weak=False, dispatch_uid="celery_fanin.prerun")
         signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="celery_fanin.postrun")
         signals.task_received.connect(_on_received, weak=False, dispatch_uid="celery_fanin.received")
         signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="celery_fanin.failure")

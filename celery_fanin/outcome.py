@@ -22,16 +22,25 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
     terminal row is visible. Failures are listed up to `failures_limit`; the full list stays in Postgres.
     """
     listed = queries.failures(conn, batch.id, limit=failures_limit + 1)
+    counts = queries.child_counts(conn, batch.id)
     return {
         "batch_id": str(batch.id),
         "step": batch.step,
+        # complete | partial (deadline passed, on_deadline="proceed") | failed_threshold | expired
         "state": batch.state,
+        "partial": batch.state in PARTIAL_STATES,
         "planned": batch.planned,
         "succeeded": batch.succeeded,
         "failed": batch.failed,
+        "abandoned": counts.get("abandoned", 0),
+        "unfinished": counts.get("pending", 0) + counts.get("started", 0),
         "failures": listed[:failures_limit],
         "failures_truncated": len(listed) > failures_limit,
     }
+
+
+# Batch states in which the successor runs before every child has finished.
+PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,9 @@ class BatchOutcome:
     failures: list[dict[str, Any]] = field(default_factory=list)
     failures_truncated: bool = False
     state: str = "complete"
+    partial: bool = False
+    abandoned: int = 0
+    unfinished: int = 0
     app: Celery | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -72,6 +84,9 @@ class BatchOutcome:
                 failures=list(outcome.get("failures") or []),
                 failures_truncated=bool(outcome.get("failures_truncated", False)),
                 state=str(outcome.get("state", "complete")),
+                partial=bool(outcome.get("partial", False)),
+                abandoned=int(outcome.get("abandoned", 0)),
+                unfinished=int(outcome.get("unfinished", 0)),
                 app=app,
             )
         except (KeyError, TypeError, ValueError) as exc:

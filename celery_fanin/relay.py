@@ -20,6 +20,7 @@ import psycopg
 from sqlalchemy.engine import make_url
 
 from . import dispatch
+from . import maintenance as maintenance_duties
 from .extension import FanIn
 
 logger = logging.getLogger("celery_fanin.relay")
@@ -31,6 +32,10 @@ CHANNEL = "fanin_outbox"
 class RelayStats:
     successors_published: int = 0
     children_published: int = 0
+    children_redriven: int = 0
+    children_lost: int = 0
+    deadlines_applied: int = 0
+    repairs: int = 0
     rounds: int = 0
     errors: int = 0
     started_at: float = field(default_factory=time.time)
@@ -51,6 +56,8 @@ class Relay:
         self.stats = RelayStats()
         self._stop = threading.Event()
         self._listener: psycopg.Connection[tuple[object, ...]] | None = None
+        self._next_reap = 0.0
+        self._next_reconcile = 0.0
 
     def stop(self, *_: object) -> None:
         self._stop.set()
@@ -86,14 +93,26 @@ class Relay:
         logger.info("relay stopped: %s", self.stats)
         return self.stats
 
-    def run_once(self) -> int:
-        """One round: drain the outbox, then finish any orphaned children. Returns messages published."""
+    def run_once(self, maintenance: bool | None = None) -> int:
+        """One round: the periodic duties when due (or when `maintenance` is True), then drain the outbox and
+        finish orphaned children. Returns the number of messages published."""
+        now = time.monotonic()
+        settings = self.fanin.settings
+        if maintenance or (maintenance is None and now >= self._next_reap):
+            self._next_reap = now + settings.reaper_interval
+            lost = maintenance_duties.handle_lost_children(self.fanin)
+            self.stats.children_redriven += len(lost.redriven)
+            self.stats.children_lost += len(lost.failed)
+            self.stats.deadlines_applied += len(maintenance_duties.apply_deadlines(self.fanin))
+        if maintenance or (maintenance is None and now >= self._next_reconcile):
+            self._next_reconcile = now + settings.reconcile_interval
+            self.stats.repairs += len(maintenance_duties.reconcile(self.fanin))
         published = 0
         while not self._stop.is_set():
             n = dispatch.publish_outbox(self.fanin)
             published += n
             self.stats.successors_published += n
-            if n < self.fanin.settings.relay_batch_size:
+            if n < settings.relay_batch_size:
                 break
         children = dispatch.publish_orphaned_children(self.fanin)
         self.stats.children_published += children

@@ -28,6 +28,18 @@ class BatchRow:
     successor_message: Encoded
     created_at: datetime
     completed_at: datetime | None
+    deadline_at: datetime | None = None
+    on_expire_message: Encoded | None = None
+    on_failure_message: Encoded | None = None
+    child_timeout_seconds: float | None = None
+
+    def message_for(self, kind: str) -> Encoded:
+        """The stored signature a successor of `kind` runs: `then`, or `on_expire` / `on_failure` instead of it."""
+        found = {"then": self.successor_message, "on_expire": self.on_expire_message,
+                 "on_failure": self.on_failure_message}.get(kind)  # fmt: skip
+        if found is None:
+            raise LookupError(f"batch {self.id} has no {kind} signature")
+        return found
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,13 @@ class SuccessorRow:
     exc_message: str | None
     started_at: datetime | None
     finished_at: datetime | None
+    kind: str = "then"
+
+
+def _encoded(body: bytes | None, content_type: str | None, content_encoding: str | None) -> Encoded | None:
+    if body is None:
+        return None
+    return Encoded(content_type or "", content_encoding or "", bytes(body))
 
 
 def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
@@ -48,7 +67,9 @@ def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
             """
             SELECT id, step, state, planned, remaining, succeeded, failed, published_upto, successor_task_id,
                    successor_name, successor_message, successor_content_type, successor_content_encoding,
-                   created_at, completed_at
+                   created_at, completed_at, deadline_at, on_expire_message, on_expire_content_type,
+                   on_expire_content_encoding, on_failure_message, on_failure_content_type,
+                   on_failure_content_encoding, extract(epoch FROM child_timeout) AS child_timeout_seconds
               FROM fanin_batches WHERE id = :id
             """
         ),
@@ -60,7 +81,10 @@ def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
         r.id, r.step, r.state, r.planned, r.remaining, r.succeeded, r.failed, r.published_upto,
         r.successor_task_id, r.successor_name,
         Encoded(r.successor_content_type, r.successor_content_encoding, bytes(r.successor_message)),
-        r.created_at, r.completed_at,
+        r.created_at, r.completed_at, r.deadline_at,
+        _encoded(r.on_expire_message, r.on_expire_content_type, r.on_expire_content_encoding),
+        _encoded(r.on_failure_message, r.on_failure_content_type, r.on_failure_content_encoding),
+        float(r.child_timeout_seconds) if r.child_timeout_seconds is not None else None,
     )  # fmt: skip
 
 
@@ -68,7 +92,7 @@ def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow 
     r = conn.execute(
         text(
             """
-            SELECT task_id, state, runs, duplicates, exc_type, exc_message, started_at, finished_at
+            SELECT task_id, state, runs, duplicates, exc_type, exc_message, started_at, finished_at, kind
               FROM fanin_successors WHERE batch_id = :id AND step = :step
             """
         ),
@@ -77,7 +101,15 @@ def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow 
     if r is None:
         return None
     return SuccessorRow(r.task_id, r.state, r.runs, r.duplicates, r.exc_type, r.exc_message, r.started_at,
-                        r.finished_at)  # fmt: skip
+                        r.finished_at, r.kind)  # fmt: skip
+
+
+def child_counts(conn: Connection, batch_id: uuid.UUID) -> dict[str, int]:
+    """How many children are in each state (pending, started, succeeded, failed, lost, ...)."""
+    rows = conn.execute(
+        text("SELECT state, count(*) FROM fanin_children WHERE batch_id = :id GROUP BY state"), {"id": batch_id}
+    )
+    return {r[0]: int(r[1]) for r in rows}
 
 
 def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) -> list[dict[str, Any]]:
@@ -85,7 +117,8 @@ def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) ->
     rows = conn.execute(
         text(
             """
-            SELECT idx, task_id, task_name, state, exc_type, exc_message FROM fanin_children
+            SELECT idx, task_id, task_name, state, exc_type, exc_message, attempt, starts, late_state
+              FROM fanin_children
              WHERE batch_id = :id AND state NOT IN ('pending', 'succeeded')
              ORDER BY idx LIMIT :n
             """
@@ -100,6 +133,8 @@ def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) ->
             "state": r.state,
             "exc_type": r.exc_type,
             "exc_message": r.exc_message,
+            "attempts": r.starts,
+            "late_state": r.late_state,
         }
         for r in rows
     ]

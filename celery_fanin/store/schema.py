@@ -12,6 +12,7 @@ from sqlalchemy import (
     DateTime,
     ForeignKey,
     Integer,
+    Interval,
     LargeBinary,
     MetaData,
     Table,
@@ -39,6 +40,18 @@ batches = Table(
     Column("successor_content_encoding", Text, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("completed_at", DateTime(timezone=True)),
+    Column("child_timeout", Interval),
+    Column("on_lost", Text, nullable=False),
+    Column("max_redrives", Integer, nullable=False),
+    Column("deadline_at", DateTime(timezone=True)),
+    Column("on_deadline", Text, nullable=False),
+    Column("max_failures", Integer),
+    Column("on_expire_message", LargeBinary),
+    Column("on_expire_content_type", Text),
+    Column("on_expire_content_encoding", Text),
+    Column("on_failure_message", LargeBinary),
+    Column("on_failure_content_type", Text),
+    Column("on_failure_content_encoding", Text),
 )
 
 children = Table(
@@ -58,6 +71,15 @@ children = Table(
     Column("exc_type", Text),
     Column("exc_message", Text),
     Column("finished_at", DateTime(timezone=True)),
+    Column("started_at", DateTime(timezone=True)),
+    Column("attempt", Integer, nullable=False),
+    Column("starts", Integer, nullable=False),
+    Column("worker", Text),
+    Column("redrives", Integer, nullable=False),
+    Column("redriven_at", DateTime(timezone=True)),
+    Column("late_state", Text),
+    Column("late_at", DateTime(timezone=True)),
+    Column("late_reports", Integer, nullable=False),
 )
 
 successors = Table(
@@ -74,6 +96,7 @@ successors = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
+    Column("kind", Text, nullable=False),
 )
 
 outbox = Table(
