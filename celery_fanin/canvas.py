@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery import Celery, current_app
-from celery.canvas import Signature, _chain, _chord, group
+from celery.canvas import Signature
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from celery.utils import uuid as new_task_id
@@ -150,10 +150,13 @@ class FanInResult:
 
 
 def _check_plain_signature(value: object, what: str) -> Signature:
-    if isinstance(value, (group, _chain, _chord)):
-        raise InvalidFanIn(f"{what} is a {type(value).__name__}; fan_in_group takes plain task signatures")
+    """Only plain task signatures: a group, chain, chord, chunks or map publishes other task ids than the one
+    the batch records, so its outcome would never be counted."""
     if not isinstance(value, Signature):
         raise InvalidFanIn(f"{what} is not a task signature (got {type(value).__name__}); use task.s(...)")
+    if type(value) is not Signature:  # group, chain, chord, chunks, xmap, xstarmap are all subclasses
+        kind = value.get("subtask_type") or type(value).__name__.lstrip("_")
+        raise InvalidFanIn(f"{what} is a {kind}; fan_in_group takes plain task signatures (task.s(...))")
     return value
 
 
@@ -369,6 +372,13 @@ class FanInGroup:
                     batches.hold_publish_lock(conn, batch.id)
                     outbox_id = batches.create_batch(conn, batch, children)
             except SQLAlchemyError as exc:
+                # A rollback does not release a session-level lock: release it, or drop the connection (and the
+                # lock with it) if even that fails.
+                try:
+                    batches.release_publish_lock(conn, batch.id)
+                    conn.commit()
+                except SQLAlchemyError:
+                    conn.invalidate()
                 raise FanInDatabaseError(
                     f"could not record the batch; nothing was published: {summarise(exc)}"
                 ) from exc

@@ -9,6 +9,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 
+from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import Connection
 
 from . import publish
@@ -17,6 +18,9 @@ from .outcome import build_outcome
 from .store import batches, outbox, queries, recovery
 
 logger = logging.getLogger("celery_fanin.dispatch")
+
+# Errors that mean "the broker cannot be reached" rather than "this message is bad".
+BROKER_ERRORS = (KombuOperationalError, ConnectionError, OSError)
 
 
 def _retry_delay(attempts: int) -> float:
@@ -45,6 +49,8 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
                 try:
                     if _publish_successor(fanin, conn, prod, row, settings.outcome_failures_limit):
                         finished_early.append(row.batch_id)
+                except BROKER_ERRORS:
+                    raise  # the broker is down: roll the claim back, every row stays pending as it was
                 except Exception as exc:  # one bad row must not hold back the others
                     logger.exception(
                         "could not publish successor batch_id=%s step=%s", row.batch_id, row.step,

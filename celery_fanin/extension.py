@@ -158,6 +158,12 @@ class FanIn:
 
     def migrate(self) -> list[str]:
         """Create or upgrade the schema; returns the names of the migrations applied."""
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from .exceptions import FanInDatabaseError, summarise
         from .store import migrate
 
-        return [f"{m.version:04d}_{m.name}" for m in migrate.migrate(self.engine)]
+        try:
+            return [f"{m.version:04d}_{m.name}" for m in migrate.migrate(self.engine)]
+        except SQLAlchemyError as exc:
+            raise FanInDatabaseError(f"could not migrate the fan-in schema: {summarise(exc)}") from exc

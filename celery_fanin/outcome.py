@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
     Built when the successor is published, after the transaction that saw zero committed, so every child's
     terminal row is visible. Failures are listed up to `failures_limit`; the full list stays in Postgres.
     """
-    listed = queries.failures(conn, batch.id, limit=failures_limit + 1)
+    listed = [failure_entry(f) for f in queries.failures(conn, batch.id, limit=failures_limit + 1)]
     counts = queries.child_counts(conn, batch.id)
     return {
         "batch_id": str(batch.id),
@@ -41,6 +42,33 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
 
 # Batch states in which the successor runs before every child has finished.
 PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired"})
+
+
+def failure_entry(row: queries.FailureRow) -> dict[str, Any]:
+    """One failed child as the outcome lists it: which child (index, task, its arguments) and why it failed.
+
+    Arguments are included when the child was encoded as JSON, so the entry stays JSON-serialisable whatever
+    serializer the successor uses; other serializers' arguments stay in Postgres only.
+    """
+    entry: dict[str, Any] = {
+        "index": row.index,
+        "task_id": row.task_id,
+        "task_name": row.task_name,
+        "state": row.state,
+        "exc_type": row.exc_type,
+        "exc_message": row.exc_message,
+        "attempts": row.attempts,
+    }
+    if row.late_state is not None:
+        entry["late_state"] = row.late_state
+    if row.message.content_type == "application/json":
+        try:
+            sig = json.loads(row.message.body)
+            entry["args"] = sig.get("args", [])
+            entry["kwargs"] = sig.get("kwargs", {})
+        except (ValueError, AttributeError):  # a hand-edited row: leave the arguments out rather than fail
+            pass
+    return entry
 
 
 @dataclass(frozen=True)
@@ -120,4 +148,4 @@ class BatchOutcome:
         """Every failed child, read from Postgres (the message lists at most `fanin_outcome_failures_limit`)."""
         engine = FanIn.of(self._app()).engine
         with engine.connect() as conn:
-            return queries.failures(conn, uuid.UUID(self.batch_id))
+            return [failure_entry(f) for f in queries.failures(conn, uuid.UUID(self.batch_id))]

@@ -102,6 +102,14 @@ def die_once(i: int) -> int:
 
 
 @app.task
+def sleepy_once(key: str, first: float, later: float) -> str:
+    """Sleeps `first` seconds on its first run and `later` on any other (a run a crash interrupted)."""
+    seconds = first if _redis().incr(f"e2e:sleepy_once:{key}") == 1 else later
+    sleepy(seconds)
+    return key
+
+
+@app.task
 def reject(i: int) -> None:
     raise Reject(f"child {i} rejected", requeue=False)
 
@@ -116,6 +124,20 @@ def record_run(outcome: dict[str, Any], label: str, with_values: bool = False) -
             (outcome["batch_id"], label, json.dumps(outcome), json.dumps(values)),
         )
     return {"label": label, "succeeded": outcome["succeeded"], "failed": outcome["failed"]}
+
+
+@app.task
+def successor_dies_once(outcome: dict[str, Any], label: str) -> None:
+    """A successor whose first run loses its pool process (as an OOM kill would), then runs to the end."""
+    if _redis().incr(f"e2e:successor_dies_once:{outcome['batch_id']}") == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    record_run(outcome, label)
+
+
+@app.task
+def slow_successor(outcome: dict[str, Any], label: str, seconds: float) -> None:
+    sleepy(seconds)
+    record_run(outcome, label)
 
 
 @app.task

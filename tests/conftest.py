@@ -19,7 +19,9 @@ from sqlalchemy import Engine
 from celery_fanin import FanIn
 
 ADMIN_URL = os.environ.get("FANIN_TEST_ADMIN_URL", "postgresql://root@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("FANIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# A Redis server; each test session claims a database number of its own on it (see `redis_url`).
+REDIS_SERVER = os.environ.get("FANIN_TEST_REDIS_SERVER", "redis://127.0.0.1:6379")
+REDIS_CLAIM_KEY = "fanin-test-session"
 TABLES = ("fanin_outbox", "fanin_successors", "fanin_children", "fanin_batches")
 
 
@@ -52,13 +54,25 @@ def database_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    client = redis.Redis.from_url(REDIS_URL)
+def redis_url() -> Iterator[str]:
+    """A Redis database number no other test session is using (claimed with SET NX), so that sessions running
+    side by side never share a queue."""
+    token = uuid.uuid4().hex
+    for db in range(15, 0, -1):
+        client = redis.Redis.from_url(f"{REDIS_SERVER}/{db}")
+        try:
+            claimed = client.set(REDIS_CLAIM_KEY, token, nx=True, ex=3600)
+        except redis.RedisError as exc:
+            pytest.fail(f"Redis is not reachable at {REDIS_SERVER}: {exc}", pytrace=False)
+        if claimed:
+            break
+    else:
+        pytest.fail("every Redis database from 1 to 15 is claimed by another test session", pytrace=False)
     try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is not reachable at {REDIS_URL}: {exc}", pytrace=False)
-    return REDIS_URL
+        yield f"{REDIS_SERVER}/{db}"
+    finally:
+        if client.get(REDIS_CLAIM_KEY) == token.encode():
+            client.delete(REDIS_CLAIM_KEY)
 
 
 @pytest.fixture
@@ -71,7 +85,12 @@ def clean_db(database_url: str) -> str:
 
 @pytest.fixture
 def clean_redis(redis_url: str) -> str:
-    redis.Redis.from_url(redis_url).flushdb()
+    """The session's Redis database, emptied but for its claim."""
+    client = redis.Redis.from_url(redis_url)
+    token = client.get(REDIS_CLAIM_KEY)
+    client.flushdb()
+    if token is not None:
+        client.set(REDIS_CLAIM_KEY, token, ex=3600)
     return redis_url
 
 

@@ -267,9 +267,24 @@ def record_terminal(
             "exc_message": exc_message,
         },
     ).one()
+    late = bool(row.late)
+    if not row.counted and not late:
+        # A duplicate that raced the report that counted: the `late` CTE read the row as pending from the
+        # statement's snapshot. A new statement sees the committed terminal row (rare: costs a second round trip).
+        late = conn.execute(_RECORD_LATE, {"task_id": task_id, "state": state}).first() is not None
     return TerminalRecord(
-        counted=bool(row.counted), remaining=row.remaining, successor_created=bool(row.created), late=bool(row.late)
+        counted=bool(row.counted), remaining=row.remaining, successor_created=bool(row.created), late=late
     )
+
+
+_RECORD_LATE = text(
+    """
+    UPDATE fanin_children
+       SET late_state = :state, late_at = now(), late_reports = late_reports + 1
+     WHERE task_id = :task_id AND state NOT IN ('pending', 'started')
+ RETURNING 1
+    """
+)
 
 
 def record_start(conn: Connection, task_id: str, attempt: int, worker: str | None) -> bool:

@@ -47,7 +47,8 @@ def applied(engine: Engine) -> list[int]:
 def migrate(engine: Engine) -> list[Migration]:
     """Bring the schema up to date; returns the migrations this call applied (none when already current)."""
     done: list[Migration] = []
-    with engine.begin() as conn:
+    # READ COMMITTED whatever the engine's default: a waiter's next statement must see what the lock holder did.
+    with engine.connect().execution_options(isolation_level="READ COMMITTED") as conn, conn.begin():
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
         conn.execute(
             text(

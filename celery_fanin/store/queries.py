@@ -6,7 +6,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
@@ -112,32 +111,38 @@ def child_counts(conn: Connection, batch_id: uuid.UUID) -> dict[str, int]:
     return {r[0]: int(r[1]) for r in rows}
 
 
-def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) -> list[dict[str, Any]]:
-    """Failed children in child order: index, task id, task name, terminal state, exception type and message."""
+@dataclass(frozen=True)
+class FailureRow:
+    index: int
+    task_id: str
+    task_name: str
+    state: str
+    exc_type: str | None
+    exc_message: str | None
+    attempts: int
+    late_state: str | None
+    message: Encoded
+
+
+def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) -> list[FailureRow]:
+    """Children that did not succeed, in child order, with their stored signatures (to show their arguments)."""
     rows = conn.execute(
         text(
             """
-            SELECT idx, task_id, task_name, state, exc_type, exc_message, attempt, starts, late_state
+            SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
+                   message, content_type, content_encoding
               FROM fanin_children
-             WHERE batch_id = :id AND state NOT IN ('pending', 'succeeded')
+             WHERE batch_id = :id AND state NOT IN ('pending', 'started', 'succeeded')
              ORDER BY idx LIMIT :n
             """
         ),
         {"id": batch_id, "n": limit},
     )
     return [
-        {
-            "index": r.idx,
-            "task_id": r.task_id,
-            "task_name": r.task_name,
-            "state": r.state,
-            "exc_type": r.exc_type,
-            "exc_message": r.exc_message,
-            "attempts": r.starts,
-            "late_state": r.late_state,
-        }
+        FailureRow(r.idx, r.task_id, r.task_name, r.state, r.exc_type, r.exc_message, r.starts, r.late_state,
+                   Encoded(r.content_type, r.content_encoding, bytes(r.message)))
         for r in rows
-    ]
+    ]  # fmt: skip
 
 
 def child_results(

@@ -32,8 +32,11 @@ def test_migrate_twice_is_harmless(e2e_env: dict[str, str]) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.app", "fanin", "migrate"],
-            cwd=ROOT, env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for _ in range(3)
     ]

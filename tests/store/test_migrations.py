@@ -1,0 +1,152 @@
+"""`celery_fanin.store.migrate`: versions applied once, idempotent, safe to race, and the result is `schema.py`."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from sqlalchemy import Engine, MetaData, inspect, text
+from sqlalchemy.dialects import postgresql
+
+from celery_fanin.store import migrate, schema
+
+from .helpers import make_engine, process_migrator, run_spawned
+
+SHIPPED = [(m.version, m.name) for m in migrate.available()]
+EXPECTED_VERSIONS = [v for v, _ in SHIPPED]
+
+
+def _versions(engine: Engine) -> list[tuple[int, str]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text("SELECT version, name FROM fanin_migrations ORDER BY version"))]
+
+
+def _fanin_tables(engine: Engine) -> set[str]:
+    return {t for t in inspect(engine).get_table_names() if t.startswith("fanin_")}
+
+
+def test_available_migrations_are_numbered_in_order() -> None:
+    found = migrate.available()
+    # 0001, 0002, ...: no gaps, no duplicates, oldest first, starting with the initial schema.
+    assert [m.version for m in found] == list(range(1, len(found) + 1))
+    assert (found[0].version, found[0].name) == (1, "initial")
+    assert "CREATE TABLE fanin_batches" in found[0].sql
+
+
+def test_fresh_database_gets_0001_then_nothing(fresh_db_url: str) -> None:
+    engine = make_engine(fresh_db_url)
+    try:
+        assert migrate.applied(engine) == []
+        assert not migrate.is_current(engine)
+        assert _fanin_tables(engine) == set()
+
+        applied = migrate.migrate(engine)
+        assert [(m.version, m.name) for m in applied] == SHIPPED
+        assert applied[0].version == 1  # 0001 first
+        assert migrate.applied(engine) == EXPECTED_VERSIONS
+        assert migrate.is_current(engine)
+        assert _versions(engine) == SHIPPED
+        assert _fanin_tables(engine) == set(schema.metadata.tables) | {"fanin_migrations"}
+
+        # A second run finds every version recorded and applies nothing (running 0001 again would fail loudly).
+        assert migrate.migrate(engine) == []
+        assert _versions(engine) == SHIPPED
+    finally:
+        engine.dispose()
+
+
+def test_database_at_0001_is_upgraded_with_the_later_versions_only(fresh_db_url: str) -> None:
+    first = migrate.available()[0]
+    engine = make_engine(fresh_db_url)
+    try:
+        with engine.begin() as conn:  # a database an older release migrated: 0001 and its bookkeeping only
+            conn.execute(
+                text(
+                    "CREATE TABLE fanin_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+            )
+            conn.exec_driver_sql(first.sql)
+            conn.execute(text("INSERT INTO fanin_migrations (version, name) VALUES (1, 'initial')"))
+        assert [(m.version, m.name) for m in migrate.migrate(engine)] == SHIPPED[1:]
+        assert _versions(engine) == SHIPPED
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_migrate_from_threads_applies_each_version_once(fresh_db_url: str) -> None:
+    n = 4
+    engines = [make_engine(fresh_db_url, pool_size=1) for _ in range(n)]
+    barrier = threading.Barrier(n, timeout=30)
+    results: list[list[int]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            with engines[i].connect() as conn:  # connected before the start line, so the race is on migrate itself
+                conn.execute(text("SELECT 1"))
+            barrier.wait()
+            results[i] = [m.version for m in migrate.migrate(engines[i])]
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        applied = Counter(v for r in results for v in r)
+        assert applied == Counter(EXPECTED_VERSIONS), f"per-thread results: {results}"
+        assert sum(1 for r in results if r) == 1, f"exactly one thread should have applied the schema: {results}"
+        assert results[[bool(r) for r in results].index(True)] == EXPECTED_VERSIONS
+        assert _versions(engines[0]) == SHIPPED
+    finally:
+        for e in engines:
+            e.dispose()
+
+
+def test_concurrent_migrate_from_processes_applies_each_version_once(fresh_db_url: str) -> None:
+    n = 3
+    outcomes = run_spawned(process_migrator, [(fresh_db_url,)] * n)
+    assert Counter(v for versions in outcomes for v in versions) == Counter(EXPECTED_VERSIONS), outcomes
+    assert sum(1 for versions in outcomes if versions) == 1, outcomes
+    engine = make_engine(fresh_db_url)
+    try:
+        assert _versions(engine) == SHIPPED
+    finally:
+        engine.dispose()
+
+
+def _type_sql(column_type: object) -> str:
+    return column_type.compile(dialect=postgresql.dialect())  # type: ignore[attr-defined]
+
+
+def _foreign_keys(table: object) -> set[tuple[str, str, str | None]]:
+    return {
+        (fk.parent.name, fk.target_fullname, fk.ondelete and fk.ondelete.upper())
+        for fk in table.foreign_keys  # type: ignore[attr-defined]
+    }
+
+
+def test_migrated_schema_matches_schema_py(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        reflected = MetaData()
+        reflected.reflect(bind=engine)
+        expected = schema.metadata
+        assert {t for t in reflected.tables if t.startswith("fanin_")} == set(expected.tables) | {"fanin_migrations"}
+        for name, want in expected.tables.items():
+            got = reflected.tables[name]
+            assert [c.name for c in got.columns] == [c.name for c in want.columns], name
+            for col in want.columns:
+                have = got.columns[col.name]
+                assert have.nullable == col.nullable, f"{name}.{col.name} nullable"
+                assert _type_sql(have.type) == _type_sql(col.type), f"{name}.{col.name} type"
+            assert [c.name for c in got.primary_key.columns] == [c.name for c in want.primary_key.columns], name
+            assert _foreign_keys(got) == _foreign_keys(want), name
+    finally:
+        engine.dispose()

@@ -1,0 +1,319 @@
+"""`batches.record_terminal` under racing reports: each child counted once, exactly one successor, one NOTIFY.
+
+Every test talks to the real Postgres; racing reporters are threads (or spawned processes) with connections of
+their own, released together by a barrier so the duplicate reports of one child really run concurrently.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, text
+
+from celery_fanin.store import batches
+
+from .helpers import (
+    Outcome,
+    Report,
+    create,
+    deal,
+    fetch_all,
+    fetch_one,
+    json_encoded,
+    notifications_until_sentinel,
+    process_reporter,
+    race_threads,
+    report_all,
+    run_spawned,
+    snapshot,
+)
+
+# Mixed terminal states, one per child in turn: 3 of every 9 succeed.
+# Where a report that came after the child was counted may be noted (bookkeeping, never a counter).
+LATE_REPORT_COLUMNS = frozenset({"late_state", "late_at", "late_reports"})
+
+STATES = (
+    "succeeded",
+    "failed",
+    "succeeded",
+    "time_limit",
+    "succeeded",
+    "worker_lost",
+    "revoked",
+    "rejected",
+    "unknown",
+)
+
+
+@pytest.fixture
+def listener(clean_db: str) -> Iterator[psycopg.Connection]:
+    """A separate autocommit connection LISTENing on the relay's channel."""
+    with psycopg.connect(clean_db, autocommit=True) as conn:
+        conn.execute("LISTEN fanin_outbox")
+        yield conn
+
+
+def _reports(task_ids: list[str], state_of: dict[str, str], seed: int) -> list[Report]:
+    """Each child reported 2 or 3 times; the copies of one child are neighbours, so dealing spreads them out."""
+    rng = random.Random(seed)
+    reports: list[Report] = []
+    for task_id in task_ids:
+        reports.extend([(task_id, state_of[task_id])] * rng.choice((2, 3)))
+    return reports
+
+
+def _assert_counted_once(outcomes: list[Outcome], task_ids: list[str], planned: int) -> None:
+    counted = [o for o in outcomes if o[2]]
+    per_child = Counter(o[0] for o in counted)
+    assert set(per_child) == set(task_ids), "every child must be counted"
+    assert max(per_child.values()) == 1, f"children counted twice: {[t for t, c in per_child.items() if c > 1]}"
+    assert sum(1 for o in outcomes if o[2]) == planned
+    # The counted reports took `remaining` through every value from planned-1 down to 0, each exactly once: the
+    # decrements were serialised on the batch row, none lost and none doubled.
+    assert sorted(o[3] for o in counted if o[3] is not None) == list(range(planned))
+    # Reports that counted nothing saw no batch update at all.
+    assert all(o[3] is None and not o[4] for o in outcomes if not o[2])
+    creators = [o for o in outcomes if o[4]]
+    assert len(creators) == 1, f"{len(creators)} reports claim to have created the successor"
+    assert creators[0][3] == 0
+
+
+def _assert_complete(engine: Engine, batch_id: uuid.UUID, planned: int, succeeded: int) -> None:
+    with engine.connect() as conn:
+        b = fetch_one(conn, "SELECT * FROM fanin_batches WHERE id = :id", id=batch_id)
+        assert (b["state"], b["remaining"], b["planned"]) == ("complete", 0, planned)
+        assert (b["succeeded"], b["failed"]) == (succeeded, planned - succeeded)
+        assert b["completed_at"] is not None
+        assert conn.execute(text("SELECT count(*) FROM fanin_successors")).scalar_one() == 1
+        assert conn.execute(text("SELECT count(*) FROM fanin_outbox")).scalar_one() == 1
+        succ = fetch_one(conn, "SELECT * FROM fanin_successors WHERE batch_id = :id", id=batch_id)
+        assert (succ["state"], succ["task_id"]) == ("pending", f"s-{batch_id.hex}")
+        assert (
+            conn.execute(
+                text("SELECT count(*) FROM fanin_children WHERE batch_id = :id AND state = 'pending'"), {"id": batch_id}
+            ).scalar_one()
+            == 0
+        )
+
+
+def test_racing_reports_count_each_child_once_and_create_one_successor(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    planned = 300
+    batch, children, outbox_id = create(store_engine, planned)
+    assert outbox_id is None
+    task_ids = [c.task_id for c in children]
+    state_of = {t: STATES[i % len(STATES)] for i, t in enumerate(task_ids)}
+    expected_succeeded = sum(1 for s in state_of.values() if s == "succeeded")
+    assert 0 < expected_succeeded < planned
+
+    outcomes = race_threads(store_engine, deal(_reports(task_ids, state_of, seed=1), hands=16))
+
+    _assert_counted_once(outcomes, task_ids, planned)
+    _assert_complete(store_engine, batch.id, planned, expected_succeeded)
+    with store_engine.connect() as conn:
+        rows = fetch_all(conn, "SELECT task_id, state FROM fanin_children WHERE batch_id = :id", id=batch.id)
+        assert {r["task_id"]: r["state"] for r in rows} == state_of
+        out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
+    # Only the transaction that created the successor notified the relay, with the outbox row's id.
+    assert notifications_until_sentinel(listener, clean_db) == [str(out_id)]
+
+
+def test_conflicting_duplicate_reports_keep_the_state_that_counted(store_engine: Engine) -> None:
+    """Copies of one report may disagree (a hard time limit reported while the child's own failure is recorded)."""
+    planned = 120
+    batch, children, _ = create(store_engine, planned)
+    task_ids = [c.task_id for c in children]
+    reports: list[Report] = []
+    for i, t in enumerate(task_ids):
+        reports += [(t, "succeeded"), (t, "failed"), (t, STATES[i % len(STATES)])]
+    outcomes = race_threads(store_engine, deal(reports, hands=12))
+
+    _assert_counted_once(outcomes, task_ids, planned)
+    winner = {o[0]: o[1] for o in outcomes if o[2]}
+    with store_engine.connect() as conn:
+        rows = fetch_all(conn, "SELECT task_id, state FROM fanin_children WHERE batch_id = :id", id=batch.id)
+    assert {r["task_id"]: r["state"] for r in rows} == winner
+    _assert_complete(store_engine, batch.id, planned, sum(1 for s in winner.values() if s == "succeeded"))
+
+
+def test_racing_reports_from_processes(store_engine: Engine, clean_db: str) -> None:
+    planned = 200
+    batch, children, _ = create(store_engine, planned)
+    task_ids = [c.task_id for c in children]
+    state_of = {t: STATES[(i * 7) % len(STATES)] for i, t in enumerate(task_ids)}
+    hands = deal(_reports(task_ids, state_of, seed=2), hands=4)
+
+    results = run_spawned(process_reporter, [(clean_db, hand) for hand in hands])
+    outcomes: list[Outcome] = [tuple(o) for part in results for o in part]  # type: ignore[misc]
+
+    _assert_counted_once(outcomes, task_ids, planned)
+    _assert_complete(store_engine, batch.id, planned, sum(1 for s in state_of.values() if s == "succeeded"))
+
+
+def test_two_batches_racing_do_not_cross(store_engine: Engine, listener: psycopg.Connection, clean_db: str) -> None:
+    a, a_children, _ = create(store_engine, 60)
+    b, b_children, _ = create(store_engine, 40)
+    reports = [(c.task_id, "succeeded") for c in a_children] * 2 + [(c.task_id, "failed") for c in b_children] * 2
+    random.Random(3).shuffle(reports)
+    outcomes = race_threads(store_engine, deal(reports, hands=8))
+    assert sum(1 for o in outcomes if o[4]) == 2
+    with store_engine.connect() as conn:
+        rows = fetch_all(conn, "SELECT id, state, remaining, succeeded, failed FROM fanin_batches ORDER BY planned")
+        ids = fetch_all(conn, "SELECT id, batch_id FROM fanin_outbox")
+    assert [(r["id"], r["state"], r["remaining"], r["succeeded"], r["failed"]) for r in rows] == [
+        (b.id, "complete", 0, 0, 40),
+        (a.id, "complete", 0, 60, 0),
+    ]
+    assert sorted(notifications_until_sentinel(listener, clean_db)) == sorted(str(r["id"]) for r in ids)
+
+
+def _counted_nothing(rec: batches.TerminalRecord) -> bool:
+    return (rec.counted, rec.remaining, rec.successor_created) == (False, None, False)
+
+
+def test_late_report_after_completion_changes_nothing(store_engine: Engine) -> None:
+    batch, children, _ = create(store_engine, 3)
+    with store_engine.connect() as conn:
+        report_all(conn, [(c.task_id, "succeeded") for c in children])
+    before = snapshot(store_engine, batch.id, ignore=LATE_REPORT_COLUMNS)
+    assert before["batch"][0]["state"] == "complete"
+
+    for state in ("failed", "succeeded", "worker_lost"):
+        with store_engine.begin() as conn:
+            rec = batches.record_terminal(conn, children[1].task_id, state, exc_type="X", exc_message="late")
+        assert _counted_nothing(rec), rec
+    # Counters, the child's state, result and exception, the successor and the outbox are all as they were.
+    assert snapshot(store_engine, batch.id, ignore=LATE_REPORT_COLUMNS) == before
+
+
+def test_repeat_report_before_completion_is_not_counted(store_engine: Engine) -> None:
+    batch, children, _ = create(store_engine, 2)
+    with store_engine.begin() as conn:
+        first = batches.record_terminal(conn, children[0].task_id, "failed", exc_type="E", exc_message="first")
+    with store_engine.begin() as conn:
+        again = batches.record_terminal(conn, children[0].task_id, "succeeded", result=json_encoded(1))
+    assert (first.counted, first.remaining, first.successor_created) == (True, 1, False)
+    assert _counted_nothing(again), again
+    with store_engine.connect() as conn:
+        b = fetch_one(conn, "SELECT remaining, succeeded, failed FROM fanin_batches WHERE id = :id", id=batch.id)
+        c = fetch_one(conn, "SELECT * FROM fanin_children WHERE task_id = :t", t=children[0].task_id)
+    assert b == {"remaining": 1, "succeeded": 0, "failed": 1}
+    assert (c["state"], c["exc_message"], c["result"]) == ("failed", "first", None)
+
+
+@pytest.mark.parametrize("state", ["pending", "started", "running", "SUCCESS", "success", "complete", ""])
+def test_non_terminal_state_raises_and_writes_nothing(store_engine: Engine, state: str) -> None:
+    batch, children, _ = create(store_engine, 1)
+    before = snapshot(store_engine, batch.id)
+    with store_engine.begin() as conn, pytest.raises(ValueError, match="not a terminal child state"):
+        batches.record_terminal(conn, children[0].task_id, state)
+    assert snapshot(store_engine, batch.id) == before
+
+
+def test_unknown_task_id_counts_nothing(store_engine: Engine) -> None:
+    batch, _, _ = create(store_engine, 2)
+    before = snapshot(store_engine, batch.id)
+    with store_engine.begin() as conn:
+        rec = batches.record_terminal(conn, f"not-a-child-{uuid.uuid4()}", "succeeded", result=json_encoded(1))
+    assert _counted_nothing(rec), rec
+    assert snapshot(store_engine, batch.id) == before
+
+
+def test_result_and_exception_are_stored(store_engine: Engine) -> None:
+    batch, children, _ = create(store_engine, 3)
+    binary = batches.Encoded("application/x-python-serialize", "binary", bytes(range(256)) + b"\x00tail")
+    as_json = json_encoded({"rows": [1, 2, 3], "text": "é"})
+    with store_engine.begin() as conn:
+        batches.record_terminal(conn, children[0].task_id, "succeeded", result=binary)
+    with store_engine.begin() as conn:
+        batches.record_terminal(conn, children[1].task_id, "succeeded", result=as_json)
+    with store_engine.begin() as conn:
+        batches.record_terminal(
+            conn, children[2].task_id, "time_limit", exc_type="TimeLimitExceeded", exc_message="TimeLimitExceeded(5)"
+        )
+    with store_engine.connect() as conn:
+        rows = fetch_all(conn, "SELECT * FROM fanin_children WHERE batch_id = :id ORDER BY idx", id=batch.id)
+    assert [r["idx"] for r in rows] == [0, 1, 2]
+    got = [
+        (None if r["result"] is None else bytes(r["result"]), r["result_content_type"], r["result_content_encoding"])
+        for r in rows
+    ]
+    assert got == [
+        (binary.body, binary.content_type, binary.content_encoding),
+        (as_json.body, "application/json", "utf-8"),
+        (None, None, None),
+    ]
+    assert [(r["exc_type"], r["exc_message"]) for r in rows] == [
+        (None, None),
+        (None, None),
+        ("TimeLimitExceeded", "TimeLimitExceeded(5)"),
+    ]
+    assert all(r["finished_at"] is not None for r in rows)
+
+
+def test_only_the_completing_report_notifies(store_engine: Engine, listener: psycopg.Connection, clean_db: str) -> None:
+    batch, children, _ = create(store_engine, 5)
+    with store_engine.connect() as conn:
+        report_all(conn, [(c.task_id, "succeeded") for c in children[:4]])
+    assert notifications_until_sentinel(listener, clean_db) == [], "a non-final report notified the relay"
+
+    with store_engine.begin() as conn:
+        rec = batches.record_terminal(conn, children[4].task_id, "failed")
+    assert rec.successor_created
+    with store_engine.connect() as conn:
+        out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
+    assert notifications_until_sentinel(listener, clean_db) == [str(out_id)]
+
+    with store_engine.connect() as conn:
+        report_all(conn, [(c.task_id, "failed") for c in children])  # late duplicates of every child
+    assert notifications_until_sentinel(listener, clean_db) == []
+
+
+def test_rolled_back_completion_neither_counts_nor_notifies(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    batch, children, _ = create(store_engine, 1)
+    with store_engine.connect() as conn:
+        with conn.begin() as tx:
+            assert batches.record_terminal(conn, children[0].task_id, "succeeded").successor_created
+            tx.rollback()
+        assert notifications_until_sentinel(listener, clean_db) == []
+        with conn.begin():
+            rec = batches.record_terminal(conn, children[0].task_id, "succeeded")
+    assert (rec.counted, rec.remaining, rec.successor_created) == (True, 0, True)
+    assert len(notifications_until_sentinel(listener, clean_db)) == 1
+
+
+def test_empty_batch_is_complete_at_creation_and_notifies_once(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    batch, _, outbox_id = create(store_engine, 0)
+    assert outbox_id is not None
+    with store_engine.connect() as conn:
+        b = fetch_one(conn, "SELECT * FROM fanin_batches WHERE id = :id", id=batch.id)
+        succ = fetch_all(conn, "SELECT batch_id, step, state FROM fanin_successors")
+        out = fetch_all(conn, "SELECT id, batch_id, step, sent_at FROM fanin_outbox")
+    assert (b["state"], b["planned"], b["remaining"]) == ("complete", 0, 0)
+    assert b["completed_at"] is not None
+    assert succ == [{"batch_id": batch.id, "step": "merge", "state": "pending"}]
+    assert out == [{"id": outbox_id, "batch_id": batch.id, "step": "merge", "sent_at": None}]
+    assert notifications_until_sentinel(listener, clean_db) == [str(outbox_id)]
+
+
+def test_every_racing_duplicate_is_recorded_as_late(store_engine: Engine) -> None:
+    planned = 200
+    batch, children, _ = create(store_engine, planned)
+    reports = [(c.task_id, "succeeded") for c in children for _ in range(3)]
+    outcomes = race_threads(store_engine, deal(reports, hands=16))
+    _assert_counted_once(outcomes, [c.task_id for c in children], planned)
+    with store_engine.connect() as conn:
+        late = conn.execute(
+            text("SELECT sum(late_reports) FROM fanin_children WHERE batch_id = :id"), {"id": batch.id}
+        ).scalar_one()
+    assert late == len(reports) - planned, f"{len(reports) - planned} duplicate reports, {late} recorded as late"
