@@ -130,14 +130,23 @@ class FanInResult:
     def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:
         """Block until the successor has finished (succeeded, failed or revoked); returns the final status.
 
-        Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds.
+        Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds. Database errors while
+        waiting are retried until then (a restart or failover should not end a wait).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        status: BatchStatus | None = None
         while True:
-            status = self.status()
-            if status.finished:
-                return status
+            try:
+                status = self.status()
+            except FanInDatabaseError:
+                # A database restart or failover while waiting: keep waiting, unless the time is up.
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            else:
+                if status.finished:
+                    return status
             if deadline is not None and time.monotonic() >= deadline:
+                assert status is not None
                 raise CeleryTimeoutError(
                     f"batch {self.batch_id} not finished after {timeout}s: state={status.state} "
                     f"remaining={status.remaining} successor={status.successor_state}"

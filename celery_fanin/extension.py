@@ -38,6 +38,8 @@ class Settings:
     child_timeout: float | None = 6 * 3600.0
     on_lost: str = "fail"
     max_redrives: int = 3
+    # Seconds a successor may stay sent (or retrying) without starting before it is published again.
+    successor_timeout: float = 600.0
     # How often the relay looks for lost children and passed deadlines, and reconciles counters.
     reaper_interval: float = 10.0
     reconcile_interval: float = 300.0

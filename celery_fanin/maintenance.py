@@ -59,6 +59,22 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
     return report
 
 
+def restart_stalled_successors(fanin: FanIn, limit: int = 100) -> list[tuple[str, str]]:
+    """Publish again every successor whose message was lost or whose worker died mid-body."""
+    timeout = fanin.settings.successor_timeout
+    with fanin.engine.connect() as conn:
+        stalled = recovery.stalled_successors(conn, timeout, limit)
+        conn.commit()
+    done = []
+    for batch_id, step in stalled:
+        with fanin.engine.begin() as conn:
+            if recovery.republish_successor(conn, batch_id, step):
+                done.append((str(batch_id), step))
+                logger.warning("successor of batch_id=%s step=%s stalled for over %ss: publishing it again",
+                               batch_id, step, timeout, extra={"batch_id": str(batch_id), "step": step})  # fmt: skip
+    return done
+
+
 def apply_deadlines(fanin: FanIn, limit: int = 100) -> list[recovery.Expiry]:
     """Finish every running batch whose deadline has passed, as its `on_deadline` says."""
     done = []

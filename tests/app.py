@@ -26,6 +26,9 @@ app = Celery("tests.app", broker=BROKER_URL)
 app.conf.update(
     fanin_database_url=os.environ.get("FANIN_DATABASE_URL"),
     fanin_relay_poll_interval=0.2,
+    fanin_reaper_interval=float(os.environ.get("FANIN_TEST_REAPER_INTERVAL", "1")),
+    fanin_successor_timeout=float(os.environ.get("FANIN_TEST_SUCCESSOR_TIMEOUT", "600")),
+    task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_acks_late=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
@@ -148,3 +151,21 @@ def failing_successor(outcome: dict[str, Any], label: str) -> None:
             (outcome["batch_id"], label, json.dumps(outcome)),
         )
     raise RuntimeError("the successor failed on purpose")
+
+
+@app.task(bind=True, autoretry_for=(ConnectionError,), max_retries=5, default_retry_delay=0.2, retry_jitter=False)
+def chaos_child(self: Any, batch: int, i: int, mode: str) -> int:
+    """A child for the chaos suite: `ok`, `fail` (for good), `flaky` (one retryable error, then ok), `slow`."""
+    if mode == "fail":
+        raise ValueError(f"chaos child {batch}/{i} fails for good")
+    if mode == "flaky" and self.request.retries == 0:
+        raise ConnectionError(f"chaos child {batch}/{i}: transient")
+    if mode == "slow":
+        sleepy(0.3 + (i % 5) * 0.2)
+    return i
+
+
+@app.task
+def chaos_successor(outcome: dict[str, Any], batch: int) -> None:
+    """Records each completed run of its body; the chaos suite asserts exactly one per batch."""
+    record_run(outcome, f"chaos-{batch}")

@@ -108,3 +108,21 @@ def app(clean_db: str, clean_redis: str) -> Iterator[Celery]:
 @pytest.fixture
 def engine(app: Celery) -> Engine:
     return FanIn.of(app).engine
+
+
+@pytest.fixture
+def e2e_env(clean_db: str, clean_redis: str) -> dict[str, str]:
+    """The environment worker and relay subprocesses get: the test database and broker, and a clean table in
+    which the successor task records its runs."""
+    from tests.app import RUNS_TABLE_DDL
+
+    with psycopg.connect(clean_db, autocommit=True) as conn:
+        conn.execute(RUNS_TABLE_DDL)
+        conn.execute("TRUNCATE e2e_successor_runs")
+    return {"FANIN_DATABASE_URL": clean_db, "FANIN_TEST_BROKER": clean_redis}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("chaos")
+    group.addoption("--chaos-scale", type=float, default=1.0, help="chaos suite size and duration multiplier")
+    group.addoption("--chaos-seed", type=int, default=None, help="chaos suite random seed (default: new, printed)")

@@ -380,7 +380,7 @@ def claim_successor_run(conn: Connection, batch_id: uuid.UUID, step: str, retrie
             text(
                 """
                 UPDATE fanin_successors
-                   SET state = 'running', runs = runs + 1, started_at = coalesce(started_at, now())
+                   SET state = 'running', runs = runs + 1, started_at = coalesce(started_at, now()), state_at = now()
                  WHERE batch_id = :id AND step = :step
                    AND (state IN ('pending', 'sent', 'running') OR (state = 'retrying' AND runs <= :retries))
              RETURNING runs
@@ -409,6 +409,9 @@ def _run_lock_key(batch_id: uuid.UUID, step: str) -> dict[str, object]:
     return {"cls": _RUN_LOCK_CLASS, "key": f"{batch_id}:{step}"}
 
 
+RUN_LOCK_CLASS = _RUN_LOCK_CLASS
+
+
 def record_successor_state(
     conn: Connection,
     batch_id: uuid.UUID,
@@ -423,7 +426,7 @@ def record_successor_state(
         text(
             """
             UPDATE fanin_successors
-               SET state = :state, exc_type = :exc_type, exc_message = :exc_message,
+               SET state = :state, exc_type = :exc_type, exc_message = :exc_message, state_at = now(),
                    finished_at = CASE WHEN :state = 'retrying' THEN NULL ELSE now() END
              WHERE batch_id = :id AND step = :step AND state NOT IN ('succeeded', 'failed', 'revoked')
             """

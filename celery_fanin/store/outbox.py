@@ -52,7 +52,7 @@ def mark_sent(conn: Connection, rows: Sequence[OutboxRow]) -> None:
     conn.execute(
         text(
             """
-            UPDATE fanin_successors s SET state = 'sent'
+            UPDATE fanin_successors s SET state = 'sent', state_at = now()
               FROM fanin_outbox o
              WHERE o.id = ANY(CAST(:ids AS bigint[])) AND s.batch_id = o.batch_id AND s.step = o.step
                AND s.state = 'pending'

@@ -97,6 +97,7 @@ successors = Table(
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
     Column("kind", Text, nullable=False),
+    Column("state_at", DateTime(timezone=True), nullable=False),
 )
 
 outbox = Table(

@@ -13,16 +13,6 @@ from tests.workers import CeleryProcess, start_relay, start_worker
 
 
 @pytest.fixture
-def e2e_env(clean_db: str, clean_redis: str) -> dict[str, str]:
-    with psycopg.connect(clean_db, autocommit=True) as conn:
-        from tests.app import RUNS_TABLE_DDL
-
-        conn.execute(RUNS_TABLE_DDL)
-        conn.execute("TRUNCATE e2e_successor_runs")
-    return {"FANIN_DATABASE_URL": clean_db, "FANIN_TEST_BROKER": clean_redis}
-
-
-@pytest.fixture
 def processes(e2e_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[_Processes]:
     procs = _Processes(e2e_env, tmp_path)
     yield procs
@@ -44,8 +34,8 @@ class _Processes:
         self.started.append(proc)
         return proc
 
-    def relay(self) -> CeleryProcess:
-        proc = start_relay(self.env, self.tmp_path / f"relay{len(self.started)}.log")
+    def relay(self, extra_env: dict[str, str] | None = None) -> CeleryProcess:
+        proc = start_relay({**self.env, **(extra_env or {})}, self.tmp_path / f"relay{len(self.started)}.log")
         self.started.append(proc)
         return proc
 

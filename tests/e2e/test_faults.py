@@ -247,3 +247,33 @@ def test_reconcile_reports_deleted_child_rows(producer: Any, processes: Any) -> 
     repairs = maintenance.reconcile(FanIn.of(producer))
     assert len(repairs) == 1 and "planned 3 children but 2 rows exist" in repairs[0].problems[0]
     assert handle.status().state == "running"  # reported, never guessed at
+
+
+def test_successor_message_lost_is_published_again(
+    producer: Any, processes: Any, successor_runs: Runs, clean_redis: str
+) -> None:
+    import redis
+
+    relay = processes.relay(extra_env={"FANIN_TEST_SUCCESSOR_TIMEOUT": "2"})
+    handle = fan_in_group([], then=tasks.record_run.s("lost-successor")).apply_async()
+    wait_for(lambda: handle.status().successor_state == "sent", 20, message="the successor sent")
+    redis.Redis.from_url(clean_redis).delete("celery")  # the broker loses it (a restart without persistence)
+    processes.worker()
+    status = handle.wait(timeout=60)
+    assert status.successor_state == "succeeded" and status.successor_runs == 1
+    assert len(successor_runs(handle.batch_id)) == 1
+    assert "stalled" in relay.output()
+
+
+def test_successor_whose_whole_worker_died_is_published_again(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    first = processes.worker()
+    processes.relay(extra_env={"FANIN_TEST_SUCCESSOR_TIMEOUT": "2"})
+    handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s("phoenix", 60)).apply_async()
+    wait_for(lambda: handle.status().successor_state == "running", 30, message="the successor running")
+    first.kill()  # main process too: nothing reports, and without acks_late nothing redelivers
+    processes.worker()
+    # The new run sleeps 60 s as well; what matters is that it started: the dead run's lock was free.
+    wait_for(lambda: handle.status().successor_runs == 2, 60, message="the successor started again")
+    assert handle.status().successor_state == "running"

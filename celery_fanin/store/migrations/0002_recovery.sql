@@ -35,3 +35,8 @@ CREATE INDEX fanin_batches_running ON fanin_batches (created_at) WHERE state = '
 
 ALTER TABLE fanin_successors
     ADD COLUMN kind text NOT NULL DEFAULT 'then' CHECK (kind IN ('then', 'on_expire', 'on_failure'));
+
+-- When the successor last changed state: a successor `sent` or `retrying` for too long (its message lost with a
+-- broker restart), or `running` with no live process holding its run lock, is published again.
+ALTER TABLE fanin_successors
+    ADD COLUMN state_at timestamptz NOT NULL DEFAULT now();
