@@ -1,7 +1,14 @@
 """celery-fanin: a fan-in for Celery that runs its successor exactly once, whatever its children end in."""
 
 from .canvas import BatchStatus, FanInGroup, FanInResult, fan_in_group
-from .exceptions import BatchNotFound, FanInDatabaseError, FanInError, FanInNotConfigured, InvalidFanIn
+from .exceptions import (
+    BatchNotFound,
+    FanInDatabaseError,
+    FanInDepthExceeded,
+    FanInError,
+    FanInNotConfigured,
+    InvalidFanIn,
+)
 from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
 
@@ -12,6 +19,7 @@ __all__ = [
     "ChildResult",
     "FanIn",
     "FanInDatabaseError",
+    "FanInDepthExceeded",
     "FanInError",
     "FanInGroup",
     "FanInNotConfigured",

@@ -24,8 +24,8 @@ from celery.utils import uuid as new_task_id
 from kombu.exceptions import EncodeError
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import dispatch, publish
-from .exceptions import BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
+from . import dispatch, producer, publish
+from .exceptions import BatchNotFound, FanInDatabaseError, FanInDepthExceeded, InvalidFanIn, summarise
 from .extension import FanIn
 from .store import batches, queries
 
@@ -73,6 +73,7 @@ def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
             if batch is None:
                 raise BatchNotFound(f"no fan-in batch with id {bid}")
             succ = queries.successor(conn, bid, batch.step)
+            leaves, leaf_succeeded, leaf_failed = queries.unfinished_leaves(conn, bid)
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not read batch {bid}: {summarise(exc)}") from exc
     return BatchStatus(
@@ -80,9 +81,10 @@ def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
         step=batch.step,
         state=batch.state,
         planned=batch.planned,
-        remaining=batch.remaining,
-        succeeded=batch.succeeded,
-        failed=batch.failed,
+        # In children, whatever the shape: a tree's root counts leaves, and an open batch holds a token.
+        remaining=batch.planned - batch.succeeded - leaf_succeeded - batch.failed - leaf_failed,
+        succeeded=batch.succeeded + leaf_succeeded,
+        failed=batch.failed + leaf_failed,
         published=batch.published_upto,
         created_at=batch.created_at,
         completed_at=batch.completed_at,
@@ -272,11 +274,15 @@ class FanInGroup:
         on_expire: Signature | None = None,
         max_failures: int | float | None = None,
         on_failure: Signature | None = None,
+        key: str | None = None,
+        max_width: int | None = None,
     ) -> None:
         self.children = children
         self.then = then
         self.step = step
         self._app = app
+        self.key = key
+        self.max_width = max_width
         self.options: dict[str, Any] = {
             "child_timeout": child_timeout, "on_lost": on_lost, "max_redrives": max_redrives,
             "deadline": deadline, "on_deadline": on_deadline, "on_expire": on_expire,
@@ -308,7 +314,7 @@ class FanInGroup:
             return self.then._app
         return current_app
 
-    def _validate(self) -> tuple[Signature, str, list[Signature]]:
+    def _validate_head(self) -> tuple[Signature, str]:
         if self.then is None:
             raise InvalidFanIn("fan_in_group needs then=: the signature of the successor to run after the children")
         then = _check_plain_signature(self.then, "then")
@@ -319,101 +325,89 @@ class FanInGroup:
             raise InvalidFanIn(f"step is {len(step)} characters long; at most {MAX_STEP_LENGTH} are allowed")
         if isinstance(self.children, (Signature, str, bytes)) or not isinstance(self.children, Iterable):
             raise InvalidFanIn("children must be an iterable of task signatures")
-        children = [_check_plain_signature(c, f"child {i}") for i, c in enumerate(self.children)]
-        return then, step, children
+        if self.key is not None and (not isinstance(self.key, str) or not self.key or len(self.key) > 500):
+            raise InvalidFanIn("key must be a non-empty string of at most 500 characters")
+        if self.max_width is not None and (
+            not isinstance(self.max_width, int) or isinstance(self.max_width, bool) or self.max_width < 1
+        ):
+            raise InvalidFanIn(f"max_width must be a whole number >= 1, not {self.max_width!r}")
+        return then, step
 
     def apply_async(self) -> FanInResult:
-        """Record the batch, then publish the children; returns at once with the handle."""
+        """Record the batch, then publish the children; returns at once with the handle.
+
+        A list of children is validated and encoded whole before anything is written. Any other iterable is
+        consumed in chunks (see `celery_fanin.producer`): a bad child there raises with its index, and the
+        batch stays open with the children written so far, for a rerun with the same key to resume.
+        """
         app = self.app
         fanin = FanIn.of(app)
-        then, step, sigs = self._validate()
+        then, step = self._validate_head()
         policy = self._policy(fanin)
-        successor_message = _encode(app, then, "then")
-        on_expire = _encode(app, policy.on_expire, "on_expire") if policy.on_expire is not None else None
-        on_failure = _encode(app, policy.on_failure, "on_failure") if policy.on_failure is not None else None
-        new_children = [
-            batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task, _encode(app, sig, f"child {i}"))
-            for i, sig in enumerate(sigs)
-        ]
-        if len({c.task_id for c in new_children}) != len(new_children):
-            raise InvalidFanIn("two children share a task_id; every child needs its own")
-        batch = batches.NewBatch(
+        depth, lineage = lineage_of_current_task(fanin)
+        if depth > fanin.settings.max_depth:
+            raise FanInDepthExceeded(
+                f"this fan-in would be at depth {depth}, past fanin_max_depth={fanin.settings.max_depth} "
+                f"(created from batch {lineage}); nothing was written or published"
+            )
+        root = batches.NewBatch(
             id=uuid.uuid4(),
             step=step,
             successor_task_id=then.options.get("task_id") or new_task_id(),
             successor_name=then.task,
-            successor_message=successor_message,
+            successor_message=_encode(app, then, "then"),
             child_timeout=policy.child_timeout,
             on_lost=policy.on_lost,
             max_redrives=policy.max_redrives,
             deadline_at=policy.deadline_at(),
             on_deadline=policy.on_deadline,
-            max_failures=policy.failure_threshold(len(new_children)),
-            on_expire=on_expire,
-            on_failure=on_failure,
+            max_failures=policy.max_failures if isinstance(policy.max_failures, int) else None,
+            on_expire=_encode(app, policy.on_expire, "on_expire") if policy.on_expire is not None else None,
+            on_failure=_encode(app, policy.on_failure, "on_failure") if policy.on_failure is not None else None,
+            app_name=app.main or "",
+            key=self.key,
+            depth=depth,
+            lineage=lineage,
         )
-        outbox_id = self._create_and_publish(fanin, batch, new_children, sigs)
-        if outbox_id is not None:  # an empty group: its successor exists already; send it now rather than on NOTIFY
+
+        def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
+            sig = _check_plain_signature(item, f"child {index}")
+            child = batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task,
+                                     _encode(app, sig, f"child {index}"))  # fmt: skip
+            return child, sig
+
+        ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
+        written = producer.write(
+            fanin, root, self.children, encode, ratio=ratio, max_width=self.max_width or fanin.settings.max_width
+        )
+        if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
             try:
-                dispatch.publish_outbox(fanin, ids=[outbox_id])
+                dispatch.publish_outbox(fanin, ids=[written.successor_outbox_id])
             except Exception:
-                logger.warning("could not publish successor of empty batch_id=%s; the relay will", batch.id,
-                               exc_info=True, extra={"batch_id": str(batch.id), "step": step})  # fmt: skip
-        logger.info("created batch_id=%s step=%s planned=%d", batch.id, step, len(new_children),
-                    extra={"batch_id": str(batch.id), "step": step})  # fmt: skip
-        return FanInResult(app, str(batch.id), batch.successor_task_id)
+                logger.warning("could not publish successor of empty batch_id=%s; the relay will", root.id,
+                               exc_info=True, extra={"batch_id": str(root.id), "step": step})  # fmt: skip
+        if not written.existing:
+            logger.info("created batch_id=%s step=%s children=%d depth=%d", written.batch_id, step, written.created,
+                        depth, extra={"batch_id": str(written.batch_id), "step": step})  # fmt: skip
+        return FanInResult(app, str(written.batch_id))
 
     __call__ = apply_async
 
-    def _create_and_publish(
-        self, fanin: FanIn, batch: batches.NewBatch, children: list[batches.NewChild], sigs: list[Signature]
-    ) -> int | None:
-        app = fanin.app
-        try:
-            conn = fanin.engine.connect()
-        except SQLAlchemyError as exc:
-            raise FanInDatabaseError(
-                f"cannot reach the fan-in database; nothing was published: {summarise(exc)}"
-            ) from exc
-        with conn:
-            try:
-                with conn.begin():
-                    batches.hold_publish_lock(conn, batch.id)
-                    outbox_id = batches.create_batch(conn, batch, children)
-            except SQLAlchemyError as exc:
-                # A rollback does not release a session-level lock: release it, or drop the connection (and the
-                # lock with it) if even that fails.
-                try:
-                    batches.release_publish_lock(conn, batch.id)
-                    conn.commit()
-                except SQLAlchemyError:
-                    conn.invalidate()
-                raise FanInDatabaseError(
-                    f"could not record the batch; nothing was published: {summarise(exc)}"
-                ) from exc
-            # Committed: from here on the batch is durable, and whatever this process fails to publish, the relay
-            # publishes once this connection (and with it the publish lock) is gone.
-            try:
-                chunk = fanin.settings.chunk_size
-                for start in range(0, len(children), chunk):
-                    part = range(start, min(start + chunk, len(children)))
-                    with publish.producer(app) as prod:
-                        publish.publish_children(app, prod, batch.id, ((i, children[i].task_id, sigs[i]) for i in part))
-                    batches.mark_published(conn, batch.id, part.stop)
-                    conn.commit()
-            except Exception:
-                logger.warning(
-                    "batch_id=%s is recorded but not all children were published; the relay will publish them",
-                    batch.id, exc_info=True, extra={"batch_id": str(batch.id)},
-                )  # fmt: skip
-            finally:
-                try:
-                    conn.rollback()
-                    batches.release_publish_lock(conn, batch.id)
-                    conn.commit()
-                except SQLAlchemyError:
-                    conn.invalidate()  # closing the connection releases the lock
-        return outbox_id
+
+def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:
+    """The depth and parent of a fan-in created now: inside a fan-in child or successor, one below its batch."""
+    from celery import current_task
+
+    request = getattr(current_task, "request", None) if current_task else None
+    if request is None or getattr(request, "called_directly", True):
+        return 0, None
+    parent = getattr(request, publish.HEADER_BATCH, None) or getattr(request, publish.HEADER_SUCCESSOR, None)
+    if not parent:
+        return 0, None
+    parent_id = _parse_batch_id(str(parent))
+    with fanin.engine.connect() as conn:
+        depth = queries.depth(conn, parent_id)
+    return (0 if depth is None else depth + 1), parent_id
 
 
 def _encode(app: Celery, sig: Signature, what: str) -> batches.Encoded:
@@ -440,5 +434,9 @@ def fan_in_group(
     `deadline` (timedelta or datetime) with `on_deadline` ("proceed": run the successor with a partial outcome;
     "abandon": mark the batch expired and run `on_expire` if given); `max_failures` (a count, or a ratio of the
     children) after which the batch finishes early and `on_failure` (or the successor) runs.
+
+    Scale options: `key` (an idempotency key, unique per app: a second call returns the existing batch, and
+    resumes it if its producer died mid-stream); `max_width` (default `fanin_max_width`): above it, the batch
+    becomes a tree of counters. `children` may be any iterable, consumed in chunks of `fanin_chunk_size`.
     """
     return FanInGroup(children, then=then, step=step, app=app, **options)

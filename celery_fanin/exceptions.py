@@ -19,6 +19,10 @@ class FanInDatabaseError(FanInError):
     """Postgres could not be reached or refused the write; nothing was published."""
 
 
+class FanInDepthExceeded(FanInError):
+    """A fan-in created inside a fan-in child or successor would be nested deeper than `fanin_max_depth`."""
+
+
 class BatchNotFound(FanInError, LookupError):
     """No batch with that id exists in the store."""
 

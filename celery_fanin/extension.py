@@ -28,6 +28,11 @@ class Settings:
     outcome_failures_limit: int = 100
     # Children written and published per round trip by the producer and the relay.
     chunk_size: int = 1000
+    # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
+    max_width: int = 10_000
+    tree_fanout: int = 16
+    # How deep fan-ins may nest (one created in a fan-in child or successor is one deeper; the first is 0).
+    max_depth: int = 8
     relay_poll_interval: float = 1.0
     relay_batch_size: int = 100
     # Attempts a worker makes to record a terminal outcome before it logs and gives up (to reconciliation).
@@ -97,9 +102,10 @@ class FanIn:
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
-        from . import hooks  # the hooks import this module
+        from . import eager, hooks  # both import this module
 
         hooks.install(app)
+        eager.install()  # task_always_eager: children and successors run inline are counted as on a worker
         return self
 
     def __init__(self, app: Celery) -> None:  # all the work is in __new__, which runs once per app

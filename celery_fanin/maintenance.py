@@ -45,10 +45,7 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
                                extra=extra)  # fmt: skip
             continue
         with fanin.engine.begin() as conn:
-            timeout = conn.exec_driver_sql(
-                "SELECT child_timeout::text FROM fanin_batches WHERE id = %(id)s", {"id": child.batch_id}
-            ).scalar_one()
-            counted = recovery.fail_lost(conn, child, timeout)
+            counted = recovery.fail_lost(conn, child)
         if counted:
             report.failed.append(child.task_id)
             logger.warning("child lost batch_id=%s index=%d task_id=%s: counted as failed (state lost)",

@@ -3,26 +3,73 @@
 Children and successors are published as ordinary Celery task messages with pre-assigned task ids and a few
 custom headers that the worker hooks read: ``fanin_batch`` and ``fanin_index`` on a child, ``fanin_successor`` and
 ``fanin_step`` on a successor. Custom headers reach the task as ``task.request.<name>`` and survive retries.
+
+Why children are not published with ``Signature.apply_async``: that path re-reads the app's configuration,
+re-routes, re-declares the queue and (with a result backend) subscribes to each task's result, message by message;
+it publishes well under a thousand messages a second. A batch of children mostly shares one task and one set of
+options, so here the routing Celery would compute (task options, signature options, ``task_routes``) is resolved
+once per distinct (task, options), each message is still built by Celery's own ``amqp.create_task_message``, and
+the broker writes are pipelined:
+
+- Redis: kombu's ``Producer.batch`` (one pipeline per ``BATCH_SIZE`` commands, flushed when the `producer`
+  context exits);
+- RabbitMQ: a channel of the producer's connection in publisher-confirm mode; messages are written back to back
+  and `publish_children` returns only once the broker has confirmed all of them (a nack or a channel error
+  raises), so a caller that records "published" afterwards records the truth;
+- any other transport, or a Redis connection configured to retry commands (where kombu refuses pipelines):
+  the same messages, published one by one.
+
+A child with options the fast path does not model (links, chords, stamps...), and every child of an app in eager
+mode, with task protocol 1, with ``task_send_sent_event``, or with ``fanin_bulk_publish = False``, goes through
+``Signature.apply_async`` exactly as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
+from celery.app.task import Task
 from celery.canvas import Signature
-from kombu import Producer
+from celery.utils.saferepr import saferepr
+from celery.utils.time import subtract_datetimes
+from kombu import Exchange, Producer
+from kombu.common import Broadcast
+from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .store.batches import Encoded
+
+logger = logging.getLogger("celery_fanin.publish")
 
 HEADER_BATCH = "fanin_batch"
 HEADER_INDEX = "fanin_index"
 HEADER_SUCCESSOR = "fanin_successor"
 HEADER_STEP = "fanin_step"
+
+# Redis commands buffered per pipeline round trip, and AMQP messages written before waiting for their confirms.
+BATCH_SIZE = 1000
+CONFIRM_WINDOW = 1000
+# Seconds to wait for RabbitMQ's confirms of one window before giving up (the caller then leaves the chunk to the
+# relay, which republishes it: a child published twice is counted once).
+CONFIRM_TIMEOUT = 30.0
+
+# Signature options the fast path builds messages for; a child with any other option is published by Celery.
+_PER_MESSAGE_OPTIONS = frozenset({"task_id", "countdown", "eta", "expires", "headers"})
+_ROUTE_OPTIONS = frozenset(
+    {"queue", "exchange", "routing_key", "exchange_type", "priority", "delivery_mode", "serializer", "compression",
+     "time_limit", "soft_time_limit", "ignore_result", "shadow", "retry", "retry_policy", "immediate", "mandatory",
+     "add_to_parent", "reply_to"}
+)  # fmt: skip
+_FAST_OPTIONS = _PER_MESSAGE_OPTIONS | _ROUTE_OPTIONS
 
 
 def encode_signature(app: Celery, sig: Signature) -> Encoded:
@@ -54,28 +101,448 @@ def decode_result(app: Celery, encoded: Encoded) -> Any:
 
 @contextmanager
 def producer(app: Celery) -> Iterator[Producer]:
-    """One producer for many messages, pipelined where kombu's transport supports batching."""
+    """One producer for many messages, pipelined where kombu's transport supports batching.
+
+    Messages published through it are on the broker when the context exits (the Redis pipeline is flushed then;
+    a failed flush raises).
+    """
     with app.producer_or_acquire() as prod:
         batch = getattr(prod, "batch", None)  # kombu >= 5.7
         if batch is None:
             yield prod
         else:
-            with batch(1000):
+            with batch(BATCH_SIZE):
                 yield prod
+
+
+# --- the fast path -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where and how one kind of message goes: what Celery's router and `send_task_message` compute, once."""
+
+    exchange: str
+    routing_key: str
+    declare: tuple[Any, ...]
+    serializer: str
+    compression: str | None
+    properties: Mapping[str, Any]  # delivery_mode, priority and any other message property
+    time_limit: float | None
+    soft_time_limit: float | None
+    ignore_result: bool | None
+    shadow: str | None
+    expires: Any  # the task's default `expires`, if the signature has none
+
+
+class _Unsupported(Exception):
+    """This child needs Celery's own publishing path."""
+
+
+class _Builder:
+    """Builds the children's messages of one `publish_children` call with Celery's own message format."""
+
+    def __init__(self, app: Celery, batch_id: str) -> None:
+        self.app = app
+        self.amqp = app.amqp
+        self.batch_id = batch_id
+        conf = app.conf
+        self.now = app.now()
+        self.timezone = app.timezone
+        self.default_serializer = conf.task_serializer
+        self.default_compression = conf.task_compression
+        self.default_delivery_mode = conf.task_default_delivery_mode
+        self.default_rkey = conf.task_default_routing_key
+        self.default_exchange = self.amqp.default_exchange
+        self.repr_levels = conf.task_repr_maxlevels
+        self.argsrepr_size = self.amqp.argsrepr_maxsize
+        self.kwargsrepr_size = self.amqp.kwargsrepr_maxsize
+        self.reply_to = app.thread_oid
+        from celery.utils.nodenames import anon_nodename
+
+        self.origin = anon_nodename()
+        # As `send_task` does: a batch created inside a task is that task's child.
+        parent = app.current_worker_task
+        self.root_id = self.parent_id = None
+        self.parent_priority = None
+        if parent is not None:
+            self.root_id = parent.request.root_id or parent.request.id
+            self.parent_id = parent.request.id
+            if conf.task_inherit_parent_priority:
+                self.parent_priority = (parent.request.delivery_info or {}).get("priority")
+        self.simple_routes = all(type(r).__name__ == "MapRoute" for r in self.amqp.router.routes)
+        self.routes: dict[Any, _Route] = {}
+        self.tasks: dict[str, Task | None] = {}
+        self.declared: set[int] = set()
+
+    def repr(self, value: tuple[Any, ...] | dict[str, Any], size: int) -> str:
+        """`saferepr`'s text for the usual flat arguments at `repr`'s speed; `saferepr` itself for anything else."""
+        items: Iterable[Any] = (*value.keys(), *value.values()) if isinstance(value, dict) else value
+        if len(value) <= 16 and all(_plain(v) for v in items):
+            text = repr(value)
+            if len(text) <= size:
+                return text
+        return saferepr(value, size, maxlevels=self.repr_levels)
+
+    def task(self, name: str) -> Task | None:
+        try:
+            return self.tasks[name]
+        except KeyError:
+            task = self.app.tasks.get(name)
+            if task is not None and (
+                getattr(task, "_dump_pydantic_arguments", None) is not None
+                or type(task).apply_async is not Task.apply_async
+            ):
+                task = _UNSUPPORTED_TASK  # pydantic arguments or a custom apply_async: Celery's path
+            self.tasks[name] = task
+            return task
+
+    def route(self, name: str, task: Task | None, options: dict[str, Any], args: Any, kwargs: Any) -> _Route:
+        """The options Celery would publish with; cached per (task, options) unless a routing function decides."""
+        key: Any = None
+        if self.simple_routes:
+            try:
+                key = (name, tuple(sorted(options.items())))
+                hash(key)
+            except TypeError:
+                key = None
+            else:
+                cached = self.routes.get(key)
+                if cached is not None:
+                    return cached
+        route = self._resolve(name, task, dict(options), args, kwargs)
+        if key is not None:
+            self.routes[key] = route
+        return route
+
+    def _resolve(self, name: str, task: Task | None, options: dict[str, Any], args: Any, kwargs: Any) -> _Route:
+        # Task.apply_async: the task's own options under the signature's.
+        if task is not None:
+            options = dict({k: v for k, v in task._get_exec_options().items() if v is not None}, **options)
+            options.setdefault("ignore_result", task.ignore_result)
+        if options.pop("retry", None) is not None:
+            pass  # publishing is not retried message by message here: a failed chunk is left to the relay
+        options.pop("retry_policy", None)
+        options.pop("add_to_parent", None)
+        options.pop("immediate", None)
+        options.pop("mandatory", None)
+        time_limit = options.pop("time_limit", None)
+        soft_time_limit = options.pop("soft_time_limit", None)
+        task_expires = options.pop("expires", None)
+        ignore_result = options.pop("ignore_result", None)
+        shadow = options.pop("shadow", None)
+        reply_to = options.pop("reply_to", None)
+        if reply_to is not None:
+            raise _Unsupported("reply_to")
+        if self.parent_priority is not None:
+            options.setdefault("priority", self.parent_priority)
+        # app.send_task: the router (task_routes, the queue option, the default queue).
+        options = self.amqp.router.route(options, name, args, kwargs, task)
+        # amqp.send_task_message: from queue/exchange/routing key to what the producer publishes.
+        queue = options.pop("queue", None)
+        exchange = options.pop("exchange", None)
+        routing_key = options.pop("routing_key", None)
+        exchange_type = options.pop("exchange_type", None)
+        delivery_mode = options.pop("delivery_mode", None)
+        serializer = options.pop("serializer", None) or self.default_serializer
+        compression = options.pop("compression", None) or self.default_compression
+        if options.pop("declare", None) is not None:
+            raise _Unsupported("declare")
+        qname = queue
+        if queue is None and exchange is None:
+            queue = self.amqp.default_queue
+        if queue is not None:
+            if isinstance(queue, str):
+                qname, queue = queue, self.amqp.queues[queue]
+            else:
+                qname = queue.name
+        if delivery_mode is None:
+            delivery_mode = getattr(getattr(queue, "exchange", None), "delivery_mode", None)
+            delivery_mode = delivery_mode or self.default_delivery_mode
+        if exchange_type is None:
+            exchange_type = getattr(getattr(queue, "exchange", None), "type", None) or "direct"
+        if (not exchange or not routing_key) and exchange_type == "direct":
+            exchange, routing_key = "", qname
+        elif exchange is None:
+            exchange = queue.exchange.name or self.default_exchange
+            routing_key = routing_key or queue.routing_key or self.default_rkey
+        if isinstance(exchange, Exchange):
+            exchange = exchange.name
+        declare: tuple[Any, ...] = (queue,) if queue is not None and not isinstance(queue, Broadcast) else ()
+        return _Route(
+            exchange=exchange or "",
+            routing_key=routing_key or "",
+            declare=declare,
+            serializer=serializer,
+            compression=compression,
+            properties={"delivery_mode": delivery_mode, **options},
+            time_limit=time_limit,
+            soft_time_limit=soft_time_limit,
+            ignore_result=ignore_result,
+            shadow=shadow,
+            expires=task_expires,
+        )
+
+    def build(self, idx: int, task_id: str, sig: Signature) -> tuple[_Route, dict[str, Any], Any, dict[str, Any]]:
+        """One child's (route, headers, body, properties), as `app.send_task` would publish it."""
+        options = sig.options
+        if not options.keys() <= _FAST_OPTIONS:
+            raise _Unsupported(", ".join(sorted(options.keys() - _FAST_OPTIONS)))
+        name = sig.task
+        task = self.task(name)
+        if task is _UNSUPPORTED_TASK:
+            raise _Unsupported("task")
+        args = tuple(sig.args)
+        kwargs = dict(sig.kwargs)
+        route_options = {k: v for k, v in options.items() if k not in _PER_MESSAGE_OPTIONS}
+        route = self.route(name, task, route_options, args, kwargs)
+        if task is not None and task.typing:
+            # Task.apply_async checks the arguments against the task's signature; a mismatch is the caller's error.
+            header = getattr(task, "__header__", None)
+            if header is not None:
+                header(*args, **kwargs)
+        countdown = options.get("countdown")
+        eta = options.get("eta")
+        expires = options.get("expires", route.expires)
+        if isinstance(expires, str):
+            raise _Unsupported("expires given as a string")
+        shadow = route.shadow
+        if task is not None and type(task).shadow_name is not Task.shadow_name:
+            shadow = shadow or task.shadow_name(args, kwargs, options)
+        message = self.amqp.create_task_message(
+            task_id, name, args, kwargs, countdown, eta, None, None,
+            expires, 0, None, None, None,
+            self.reply_to, route.time_limit, route.soft_time_limit, False,
+            self.root_id, self.parent_id, shadow, None,
+            ignore_result=route.ignore_result, now=self.now, timezone=self.timezone, origin=self.origin,
+            argsrepr=self.repr(args, self.argsrepr_size),
+            kwargsrepr=self.repr(kwargs, self.kwargsrepr_size),
+        )  # fmt: skip
+        headers = message.headers
+        headers.update(options.get("headers") or {})
+        headers[HEADER_BATCH] = self.batch_id
+        headers[HEADER_INDEX] = idx
+        properties = {**route.properties, **message.properties}
+        if expires is not None:
+            # As `send_task`: an expiring task is also a message with a TTL (RabbitMQ drops it unconsumed).
+            if isinstance(expires, datetime):
+                seconds = subtract_datetimes(expires, self.now).total_seconds()
+            else:
+                seconds = float(expires)
+            properties["expiration"] = max(0.0, seconds)
+        return route, headers, message.body, properties
+
+
+_UNSUPPORTED_TASK: Any = object()
+# Types whose `repr` is what `saferepr` prints for them.
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _plain(value: Any) -> bool:
+    """A value `repr` prints exactly as `saferepr` does (saferepr quotes, escapes and shortens strings its own way
+    only when they are long or hold quotes, backslashes or unprintable characters)."""
+    if type(value) is str:
+        return len(value) < 64 and value.isprintable() and "'" not in value and '"' not in value and "\\" not in value
+    return type(value) in _SCALARS
+
+
+def bulk_publish_enabled(app: Celery) -> bool:
+    """Whether the fast path may be used for this app (``fanin_bulk_publish``, default on)."""
+    conf = app.conf
+    if not conf.get("fanin_bulk_publish", True):
+        return False
+    return not (conf.task_always_eager or conf.task_send_sent_event or int(conf.task_protocol or 2) != 2)
+
+
+def publish_mode(prod: Producer) -> str:
+    """How `publish_children` writes to this producer's broker: ``pipeline`` (Redis), ``confirm`` (AMQP) or
+    ``single`` (anything else, one message at a time)."""
+    conn = prod.connection
+    driver = getattr(getattr(conn, "transport", None), "driver_type", None)
+    if driver == "amqp" and getattr(conn.transport, "driver_name", "") in ("py-amqp", "amqp"):
+        return "confirm"
+    if getattr(prod, "supports_batch_publish", False) and getattr(prod, "batch", None) is not None:
+        return "pipeline"
+    return "single"
 
 
 def publish_children(
     app: Celery, prod: Producer, batch_id: uuid.UUID, children: Iterable[tuple[int, str, Signature]]
 ) -> None:
-    """Publish children (index, task id, signature) as ordinary task messages carrying the batch headers."""
+    """Publish children (index, task id, signature) as ordinary task messages carrying the batch headers.
+
+    With Redis the messages are buffered in the producer's pipeline (see `producer`); with RabbitMQ this returns
+    once the broker confirmed every one of them. Raises if the broker cannot be reached or refuses a message: the
+    caller then leaves these children to the relay.
+    """
     bid = str(batch_id)
-    for idx, task_id, sig in children:
-        sig.apply_async(
-            task_id=task_id,
-            producer=prod,
-            headers={**(sig.options.get("headers") or {}), HEADER_BATCH: bid, HEADER_INDEX: idx},
-            add_to_parent=False,
+    if not bulk_publish_enabled(app):
+        for idx, task_id, sig in children:
+            _publish_with_celery(prod, bid, idx, task_id, sig)
+        return
+    _ensure_connection(app, prod)
+    mode = publish_mode(prod)
+    builder = _Builder(app, bid)
+    driver = prod.connection.transport.driver_type
+    quorum = _has_quorum_queues(app, driver)
+    confirms = _confirm_channel(prod) if mode == "confirm" else None
+    target = confirms.producer if confirms is not None else prod
+    before = signals.before_task_publish
+    after = signals.after_task_publish
+    # Nested in the `producer` context's batch when there is one (flushed when it exits), else flushed here.
+    batch = prod.batch(BATCH_SIZE) if mode == "pipeline" else contextlib.nullcontext()
+    try:
+        with batch:
+            for idx, task_id, sig in children:
+                try:
+                    route, headers, body, properties = builder.build(idx, task_id, sig)
+                    if quorum and (sig.options.get("countdown") or sig.options.get("eta")):
+                        raise _Unsupported("eta on quorum queues")  # Celery's native delayed delivery
+                except _Unsupported:
+                    _publish_with_celery(prod, bid, idx, task_id, sig)
+                    continue
+                for entity in route.declare:
+                    if id(entity) not in builder.declared:
+                        prod.maybe_declare(entity)
+                        builder.declared.add(id(entity))
+                if before.receivers:
+                    before.send(sender=sig.task, body=body, exchange=route.exchange, routing_key=route.routing_key,
+                                declare=list(route.declare), headers=headers, properties=properties,
+                                retry_policy=None)  # fmt: skip
+                target.publish(
+                    body,
+                    exchange=route.exchange,
+                    routing_key=route.routing_key,
+                    serializer=route.serializer,
+                    compression=route.compression,
+                    headers=headers,
+                    declare=[],
+                    retry=False,
+                    **properties,
+                )
+                if confirms is not None:
+                    confirms.sent += 1
+                    if confirms.sent - confirms.floor >= 2 * CONFIRM_WINDOW:
+                        confirms.wait(upto=confirms.sent - CONFIRM_WINDOW)  # a window stays in flight
+                if after.receivers:
+                    after.send(sender=sig.task, body=body, headers=headers, exchange=route.exchange,
+                               routing_key=route.routing_key)  # fmt: skip
+            if confirms is not None:
+                confirms.wait()
+    except BaseException:
+        if confirms is not None:
+            confirms.discard()
+        raise
+
+
+def _publish_with_celery(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature) -> None:
+    """Celery's own path, one message at a time (every option Celery knows, at Celery's speed)."""
+    sig.apply_async(
+        task_id=task_id,
+        producer=prod,
+        headers={**(sig.options.get("headers") or {}), HEADER_BATCH: bid, HEADER_INDEX: idx},
+        add_to_parent=False,
+    )
+
+
+def _ensure_connection(app: Celery, prod: Producer) -> None:
+    """Connect with the app's publish retry policy, as `apply_async` would, before anything is built."""
+    conn = prod.connection
+    if app.conf.task_publish_retry:
+        policy = dict(app.conf.task_publish_retry_policy or {})
+        conn.ensure_connection(
+            max_retries=policy.get("max_retries", 3),
+            interval_start=policy.get("interval_start", 0),
+            interval_step=policy.get("interval_step", 0.2),
+            interval_max=policy.get("interval_max", 1),
         )
+    prod.channel  # noqa: B018 - binds the producer's channel (connecting if need be)
+
+
+def _has_quorum_queues(app: Celery, driver: str) -> bool:
+    try:
+        from celery.utils.quorum_queues import detect_quorum_queues
+    except ImportError:  # pragma: no cover - celery < 5.5
+        return False
+    return bool(detect_quorum_queues(app, driver)[0])
+
+
+class ConfirmChannel:
+    """A channel of the producer's AMQP connection in publisher-confirm mode, written without waiting per message.
+
+    Delivery tags count from 1 on a channel put in confirm mode; the broker acks them (possibly several at once)
+    as it takes responsibility for the messages. `wait` drains the connection until every message sent so far is
+    acked, and raises if one was nacked, the channel was closed by the broker, or `CONFIRM_TIMEOUT` passed.
+    """
+
+    def __init__(self, prod: Producer) -> None:
+        conn = prod.connection
+        self.transport_connection = conn.connection
+        self.channel = conn.channel()
+        self.channel.confirm_select()
+        # A connection with `confirm_publish` makes every publish wait for its own ack: not on this channel.
+        self.channel.basic_publish = self.channel._basic_publish
+        self.channel.events["basic_ack"].add(self._on_ack)
+        self.channel.events["basic_nack"].add(self._on_nack)
+        self.producer = Producer(self.channel, exchange=prod.exchange, serializer=prod.serializer, auto_declare=False)
+        self.sent = 0
+        self.floor = 0  # every tag <= floor is acked
+        self._acked: set[int] = set()
+        self._nacked = 0
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.channel.is_open) and self.channel.connection is self.transport_connection
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        if multiple:
+            self.floor = max(self.floor, tag)
+        else:
+            self._acked.add(tag)
+        while self.floor + 1 in self._acked:
+            self.floor += 1
+            self._acked.discard(self.floor)
+        if multiple and self._acked:
+            self._acked = {t for t in self._acked if t > self.floor}
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._nacked += 1
+        self._on_ack(tag, multiple)
+
+    def wait(self, upto: int | None = None, timeout: float = CONFIRM_TIMEOUT) -> None:
+        """Drain acks until every message up to `upto` (default: all sent) is confirmed."""
+        target = self.sent if upto is None else upto
+        deadline = time.monotonic() + timeout
+        connection = self.channel.connection
+        while self.floor < target:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OperationalError(f"RabbitMQ did not confirm {self.sent - self.floor} messages in {timeout}s")
+            try:
+                connection.drain_events(timeout=min(left, 1.0))
+            except TimeoutError:
+                continue
+        if self._nacked:
+            nacked, self._nacked = self._nacked, 0
+            raise OperationalError(f"RabbitMQ refused {nacked} of the messages published (basic.nack)")
+
+    def discard(self) -> None:
+        """After a failure the channel's count is unknown: close it; the next call opens a fresh one."""
+        try:
+            self.channel.close()
+        except Exception:  # noqa: BLE001 - the channel may be gone with its connection already
+            logger.debug("closing the confirm channel failed", exc_info=True)
+
+
+def _confirm_channel(prod: Producer) -> ConfirmChannel:
+    """The connection's confirm channel, opened on first use and reused by later calls on the same connection."""
+    conn = prod.connection
+    existing: ConfirmChannel | None = getattr(conn, "_fanin_confirms", None)
+    if existing is not None and existing.usable and existing.floor == existing.sent:
+        return existing
+    confirms = ConfirmChannel(prod)
+    conn._fanin_confirms = confirms
+    return confirms
 
 
 def publish_successor(

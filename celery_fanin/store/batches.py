@@ -62,6 +62,18 @@ class NewBatch:
     max_failures: int | None = None
     on_expire: Encoded | None = None
     on_failure: Encoded | None = None
+    # A ratio of failures, for a batch whose size is unknown until it is sealed.
+    max_failures_ratio: float | None = None
+    app_name: str | None = None
+    key: str | None = None
+    digest: bytes | None = None
+    depth: int = 0
+    lineage: uuid.UUID | None = None
+    parent_task_id: str | None = None
+
+
+class KeyTaken(Exception):
+    """Another batch of the same app holds this idempotency key."""
 
 
 @dataclass(frozen=True)
@@ -74,34 +86,89 @@ class TerminalRecord:
     late: bool = False
 
 
-def create_batch(conn: Connection, batch: NewBatch, children: Sequence[NewChild]) -> int | None:
+def create_batch(
+    conn: Connection, batch: NewBatch, children: Sequence[NewChild], *, leaves: int = 0, chunk: int = 1000
+) -> int | None:
     """Write the batch, its planned count and every child in one transaction, before anything is published.
 
     Invariant: `remaining = planned = len(children)` is committed together with exactly those child rows, so no
-    child can finish before its counter exists and the counter never exceeds the children created. An empty batch
-    is complete at once: its successor and outbox row are written in the same transaction. Returns that outbox
-    row's id, or None.
+    child can finish before its counter exists and the counter never exceeds the children created. With
+    `leaves`, the batch is the root of a tree: child i goes to leaf i % leaves (round robin, so that concurrent
+    reports spread over the leaves' counter rows), each leaf counts its own children, and the root counts its
+    leaves. An empty batch is complete at once: its successor and outbox row are written in the same
+    transaction, and that outbox row's id is returned (else None). Raises `KeyTaken`, having written nothing, if
+    the batch's key is already taken.
     """
-    planned = len(children)
-    conn.execute(
+    n = len(children)
+    if leaves <= 0:
+        if not insert_batch(conn, batch, state="complete" if n == 0 else "running", planned=n):
+            raise KeyTaken(batch.key or "")
+        for start in range(0, n, chunk):
+            insert_children(conn, batch.id, children[start : start + chunk], start)
+        return None if n else insert_successor(conn, batch.id, "then")
+    if not insert_batch(conn, batch, state="running", planned=n, remaining=leaves):
+        raise KeyTaken(batch.key or "")
+    leaf_ids = [uuid.uuid4() for _ in range(leaves)]
+    for k, leaf_id in enumerate(leaf_ids):
+        size = len(range(k, n, leaves))
+        insert_batch(conn, leaf_of(batch, leaf_id), state="running", planned=size, parent_id=batch.id)
+    for start in range(0, n, chunk):
+        insert_placed(conn, [(leaf_ids[i % leaves], children[i], i) for i in range(start, min(n, start + chunk))])
+    return None
+
+
+def leaf_of(root: NewBatch, leaf_id: uuid.UUID) -> NewBatch:
+    """A leaf inherits what recovery needs per child (timeouts); deadline, threshold and successor stay on the
+    root."""
+    return NewBatch(
+        id=leaf_id, step=root.step, successor_task_id="", successor_name="", successor_message=root.successor_message,
+        child_timeout=root.child_timeout, on_lost=root.on_lost, max_redrives=root.max_redrives,
+        app_name=root.app_name, depth=root.depth, lineage=root.lineage,
+    )  # fmt: skip
+
+
+def insert_batch(
+    conn: Connection,
+    batch: NewBatch,
+    *,
+    state: str,
+    planned: int,
+    parent_id: uuid.UUID | None = None,
+    remaining: int | None = None,
+) -> bool:
+    """Insert one batch row: `running` with its children's count, or `open` holding the producer's token
+    (remaining = 1, planned = 0: `add_children` raises both as chunks are written, `seal` releases the token).
+
+    A batch with a key that is already taken is not inserted (the unique index makes racing callers wait for the
+    first one's commit); returns False then.
+    """
+    if remaining is None:
+        remaining = 1 if state == "open" else planned
+    row = conn.execute(
         text(
             """
             INSERT INTO fanin_batches (id, step, state, planned, remaining, successor_task_id, successor_name,
                                        successor_message, successor_content_type, successor_content_encoding,
                                        completed_at, child_timeout, on_lost, max_redrives, deadline_at, on_deadline,
-                                       max_failures, on_expire_message, on_expire_content_type,
+                                       max_failures, max_failures_ratio, on_expire_message, on_expire_content_type,
                                        on_expire_content_encoding, on_failure_message, on_failure_content_type,
-                                       on_failure_content_encoding)
-            VALUES (:id, :step, CASE WHEN :planned = 0 THEN 'complete' ELSE 'running' END, :planned, :planned,
-                    :stid, :sname, :smsg, :sct, :sce, CASE WHEN :planned = 0 THEN now() END,
-                    :child_timeout, :on_lost, :max_redrives, :deadline_at, :on_deadline, :max_failures,
-                    :emsg, :ect, :ece, :fmsg, :fct, :fce)
+                                       on_failure_content_encoding, app_name, key, digest, parent_id, depth,
+                                       lineage, parent_task_id)
+            VALUES (:id, :step, :state, :planned, :remaining, :stid, :sname, :smsg, :sct, :sce,
+                    CASE WHEN :state = 'complete' THEN now() END,
+                    :child_timeout, :on_lost, :max_redrives, :deadline_at, :on_deadline, :max_failures, :ratio,
+                    :emsg, :ect, :ece, :fmsg, :fct, :fce, :app_name, :key, :digest, :parent_id, :depth, :lineage,
+                    :parent_task_id)
+            ON CONFLICT (app_name, key) WHERE key IS NOT NULL DO NOTHING
+            RETURNING id
             """
         ),
         {
             "id": batch.id,
             "step": batch.step,
+            "state": state,
             "planned": planned,
+            "remaining": remaining,
             "stid": batch.successor_task_id,
             "sname": batch.successor_name,
             "smsg": batch.successor_message.body,
@@ -113,38 +180,127 @@ def create_batch(conn: Connection, batch: NewBatch, children: Sequence[NewChild]
             "deadline_at": batch.deadline_at,
             "on_deadline": batch.on_deadline,
             "max_failures": batch.max_failures,
+            "ratio": batch.max_failures_ratio,
             "emsg": batch.on_expire.body if batch.on_expire else None,
             "ect": batch.on_expire.content_type if batch.on_expire else None,
             "ece": batch.on_expire.content_encoding if batch.on_expire else None,
             "fmsg": batch.on_failure.body if batch.on_failure else None,
             "fct": batch.on_failure.content_type if batch.on_failure else None,
             "fce": batch.on_failure.content_encoding if batch.on_failure else None,
+            "app_name": batch.app_name,
+            "key": batch.key,
+            "digest": batch.digest,
+            "parent_id": parent_id,
+            "depth": batch.depth,
+            "lineage": batch.lineage,
+            "parent_task_id": batch.parent_task_id,
+        },
+    ).first()
+    return row is not None
+
+
+def insert_children(conn: Connection, batch_id: uuid.UUID, children: Sequence[NewChild], start: int) -> None:
+    """All children of a one-transaction batch, with indexes from `start`, in one statement."""
+    insert_placed(conn, [(batch_id, child, start + i) for i, child in enumerate(children)])
+
+
+def insert_placed(conn: Connection, placed: Sequence[tuple[uuid.UUID, NewChild, int]]) -> None:
+    """One statement for a chunk of children, each with its batch (the root or a leaf) and global index: arrays
+    unnested server-side are about twice as fast as multi-row VALUES."""
+    conn.execute(
+        text(
+            """
+            INSERT INTO fanin_children (task_id, batch_id, idx, task_name, message, content_type, content_encoding)
+            SELECT * FROM unnest(CAST(:task_ids AS text[]), CAST(:batch_ids AS uuid[]), CAST(:idxs AS integer[]),
+                                 CAST(:names AS text[]), CAST(:messages AS bytea[]), CAST(:cts AS text[]),
+                                 CAST(:ces AS text[]))
+            """
+        ),
+        {
+            "task_ids": [c.task_id for _, c, _ in placed],
+            "batch_ids": [b for b, _, _ in placed],
+            "idxs": [i for _, _, i in placed],
+            "names": [c.task_name for _, c, _ in placed],
+            "messages": [c.message.body for _, c, _ in placed],
+            "cts": [c.message.content_type for _, c, _ in placed],
+            "ces": [c.message.content_encoding for _, c, _ in placed],
         },
     )
-    if children:
-        # One statement for all children: arrays unnested server-side are about twice as fast as multi-row VALUES.
+
+
+def add_children(
+    conn: Connection, root_id: uuid.UUID, placed: Sequence[tuple[uuid.UUID, NewChild, int]], digest: bytes
+) -> None:
+    """Write one chunk of an open batch's children and raise the counters that wait for them, in one transaction.
+
+    Each child is placed in the root itself or one of its open leaves, with its global index. A leaf's own
+    counter waits for its children; the root's `planned` counts every child (its `remaining` counts its direct
+    children and its leaves). `digest` is the chain over every child written so far, for resuming and for
+    telling a different child list from the same one under a key.
+    """
+    insert_placed(conn, placed)
+    per_leaf: dict[uuid.UUID, int] = {}
+    for batch_id, _, _ in placed:
+        if batch_id != root_id:
+            per_leaf[batch_id] = per_leaf.get(batch_id, 0) + 1
+    if per_leaf:
         conn.execute(
             text(
                 """
-                INSERT INTO fanin_children (task_id, batch_id, idx, task_name, message, content_type,
-                                            content_encoding)
-                SELECT t.task_id, :batch_id, t.ord - 1, t.task_name, t.message, t.ct, t.ce
-                  FROM unnest(CAST(:task_ids AS text[]), CAST(:names AS text[]), CAST(:messages AS bytea[]),
-                              CAST(:cts AS text[]), CAST(:ces AS text[]))
-                       WITH ORDINALITY AS t(task_id, task_name, message, ct, ce, ord)
+                UPDATE fanin_batches b SET planned = b.planned + p.n, remaining = b.remaining + p.n
+                  FROM unnest(CAST(:ids AS uuid[]), CAST(:ns AS integer[])) AS p(id, n)
+                 WHERE b.id = p.id
                 """
             ),
-            {
-                "batch_id": batch.id,
-                "task_ids": [c.task_id for c in children],
-                "names": [c.task_name for c in children],
-                "messages": [c.message.body for c in children],
-                "cts": [c.message.content_type for c in children],
-                "ces": [c.message.content_encoding for c in children],
-            },
+            {"ids": list(per_leaf), "ns": list(per_leaf.values())},
         )
-        return None
-    return insert_successor(conn, batch.id, "then")
+    conn.execute(
+        text(
+            """
+            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest
+             WHERE id = :id AND state = 'open'
+            """
+        ),
+        {"id": root_id, "total": len(placed), "direct": len(placed) - sum(per_leaf.values()), "digest": digest},
+    )
+
+
+def add_leaf(conn: Connection, root: NewBatch, leaf_id: uuid.UUID) -> None:
+    """Open a leaf under an open root: the root now also waits for the leaf (one unit of its `remaining`)."""
+    insert_batch(conn, leaf_of(root, leaf_id), state="open", planned=0, parent_id=root.id)
+    conn.execute(text("UPDATE fanin_batches SET remaining = remaining + 1 WHERE id = :id"), {"id": root.id})
+
+
+def seal(conn: Connection, batch_id: uuid.UUID) -> bool:
+    """Release an open batch's token: it takes no more children and can finish. True if that created the
+    successor (everything had already finished)."""
+    row = conn.execute(text("SELECT * FROM fanin_seal(:id)"), {"id": batch_id}).one()
+    return bool(row.successor_created)
+
+
+def find_by_key(conn: Connection, app_name: str, key: str) -> tuple[uuid.UUID, str, int, bytes | None] | None:
+    """The batch holding an idempotency key: (id, state, planned, digest)."""
+    row = conn.execute(
+        text("SELECT id, state, planned, digest FROM fanin_batches WHERE app_name = :a AND key = :k"),
+        {"a": app_name, "k": key},
+    ).first()
+    return None if row is None else (row.id, row.state, row.planned, bytes(row.digest) if row.digest else None)
+
+
+def direct_children(conn: Connection, batch_id: uuid.UUID) -> int:
+    """Children written to the batch row itself (not to its leaves)."""
+    return int(
+        conn.execute(text("SELECT count(*) FROM fanin_children WHERE batch_id = :id"), {"id": batch_id}).scalar_one()
+    )
+
+
+def open_leaves(conn: Connection, root_id: uuid.UUID) -> list[tuple[uuid.UUID, int]]:
+    """An open root's open leaves and how many children each holds (to resume a producer)."""
+    rows = conn.execute(
+        text("SELECT id, planned FROM fanin_batches WHERE parent_id = :id AND state = 'open' ORDER BY created_at, id"),
+        {"id": root_id},
+    )
+    return [(r.id, r.planned) for r in rows]
 
 
 def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | None:
@@ -171,71 +327,6 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
     return None if row is None else int(row[0])
 
 
-# The one statement a child's terminal report costs (one round trip):
-#  child  - the conditional transition: only a child still pending or started moves to its terminal state;
-#  late   - a report for a child already terminal is recorded on the row and counts nothing;
-#  batch  - only if `child` moved: the conditional decrement, never below zero, with succeeded/failed bumped; the
-#           batch finishes when remaining reaches zero (`complete`) or, earlier, when `failed` first exceeds
-#           max_failures (`failed_threshold`); later reports keep counting but never finish it again;
-#  succ   - the report that finished the batch inserts its one successor, unique on (batch_id, step);
-#  out    - and its outbox row; only this rare case sends NOTIFY.
-# RETURNING shows new values only, so "this report finished it" is derived from them: exactly one update takes
-# remaining to 0, and exactly one takes failed to max_failures + 1.
-_RECORD_TERMINAL = text(
-    """
-    WITH child AS (
-        UPDATE fanin_children
-           SET state = :state, finished_at = now(),
-               result = :result, result_content_type = :rct, result_content_encoding = :rce,
-               exc_type = :exc_type, exc_message = :exc_message
-         WHERE task_id = :task_id AND state IN ('pending', 'started')
-     RETURNING batch_id
-    ), late AS (
-        UPDATE fanin_children
-           SET late_state = :state, late_at = now(), late_reports = late_reports + 1
-         WHERE task_id = :task_id AND state NOT IN ('pending', 'started') AND NOT EXISTS (SELECT 1 FROM child)
-     RETURNING 1
-    ), batch AS (
-        UPDATE fanin_batches b
-           SET remaining = b.remaining - 1,
-               succeeded = b.succeeded + CAST(:ok AS integer),
-               failed = b.failed + 1 - CAST(:ok AS integer),
-               state = CASE
-                   WHEN b.state <> 'running' THEN b.state
-                   WHEN b.remaining = 1 THEN 'complete'
-                   WHEN b.max_failures IS NOT NULL AND b.failed + 1 - CAST(:ok AS integer) > b.max_failures
-                       THEN 'failed_threshold'
-                   ELSE b.state END,
-               completed_at = CASE
-                   WHEN b.state = 'running' AND (b.remaining = 1 OR (b.max_failures IS NOT NULL
-                        AND b.failed + 1 - CAST(:ok AS integer) > b.max_failures)) THEN now()
-                   ELSE b.completed_at END
-          FROM child
-         WHERE b.id = child.batch_id AND b.remaining > 0
-     RETURNING b.id, b.step, b.successor_task_id, b.remaining, b.state, b.failed, b.max_failures,
-               b.on_failure_message IS NOT NULL AS has_on_failure
-    ), finished AS (
-        SELECT id, step, successor_task_id,
-               CASE WHEN state = 'failed_threshold' AND has_on_failure THEN 'on_failure' ELSE 'then' END AS kind
-          FROM batch
-         WHERE (remaining = 0 AND state = 'complete')
-            OR (state = 'failed_threshold' AND NOT :ok AND failed = max_failures + 1)
-    ), succ AS (
-        INSERT INTO fanin_successors (batch_id, step, task_id, kind)
-        SELECT id, step, successor_task_id, kind FROM finished
-        ON CONFLICT (batch_id, step) DO NOTHING
-     RETURNING batch_id, step
-    ), out AS (
-        INSERT INTO fanin_outbox (batch_id, step) SELECT batch_id, step FROM succ RETURNING id
-    )
-    SELECT (SELECT count(*) FROM child) AS counted,
-           (SELECT count(*) FROM late) AS late,
-           (SELECT remaining FROM batch) AS remaining,
-           (SELECT count(pg_notify('fanin_outbox', id::text)) FROM out) AS created
-    """
-)
-
-
 def record_terminal(
     conn: Connection,
     task_id: str,
@@ -245,21 +336,21 @@ def record_terminal(
     exc_type: str | None = None,
     exc_message: str | None = None,
 ) -> TerminalRecord:
-    """Count one child's terminal outcome, at most once however often it is reported.
+    """Count one child's terminal outcome, at most once however often it is reported: one round trip.
 
-    Invariant: a child row moves from pending/started to a terminal state at most once (a concurrent or repeated
-    report finds it terminal, is recorded as late and changes no counter); `remaining` is decremented only by the
-    report that made that move and never below zero; exactly one transaction finishes the batch, and that one
-    inserts the successor.
+    Invariant (see `fanin_record_terminal` and `fanin_settle` in migrations/0003_scale.sql): a child row moves
+    from pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is
+    recorded as late and changes no counter); only the report that made that move decrements its batch, never
+    below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its
+    successor and outbox row (a root), and is the only one that sends NOTIFY.
     """
     if state not in CHILD_TERMINAL_STATES:
         raise ValueError(f"not a terminal child state: {state!r}")
     row = conn.execute(
-        _RECORD_TERMINAL,
+        text("SELECT * FROM fanin_record_terminal(:task_id, :state, :result, :rct, :rce, :exc_type, :exc_message)"),
         {
             "task_id": task_id,
             "state": state,
-            "ok": state == "succeeded",
             "result": result.body if result else None,
             "rct": result.content_type if result else None,
             "rce": result.content_encoding if result else None,
@@ -267,24 +358,10 @@ def record_terminal(
             "exc_message": exc_message,
         },
     ).one()
-    late = bool(row.late)
-    if not row.counted and not late:
-        # A duplicate that raced the report that counted: the `late` CTE read the row as pending from the
-        # statement's snapshot. A new statement sees the committed terminal row (rare: costs a second round trip).
-        late = conn.execute(_RECORD_LATE, {"task_id": task_id, "state": state}).first() is not None
     return TerminalRecord(
-        counted=bool(row.counted), remaining=row.remaining, successor_created=bool(row.created), late=late
-    )
-
-
-_RECORD_LATE = text(
-    """
-    UPDATE fanin_children
-       SET late_state = :state, late_at = now(), late_reports = late_reports + 1
-     WHERE task_id = :task_id AND state NOT IN ('pending', 'started')
- RETURNING 1
-    """
-)
+        counted=bool(row.counted), remaining=row.remaining, successor_created=bool(row.successor_created),
+        late=bool(row.late),
+    )  # fmt: skip
 
 
 def record_start(conn: Connection, task_id: str, attempt: int, worker: str | None) -> bool:
@@ -341,7 +418,11 @@ def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int) -> None:
 def unpublished_batches(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
     """Batches some of whose children may never have reached the broker (their producer died or is publishing)."""
     rows = conn.execute(
-        text("SELECT id FROM fanin_batches WHERE published_upto < planned ORDER BY created_at LIMIT :n"), {"n": limit}
+        text(
+            "SELECT id FROM fanin_batches WHERE published_upto < planned AND parent_id IS NULL "
+            "ORDER BY created_at LIMIT :n"
+        ),
+        {"n": limit},
     )
     return [r[0] for r in rows]
 
@@ -352,8 +433,10 @@ def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> l
         text(
             """
             SELECT c.idx, c.task_id, c.message, c.content_type, c.content_encoding
-              FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id
-             WHERE c.batch_id = :id AND c.idx >= b.published_upto
+              FROM fanin_batches root
+              JOIN fanin_batches b ON b.id = root.id OR b.parent_id = root.id
+              JOIN fanin_children c ON c.batch_id = b.id AND c.idx >= root.published_upto
+             WHERE root.id = :id
              ORDER BY c.idx LIMIT :n
             """
         ),

@@ -61,7 +61,9 @@ def migrate(engine: Engine) -> list[Migration]:
         for migration in available():
             if migration.version in have:
                 continue
-            conn.exec_driver_sql(migration.sql)
+            # Straight to the driver without parameters, so `%` in PL/pgSQL (`%ROWTYPE`) is not a placeholder.
+            with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+                cursor.execute(migration.sql)
             conn.execute(
                 text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"),
                 {"v": migration.version, "n": migration.name},

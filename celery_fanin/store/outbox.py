@@ -83,3 +83,11 @@ def backlog(conn: Connection) -> tuple[int, float | None]:
         text("SELECT count(*), extract(epoch FROM now() - min(created_at)) FROM fanin_outbox WHERE sent_at IS NULL")
     ).one()
     return int(row[0]), (float(row[1]) if row[1] is not None else None)
+
+
+def pending_ids(conn: Connection, batch_id: uuid.UUID) -> list[int]:
+    """A batch's outbox rows not yet sent (to publish a successor at once rather than on NOTIFY)."""
+    rows = conn.execute(
+        text("SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id"), {"id": batch_id}
+    )
+    return [int(r[0]) for r in rows]

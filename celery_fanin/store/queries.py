@@ -103,10 +103,33 @@ def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow 
                         r.finished_at, r.kind)  # fmt: skip
 
 
+def unfinished_leaves(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int, int]:
+    """(count, succeeded, failed) of a root's leaves still counting: the part of its totals not yet handed up."""
+    row = conn.execute(
+        text(
+            """
+            SELECT count(*), coalesce(sum(succeeded), 0), coalesce(sum(failed), 0) FROM fanin_batches
+             WHERE parent_id = :id AND state IN ('open', 'running')
+            """
+        ),
+        {"id": batch_id},
+    ).one()
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def depth(conn: Connection, batch_id: uuid.UUID) -> int | None:
+    row = conn.execute(text("SELECT depth FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    return None if row is None else int(row[0])
+
+
 def child_counts(conn: Connection, batch_id: uuid.UUID) -> dict[str, int]:
     """How many children are in each state (pending, started, succeeded, failed, lost, ...)."""
     rows = conn.execute(
-        text("SELECT state, count(*) FROM fanin_children WHERE batch_id = :id GROUP BY state"), {"id": batch_id}
+        text(
+            "SELECT state, count(*) FROM fanin_children"
+            " WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id) GROUP BY state"
+        ),
+        {"id": batch_id},
     )
     return {r[0]: int(r[1]) for r in rows}
 
@@ -132,7 +155,8 @@ def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) ->
             SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
                    message, content_type, content_encoding
               FROM fanin_children
-             WHERE batch_id = :id AND state NOT IN ('pending', 'started', 'succeeded')
+             WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+               AND state NOT IN ('pending', 'started', 'succeeded')
              ORDER BY idx LIMIT :n
             """
         ),
@@ -154,7 +178,9 @@ def child_results(
             text(
                 """
                 SELECT idx, task_id, state, result, result_content_type, result_content_encoding
-                  FROM fanin_children WHERE batch_id = :id ORDER BY idx
+                  FROM fanin_children
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+                 ORDER BY idx
                 """
             ),
             {"id": batch_id},

@@ -40,7 +40,7 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
                    c.message, c.content_type, c.content_encoding
               FROM fanin_batches b
               JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
-             WHERE b.state = 'running' AND b.child_timeout IS NOT NULL
+             WHERE b.state IN ('open', 'running') AND b.child_timeout IS NOT NULL
                AND greatest(b.created_at, c.started_at, c.redriven_at) + b.child_timeout < now()
              ORDER BY b.created_at, c.idx
              LIMIT :n
@@ -74,11 +74,14 @@ def claim_redrive(conn: Connection, child: OverdueChild) -> bool:
     return row is not None
 
 
-def fail_lost(conn: Connection, child: OverdueChild, timeout_text: str) -> bool:
+def fail_lost(conn: Connection, child: OverdueChild) -> bool:
     """Count an overdue child as a terminal failure with state `lost`; True if this call counted it."""
+    timeout = conn.execute(
+        text("SELECT child_timeout::text FROM fanin_batches WHERE id = :id"), {"id": child.batch_id}
+    ).scalar_one()
     rec = record_terminal(
         conn, child.task_id, "lost", exc_type="ChildLost",
-        exc_message=f"no terminal outcome within child_timeout ({timeout_text}); redrives: {child.redrives}",
+        exc_message=f"no terminal outcome within child_timeout ({timeout}); redrives: {child.redrives}",
     )  # fmt: skip
     return rec.counted
 
@@ -157,24 +160,26 @@ class Expiry:
 
 
 def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
-    """Apply a passed deadline to a running batch, once.
+    """Apply a passed deadline to a running (or open) batch, once.
 
     `proceed`: every unfinished child becomes `abandoned` (a failure), the batch is `partial`, and its successor
     runs with what arrived. `abandon`: the same children are abandoned, the batch is `expired`, and only its
     `on_expire` signature runs, if it has one. Either way the counter reaches zero here, so later reports from
-    abandoned children are recorded as late and never counted. Returns None if the batch was no longer running.
+    abandoned children are recorded as late and never counted. Returns None if the batch had already finished.
+
+    Locks are taken in the order every terminal report takes them (child rows, then leaves, then the root), so
+    this never deadlocks with live reports; counters are then set from the child rows, under those locks.
     """
-    batch = conn.execute(
+    head = conn.execute(
         text(
             """
             SELECT on_deadline, on_expire_message IS NOT NULL AS has_on_expire FROM fanin_batches
-             WHERE id = :id AND state = 'running' AND deadline_at <= now()
-               FOR UPDATE
+             WHERE id = :id AND state IN ('open', 'running') AND deadline_at <= now() AND parent_id IS NULL
             """
         ),
         {"id": batch_id},
     ).first()
-    if batch is None:
+    if head is None:
         return None
     abandoned = [
         r[0]
@@ -184,30 +189,50 @@ def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
                 UPDATE fanin_children
                    SET state = 'abandoned', finished_at = now(), exc_type = 'DeadlineExceeded',
                        exc_message = 'the batch deadline passed before this child finished'
-                 WHERE batch_id = :id AND state IN ('pending', 'started')
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+                   AND state IN ('pending', 'started')
              RETURNING task_id
                 """
             ),
             {"id": batch_id},
         )
     ]
-    new_state = "partial" if batch.on_deadline == "proceed" else "expired"
+    conn.execute(
+        text("SELECT id FROM fanin_batches WHERE parent_id = :id ORDER BY id FOR UPDATE"), {"id": batch_id}
+    ).all()
+    still = conn.execute(
+        text("SELECT 1 FROM fanin_batches WHERE id = :id AND state IN ('open', 'running') FOR UPDATE"),
+        {"id": batch_id},
+    ).first()
+    if still is None:
+        return None
+    new_state = "partial" if head.on_deadline == "proceed" else "expired"
     conn.execute(
         text(
             """
-            UPDATE fanin_batches
-               SET state = :state, remaining = 0, failed = failed + :n, completed_at = now()
-             WHERE id = :id
+            WITH totals AS (
+                SELECT count(*) FILTER (WHERE state = 'succeeded') AS s,
+                       count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS f
+                  FROM fanin_children
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+            ), leaves AS (
+                UPDATE fanin_batches SET state = :state, remaining = 0, completed_at = now()
+                 WHERE parent_id = :id AND state IN ('open', 'running')
+            )
+            UPDATE fanin_batches b
+               SET state = :state, remaining = 0, succeeded = totals.s, failed = totals.f, completed_at = now()
+              FROM totals
+             WHERE b.id = :id
             """
         ),
-        {"id": batch_id, "state": new_state, "n": len(abandoned)},
+        {"id": batch_id, "state": new_state},
     )
     created = None
-    if batch.on_deadline == "proceed":
+    if head.on_deadline == "proceed":
         created = insert_successor(conn, batch_id, "then")
-    elif batch.has_on_expire:
+    elif head.has_on_expire:
         created = insert_successor(conn, batch_id, "on_expire")
-    return Expiry(batch_id, batch.on_deadline, abandoned, created is not None)
+    return Expiry(batch_id, head.on_deadline, abandoned, created is not None)
 
 
 # --- reconciliation --------------------------------------------------------------------------------------------
@@ -226,17 +251,22 @@ class Repair:
 
 
 def batches_to_reconcile(conn: Connection, limit: int = 1000) -> list[uuid.UUID]:
-    """Open batches, and finished ones whose successor or its outbox row is missing."""
+    """Running batches (leaves before roots, so a leaf finished here is counted in its root's recount), and
+    finished roots whose successor or its outbox row is missing. Open batches are left to their producer."""
     rows = conn.execute(
         text(
             """
-            SELECT id FROM fanin_batches WHERE state = 'running'
-            UNION
-            SELECT b.id FROM fanin_batches b
-              LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-              LEFT JOIN fanin_outbox o ON o.batch_id = b.id AND o.step = b.step
-             WHERE b.state IN ('complete', 'partial', 'failed_threshold') AND (s.batch_id IS NULL OR o.id IS NULL)
-            LIMIT :n
+            SELECT id FROM (
+                SELECT id, parent_id IS NULL AS is_root FROM fanin_batches WHERE state = 'running'
+                UNION
+                SELECT b.id, true FROM fanin_batches b
+                  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+                  LEFT JOIN fanin_outbox o ON o.batch_id = b.id AND o.step = b.step
+                 WHERE b.parent_id IS NULL AND b.state IN ('complete', 'partial', 'failed_threshold')
+                   AND (s.batch_id IS NULL OR o.id IS NULL)
+            ) candidates
+             ORDER BY is_root
+             LIMIT :n
             """
         ),
         {"n": limit},
@@ -245,18 +275,20 @@ def batches_to_reconcile(conn: Connection, limit: int = 1000) -> list[uuid.UUID]
 
 
 def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
-    """Recompute one batch's counters from its child rows and repair what disagrees; None if all was right.
+    """Recompute one batch's counters from its child rows (and leaves) and repair what disagrees; None if all
+    was right.
 
-    Locks the batch row first: a terminal report in flight has updated its child row but waits for this lock
-    before decrementing, and its child row is not visible to the counts below (uncommitted), so the counters
-    written here are exactly what that report will then decrement. A batch whose children are all terminal is
-    finished here (its successor inserted exactly once). Missing child rows (planned > created: rows deleted by
-    hand, a restored backup) are reported, never guessed at.
+    Locks the batch row first: a terminal report in flight has updated its child row (or its leaf) but waits for
+    this lock before decrementing, and its update is not visible to the counts below (uncommitted), so the
+    counters written here are exactly what that report will then decrement. A batch whose children are all
+    terminal is finished through `fanin_settle`, the same path a last report takes (a leaf settles its root, a
+    root gets its successor exactly once). Missing child rows (planned > created: rows deleted by hand, a
+    restored backup) are reported, never guessed at.
     """
     b = conn.execute(
         text(
             """
-            SELECT id, step, state, planned, remaining, succeeded, failed, max_failures,
+            SELECT id, step, state, planned, remaining, succeeded, failed, parent_id,
                    on_failure_message IS NOT NULL AS has_on_failure
               FROM fanin_batches WHERE id = :id FOR UPDATE
             """
@@ -268,11 +300,22 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
     c = conn.execute(
         text(
             """
-            SELECT count(*) AS created,
-                   count(*) FILTER (WHERE state IN ('pending', 'started')) AS open,
-                   count(*) FILTER (WHERE state = 'succeeded') AS succeeded,
-                   count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS failed
-              FROM fanin_children WHERE batch_id = :id
+            WITH direct AS (
+                SELECT count(*) AS created,
+                       count(*) FILTER (WHERE state IN ('pending', 'started')) AS open,
+                       count(*) FILTER (WHERE state = 'succeeded') AS succeeded,
+                       count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS failed
+                  FROM fanin_children WHERE batch_id = :id
+            ), leaves AS (
+                SELECT coalesce(sum(planned), 0) AS created,
+                       count(*) FILTER (WHERE state IN ('open', 'running')) AS open,
+                       coalesce(sum(succeeded) FILTER (WHERE state NOT IN ('open', 'running')), 0) AS succeeded,
+                       coalesce(sum(failed) FILTER (WHERE state NOT IN ('open', 'running')), 0) AS failed
+                  FROM fanin_batches WHERE parent_id = :id
+            )
+            SELECT direct.created + leaves.created AS created, direct.open + leaves.open AS open,
+                   direct.succeeded + leaves.succeeded AS succeeded, direct.failed + leaves.failed AS failed
+              FROM direct, leaves
             """
         ),
         {"id": batch_id},
@@ -280,30 +323,31 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
     repair = Repair(batch_id)
     if c.created != b.planned:
         repair.problems.append(f"planned {b.planned} children but {c.created} rows exist")
-    if b.state == "running":
-        if c.created == b.planned and (b.remaining, b.succeeded, b.failed) != (c.open, c.succeeded, c.failed):
+    if b.state == "running" and c.created == b.planned:
+        if (b.remaining, b.succeeded, b.failed) != (c.open, c.succeeded, c.failed):
             repair.problems.append(
                 f"counter says remaining={b.remaining} succeeded={b.succeeded} failed={b.failed}, children say "
                 f"remaining={c.open} succeeded={c.succeeded} failed={c.failed}"
             )
-            conn.execute(
-                text("UPDATE fanin_batches SET remaining = :r, succeeded = :s, failed = :f WHERE id = :id"),
-                {"id": batch_id, "r": c.open, "s": c.succeeded, "f": c.failed},
-            )
             repair.actions.append("counters recomputed from child rows")
-        if c.created == b.planned and c.open == 0:
-            conn.execute(
-                text("UPDATE fanin_batches SET state = 'complete', completed_at = now() WHERE id = :id"),
-                {"id": batch_id},
-            )
+        if c.open == 0:
             if not repair.problems:
                 repair.problems.append("all children are terminal but the batch was still running")
             repair.actions.append("batch finished")
+        if repair.problems:
+            # Leave one unit for fanin_settle to take, so that finishing goes the way a last report's would.
+            conn.execute(
+                text("UPDATE fanin_batches SET remaining = :r, succeeded = :s, failed = :f WHERE id = :id"),
+                {"id": batch_id, "r": c.open + (1 if c.open == 0 else 0), "s": c.succeeded, "f": c.failed},
+            )
+            if c.open == 0:
+                conn.execute(text("SELECT * FROM fanin_settle(:id, 0, 0)"), {"id": batch_id})
     state_now = conn.execute(text("SELECT state FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar_one()
-    if state_now in ("complete", "partial", "failed_threshold"):
+    if b.parent_id is None and state_now in ("complete", "partial", "failed_threshold"):
         kind = "on_failure" if state_now == "failed_threshold" and b.has_on_failure else "then"
         if insert_successor(conn, batch_id, kind) is not None:
-            repair.problems.append(f"batch is {state_now} but had no successor")
+            if not any("successor" in a for a in repair.actions):
+                repair.problems.append(f"batch is {state_now} but had no successor")
             repair.actions.append("successor and outbox row inserted")
         elif _restore_outbox_row(conn, batch_id, b.step):
             repair.problems.append("successor had no outbox row")

@@ -10,6 +10,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     DateTime,
+    Double,
     ForeignKey,
     Integer,
     Interval,
@@ -52,6 +53,14 @@ batches = Table(
     Column("on_failure_message", LargeBinary),
     Column("on_failure_content_type", Text),
     Column("on_failure_content_encoding", Text),
+    Column("app_name", Text),
+    Column("key", Text),
+    Column("digest", LargeBinary),
+    Column("parent_id", Uuid, ForeignKey("fanin_batches.id", ondelete="CASCADE")),
+    Column("depth", Integer, nullable=False),
+    Column("lineage", Uuid),
+    Column("parent_task_id", Text),
+    Column("max_failures_ratio", Double),
 )
 
 children = Table(
@@ -98,6 +107,9 @@ successors = Table(
     Column("finished_at", DateTime(timezone=True)),
     Column("kind", Text, nullable=False),
     Column("state_at", DateTime(timezone=True), nullable=False),
+    Column("result", LargeBinary),
+    Column("result_content_type", Text),
+    Column("result_content_encoding", Text),
 )
 
 outbox = Table(

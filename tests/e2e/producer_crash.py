@@ -11,7 +11,8 @@ import signal
 import sys
 from typing import Any
 
-from celery_fanin import canvas, fan_in_group, publish
+from celery_fanin import fan_in_group, publish
+from celery_fanin.store import batches
 from tests import app as tasks
 
 
@@ -27,14 +28,15 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         real(*args, **kwargs)
 
-    canvas.publish.publish_children = crashing  # type: ignore[method-assign]
-    original_create = canvas.batches.create_batch
+    publish.publish_children = crashing  # type: ignore[assignment]
+    original_insert = batches.insert_batch
 
-    def create_and_announce(conn: Any, batch: Any, children: Any) -> Any:
-        print(batch.id, flush=True)
-        return original_create(conn, batch, children)
+    def insert_and_announce(conn: Any, batch: Any, **kwargs: Any) -> Any:
+        if kwargs.get("parent_id") is None:
+            print(batch.id, flush=True)
+        return original_insert(conn, batch, **kwargs)
 
-    canvas.batches.create_batch = create_and_announce  # type: ignore[assignment]
+    batches.insert_batch = insert_and_announce  # type: ignore[assignment]
     fan_in_group([tasks.ok.s(i) for i in range(n)], then=tasks.record_run.s("crash")).apply_async()
     print("producer was not killed", flush=True)
 

@@ -1,0 +1,237 @@
+"""`task_always_eager` support: a fan-in whose children and successor run inline, counted as a worker counts them.
+
+Under ``app.conf.task_always_eager`` Celery's ``apply_async`` runs a task inline (``Task.apply``) instead of
+sending it. The producer "publishes" each child after its batch is committed, as always, so each child runs
+inline right then; the handlers below see those eager runs (their fan-in headers sit in ``request.headers``
+rather than on the request itself) and pass them to the worker hooks unchanged, so a child's outcome maps to the
+same terminal state as in production: a return value is `succeeded`, an exception `failed` (or `time_limit` for
+`SoftTimeLimitExceeded`), ``Reject(requeue=False)`` is `rejected`; retries run inline (Celery's eager retry) and
+only the last attempt counts; a child whose task is not registered is `unknown`. `run_eagerly` then runs the
+successor inline with the outcome built from the committed rows, under the same run lock and state transitions
+as on a worker, and returns the handle.
+
+Differences from production, since nothing is queued: time limits are not enforced (Celery does not enforce them
+eagerly), a child that ends in ``Ignore`` or ``Reject(requeue=True)`` stays pending (there is no redelivery) so
+the batch stays open, and children after a `max_failures` threshold still run (production revokes the queued
+ones) and are listed in the outcome with the states they ended in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from celery import Celery, signals
+from celery.exceptions import NotRegistered
+from celery.result import EagerResult
+from sqlalchemy import text
+
+from . import hooks, publish
+from .canvas import FanInResult
+from .extension import FanIn
+from .outcome import build_outcome
+from .store import batches, outbox, queries
+
+logger = logging.getLogger("celery_fanin.eager")
+
+_installed = False
+_install_lock = threading.Lock()
+# Successor task id -> its eager result, for the handle `run_eagerly` returns (bounded: oldest dropped first).
+_successor_results: OrderedDict[str, EagerResult] = OrderedDict()
+_RESULTS_LIMIT = 1000
+
+
+class EagerPropagated(Exception):
+    """Stands for a child's exception that `task_eager_propagates` carried out of its eager run."""
+
+
+class EagerFanInResult(FanInResult):
+    """The handle of a fan-in run eagerly: its successor has run (or the batch is still open, see the module)."""
+
+    def __init__(self, app: Celery, batch_id: str, successor_result: EagerResult | None = None) -> None:
+        super().__init__(app, batch_id)
+        self.successor_result = successor_result
+
+    def successor(self) -> Any:
+        """The successor's `EagerResult` (its return value is `.result`), if it ran in this process."""
+        if self.successor_result is not None:
+            return self.successor_result
+        return super().successor()
+
+
+# --- eager runs as the worker hooks see them ---------------------------------------------------------------------
+
+
+class _RequestView:
+    """An eager request with its headers lifted to attributes, as a worker's request has them."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+        self._headers = getattr(request, "headers", None) or {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self._headers:
+            return self._headers[key]
+        return getattr(self._request, key, default)
+
+    def __getattr__(self, key: str) -> Any:
+        return self.get(key)
+
+
+class _TaskView:
+    """The task of an eager run, seen through `_RequestView`; everything else is the task's own."""
+
+    def __init__(self, task: Any) -> None:
+        self._task = task
+        self.request = _RequestView(task.request)
+        self.app = task.app
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._task, key)
+
+
+def _eager_fanin_task(task: Any) -> tuple[_TaskView, hooks._Marker] | None:
+    request = getattr(task, "request", None)
+    if request is None or not getattr(request, "is_eager", False) or not getattr(request, "headers", None):
+        return None
+    view = _TaskView(task)
+    marker = hooks._Marker.from_mapping(view.request)
+    if marker is None or FanIn.find(task.app) is None:
+        return None
+    return view, marker
+
+
+def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    task = task or sender
+    found = _eager_fanin_task(task) if task is not None and task_id is not None else None
+    if found is None or task_id is None:
+        return
+    view, marker = found
+    if marker.is_successor:
+        # What the start guard does on a worker: take the run lock and move the successor to `running`. An eager
+        # run cannot be refused from here; a refusal (it ran already) is logged.
+        fanin = FanIn.of(task.app)
+        if not hooks._claim_run(fanin, task_id, marker, int(getattr(task.request, "retries", 0) or 0)):
+            logger.warning("eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
+                           marker.batch_id, marker.step, task_id)  # fmt: skip
+        return
+    hooks._on_prerun(sender=view, task_id=task_id, task=view)
+
+
+def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None, retval: Any = None,
+                state: str | None = None, **_: Any) -> None:  # fmt: skip
+    task = task or sender
+    found = _eager_fanin_task(task) if task is not None and task_id is not None else None
+    if found is None or task_id is None:
+        return
+    view, marker = found
+    hooks._on_postrun(sender=view, task_id=task_id, task=view, retval=retval, state=state)
+    if marker.is_successor and state in ("SUCCESS", "FAILURE"):
+        with _install_lock:
+            _successor_results[task_id] = EagerResult(task_id, retval, state, name=task.name)
+            while len(_successor_results) > _RESULTS_LIMIT:
+                _successor_results.popitem(last=False)
+
+
+def install() -> None:
+    """Connect the eager handlers once per process; they act only on eager runs that carry fan-in headers."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        signals.task_prerun.connect(_on_prerun, weak=False, dispatch_uid="celery_fanin.eager.prerun")
+        signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="celery_fanin.eager.postrun")
+        _installed = True
+
+
+# --- after the producer: what did not run, then the successor ----------------------------------------------------
+
+_PENDING_CHILDREN = text(
+    """
+    SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.content_encoding
+      FROM fanin_children c
+     WHERE c.batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+       AND c.state IN ('pending', 'started')
+     ORDER BY c.idx
+    """
+)
+
+
+def run_eagerly(fanin: FanIn, batch_id: uuid.UUID | str) -> EagerFanInResult:
+    """Finish an eager fan-in in this process, once the producer has written it; returns its handle.
+
+    The children ran inline as the producer published them. A child that did not (its task is not registered,
+    which stopped the producer's publishing there) is recorded as `unknown` as a worker would record it, or run
+    now. Then the successor runs inline, if the batch finished. Its exceptions propagate as any eager task's do
+    (``task_eager_propagates``); its state is recorded first.
+    """
+    install()
+    app = fanin.app
+    bid = uuid.UUID(str(batch_id))
+    _finish_children(fanin, bid)
+    _run_successors(fanin, bid)
+    handle = EagerFanInResult(app, str(bid))
+    # The successor may also have run inline before this call (the producer sends an empty batch's at once).
+    with _install_lock:
+        handle.successor_result = _successor_results.pop(handle.successor_task_id, None)
+    return handle
+
+
+def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
+    app = fanin.app
+    with fanin.engine.connect() as conn:
+        pending = list(conn.execute(_PENDING_CHILDREN, {"id": batch_id}))
+        conn.rollback()
+    for row in pending:
+        marker = hooks._Marker(str(batch_id), row.idx, None)
+        if row.state == "started":
+            # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
+            # which logged it. On a worker it would have been recorded as failed.
+            hooks.record_child(
+                fanin,
+                row.task_id,
+                marker,
+                "failed",
+                exc=EagerPropagated(
+                    "the child raised with task_eager_propagates on; its exception was logged by the producer"
+                ),
+            )
+            continue
+        if row.task_name not in app.tasks:
+            hooks.record_child(fanin, row.task_id, marker, "unknown", exc=NotRegistered(row.task_name))
+            continue
+        sig = publish.decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
+        sig.apply(task_id=row.task_id, throw=False,
+                  headers={**(sig.options.get("headers") or {}), publish.HEADER_BATCH: str(batch_id),
+                           publish.HEADER_INDEX: row.idx})  # fmt: skip
+    with fanin.engine.begin() as conn:
+        planned = conn.execute(text("SELECT planned FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar()
+        if planned is not None:
+            batches.mark_published(conn, batch_id, int(planned))  # so that no relay ever publishes them again
+
+
+def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
+    """Claim the batch's unsent outbox rows as a relay would, then run their successors inline."""
+    app = fanin.app
+    jobs = []
+    with fanin.engine.begin() as conn:
+        ids = [r[0] for r in conn.execute(
+            text("SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id"), {"id": batch_id}
+        )]  # fmt: skip
+        rows = outbox.claim(conn, len(ids), ids) if ids else []
+        for row in rows:
+            batch = queries.batch(conn, row.batch_id)
+            succ = queries.successor(conn, row.batch_id, row.step)
+            if batch is None or succ is None:
+                continue
+            sig = publish.decode_signature(app, batch.message_for(succ.kind))
+            jobs.append((row, succ.task_id, sig, build_outcome(conn, batch, fanin.settings.outcome_failures_limit)))
+        outbox.mark_sent(conn, rows)
+    for row, task_id, sig, outcome in jobs:
+        headers = {**(sig.options.get("headers") or {}), publish.HEADER_SUCCESSOR: str(row.batch_id),
+                   publish.HEADER_STEP: row.step}  # fmt: skip
+        sig.apply(args=(outcome,), task_id=task_id, headers=headers)
+    return [task_id for _, task_id, _, _ in jobs]

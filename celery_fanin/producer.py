@@ -1,0 +1,385 @@
+"""Writing a batch and publishing its children: the producer side of the store.
+
+Two paths, one rule: children are committed before they are published.
+
+- A list of at most `fanin_chunk_size` children (and at most `max_width`) is written in one transaction: batch
+  row, planned count and every child together.
+- Anything larger, and any iterable of unknown length (a generator over a cursor or an API), is streamed: the
+  batch is written `open` holding a producer token in its counter, then each chunk is one transaction (its child
+  rows and the counters that wait for them) followed by one bulk publish. Memory is bounded by the chunk. The
+  token is released (the batch sealed) when the input is exhausted, so the batch cannot finish early, and its
+  counter always equals the children actually created.
+
+Above `max_width` children a batch becomes a tree: leaf batches of at most `max_width` children, filled round
+robin in windows of `fanin_tree_fanout` leaves so that concurrent terminal reports spread over several counter
+rows. A leaf that finishes settles its root in the same transaction (see `fanin_settle`), and only the root has a
+successor. Users see one batch: the root's id.
+
+With a `key`, a second call returns the existing batch: creating and publishing nothing new if that batch is
+complete, resuming it (without duplicating children) if its producer died mid-stream, or returning at once if a
+live producer is still writing it. The producer holds the batch's advisory lock while it writes and publishes;
+that lock is how a resumer, and the relay, know whether a producer is alive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import math
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from celery.canvas import Signature
+from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import dispatch, publish
+from .exceptions import FanInDatabaseError, InvalidFanIn, summarise
+from .extension import FanIn
+from .store import batches, outbox
+
+logger = logging.getLogger("celery_fanin.producer")
+
+# Turns a signature (and its position) into the child row to write; raises InvalidFanIn for bad input.
+Encoder = Callable[[int, Any], tuple[batches.NewChild, Signature]]
+
+
+@dataclass
+class Written:
+    """What a call to `write` did."""
+
+    batch_id: uuid.UUID
+    created: int  # children this call created (0 when it returned an existing batch)
+    existing: bool = False  # the key was taken: the handle is the existing batch's
+    successor_outbox_id: int | None = None
+
+
+def digest_step(digest: bytes, child: batches.NewChild) -> bytes:
+    """The chain over children's messages in order: equal for the same child list, whatever their task ids."""
+    return hashlib.sha256(digest + hashlib.sha256(child.message.body).digest()).digest()
+
+
+EMPTY_DIGEST = hashlib.sha256(b"celery-fanin").digest()
+
+
+def _connect(fanin: FanIn) -> Connection:
+    try:
+        return fanin.engine.connect()
+    except SQLAlchemyError as exc:
+        raise FanInDatabaseError(f"cannot reach the fan-in database; nothing was published: {summarise(exc)}") from exc
+
+
+# --- where children go: the root, or leaves of a tree -------------------------------------------------------------
+
+
+@dataclass
+class _Leaf:
+    id: uuid.UUID
+    size: int
+
+
+@dataclass
+class Layout:
+    """Assigns each new child to the root (up to `direct_left` more) or to a leaf of the current window."""
+
+    max_width: int
+    fanout: int
+    direct_left: int
+    window: list[_Leaf] = field(default_factory=list)
+    _next: int = 0
+
+    def place(self, n: int) -> tuple[list[uuid.UUID | None], list[uuid.UUID], list[uuid.UUID]]:
+        """Targets for the next `n` children (None: the root), leaves to open first, and leaves now full."""
+        targets: list[uuid.UUID | None] = []
+        opened: list[uuid.UUID] = []
+        full: list[uuid.UUID] = []
+        for _ in range(n):
+            if self.direct_left > 0:
+                self.direct_left -= 1
+                targets.append(None)
+                continue
+            open_leaves = [leaf for leaf in self.window if leaf.size < self.max_width]
+            if not open_leaves:
+                self.window = [_Leaf(uuid.uuid4(), 0) for _ in range(self.fanout)]
+                opened.extend(leaf.id for leaf in self.window)
+                open_leaves = self.window
+                self._next = 0
+            leaf = open_leaves[self._next % len(open_leaves)]
+            self._next += 1
+            leaf.size += 1
+            targets.append(leaf.id)
+            if leaf.size == self.max_width:
+                full.append(leaf.id)
+        return targets, opened, full
+
+    def unsealed(self) -> list[uuid.UUID]:
+        return [leaf.id for leaf in self.window if leaf.size < self.max_width]
+
+
+# --- the two paths -----------------------------------------------------------------------------------------------
+
+
+def write(
+    fanin: FanIn,
+    root: batches.NewBatch,
+    source: Iterable[Any],
+    encode: Encoder,
+    *,
+    ratio: float | None,
+    max_width: int,
+) -> Written:
+    """Write (or find, or resume) the batch `root` with the children `source` yields, publishing them."""
+    settings = fanin.settings
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        # Everything is in memory already: validate and encode it all, then write it in one transaction.
+        prepared = [encode(i, item) for i, item in enumerate(source)]
+        _check_unique_ids(prepared)
+        digest = EMPTY_DIGEST
+        for child, _ in prepared:
+            digest = digest_step(digest, child)
+        threshold = math.floor(ratio * len(prepared)) if ratio is not None else root.max_failures
+        leaves = math.ceil(len(prepared) / max_width) if len(prepared) > max_width else 0
+        return _write_at_once(fanin, replace(root, digest=digest, max_failures=threshold), prepared, leaves)
+    layout = Layout(max_width, settings.tree_fanout, max_width)
+    return _stream(fanin, replace(root, max_failures_ratio=ratio), _encoded(source, encode), layout)
+
+
+def _encoded(source: Iterable[Any], encode: Encoder) -> Iterator[tuple[batches.NewChild, Signature]]:
+    for i, item in enumerate(source):
+        yield encode(i, item)
+
+
+def _check_unique_ids(prepared: Sequence[tuple[batches.NewChild, Signature]]) -> None:
+    if len({c.task_id for c, _ in prepared}) != len(prepared):
+        raise InvalidFanIn("two children share a task_id; every child needs its own")
+
+
+def _write_at_once(
+    fanin: FanIn, root: batches.NewBatch, prepared: list[tuple[batches.NewChild, Signature]], leaves: int
+) -> Written:
+    """A list: batch, planned count and every child (in leaves, above max_width) in one transaction; then
+    publish, a chunk at a time."""
+    children = [c for c, _ in prepared]
+    chunk = fanin.settings.chunk_size
+    conn = _connect(fanin)
+    with conn:
+        try:
+            with conn.begin():
+                batches.hold_publish_lock(conn, root.id)
+                outbox_id = batches.create_batch(conn, root, children, leaves=leaves, chunk=chunk)
+        except batches.KeyTaken:
+            _release(conn, root.id)
+            return _existing(fanin, conn, root, iter(prepared), known_digest=root.digest, known_count=len(children))
+        except SQLAlchemyError as exc:
+            _release(conn, root.id)
+            raise FanInDatabaseError(f"could not record the batch; nothing was published: {summarise(exc)}") from exc
+        # Committed: the batch is durable. Whatever this process fails to publish, the relay publishes once this
+        # connection (and with it the publish lock) is gone.
+        try:
+            for start in range(0, len(prepared), chunk):
+                if not _publish_chunk(fanin, conn, root.id, start, prepared[start : start + chunk]):
+                    break  # the broker is unreachable: the relay publishes the rest
+        finally:
+            _release(conn, root.id)
+    return Written(root.id, len(children), successor_outbox_id=outbox_id)
+
+
+def _stream(
+    fanin: FanIn,
+    root: batches.NewBatch,
+    items: Iterator[tuple[batches.NewChild, Signature]],
+    layout: Layout,
+    *,
+    total_digest: bytes | None = None,
+) -> Written:
+    """The streaming path: an open batch with a token, one transaction and one bulk publish per chunk, then seal."""
+    conn = _connect(fanin)
+    with conn:
+        try:
+            with conn.begin():
+                batches.hold_publish_lock(conn, root.id)
+                inserted = batches.insert_batch(conn, replace(root, digest=EMPTY_DIGEST), state="open", planned=0)
+        except SQLAlchemyError as exc:
+            _release(conn, root.id)
+            raise FanInDatabaseError(f"could not record the batch; nothing was published: {summarise(exc)}") from exc
+        if not inserted:
+            _release(conn, root.id)
+            return _existing(fanin, conn, root, items, known_digest=total_digest, layout=layout)
+        try:
+            created = _fill(fanin, conn, root, items, layout, start=0, digest=EMPTY_DIGEST)
+        finally:
+            _release(conn, root.id)
+    return Written(root.id, created)
+
+
+def _fill(
+    fanin: FanIn,
+    conn: Connection,
+    root: batches.NewBatch,
+    items: Iterator[tuple[batches.NewChild, Signature]],
+    layout: Layout,
+    *,
+    start: int,
+    digest: bytes,
+) -> int:
+    """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root."""
+    chunk_size = fanin.settings.chunk_size
+    index = start
+    seen_ids: set[str] = set()
+    while True:
+        part = list(itertools.islice(items, chunk_size))
+        if not part:
+            break
+        for child, _ in part:
+            if child.task_id in seen_ids:
+                raise InvalidFanIn(f"child {index}: two children share the task_id {child.task_id!r}")
+            seen_ids.add(child.task_id)
+            digest = digest_step(digest, child)
+        targets, opened, full = layout.place(len(part))
+        placed = [(target or root.id, child, index + offset)
+                  for offset, ((child, _), target) in enumerate(zip(part, targets, strict=True))]  # fmt: skip
+        try:
+            with conn.begin():
+                for leaf_id in opened:
+                    batches.add_leaf(conn, root, leaf_id)
+                batches.add_children(conn, root.id, placed, digest)
+                for leaf_id in full:
+                    batches.seal(conn, leaf_id)
+        except SQLAlchemyError as exc:
+            raise FanInDatabaseError(
+                f"could not record children {index} to {index + len(part) - 1} of batch {root.id} (it stays open: "
+                f"rerun with the same key to resume): {summarise(exc)}"
+            ) from exc
+        _publish_chunk(fanin, conn, root.id, index, part)
+        index += len(part)
+    try:
+        with conn.begin():
+            for leaf_id in layout.unsealed():
+                batches.seal(conn, leaf_id)
+            successor_created = batches.seal(conn, root.id)
+    except SQLAlchemyError as exc:
+        raise FanInDatabaseError(f"could not seal batch {root.id} (rerun with the same key): {summarise(exc)}") from exc
+    if successor_created:  # everything had finished before the seal: send the successor now
+        _publish_successor_now(fanin, root.id)
+    return index - start
+
+
+def _publish_chunk(
+    fanin: FanIn, conn: Connection, root_id: uuid.UUID, start: int, part: Sequence[tuple[batches.NewChild, Signature]]
+) -> bool:
+    """Publish one committed chunk and record that it reached the broker; a failure is left to the relay."""
+    app = fanin.app
+    try:
+        with publish.producer(app) as prod:
+            publish.publish_children(
+                app, prod, root_id, ((start + i, child.task_id, sig) for i, (child, sig) in enumerate(part))
+            )
+        batches.mark_published(conn, root_id, start + len(part))
+        conn.commit()
+        return True
+    except Exception:
+        conn.rollback()
+        logger.warning(
+            "batch_id=%s is recorded but children %d.. were not published; the relay will publish them",
+            root_id, start, exc_info=True, extra={"batch_id": str(root_id)},
+        )  # fmt: skip
+        return False
+
+
+def _publish_successor_now(fanin: FanIn, batch_id: uuid.UUID) -> None:
+    try:
+        with fanin.engine.connect() as conn:
+            ids = outbox.pending_ids(conn, batch_id)
+        dispatch.publish_outbox(fanin, ids=ids)
+    except Exception:
+        logger.warning("could not publish the successor of batch_id=%s; the relay will", batch_id, exc_info=True)
+
+
+def _release(conn: Connection, batch_id: uuid.UUID) -> None:
+    """Release the publish lock (a rollback does not), or drop the connection and the lock with it."""
+    try:
+        conn.rollback()
+        batches.release_publish_lock(conn, batch_id)
+        conn.commit()
+    except SQLAlchemyError:
+        conn.invalidate()
+
+
+# --- an idempotency key that is already taken ----------------------------------------------------------------------
+
+
+def _existing(
+    fanin: FanIn,
+    conn: Connection,
+    root: batches.NewBatch,
+    items: Iterator[tuple[batches.NewChild, Signature]],
+    *,
+    known_digest: bytes | None = None,
+    known_count: int | None = None,
+    layout: Layout | None = None,
+) -> Written:
+    """The key is taken: return that batch if it is the same child list, resume it if its producer died."""
+    found = batches.find_by_key(conn, root.app_name or "", root.key or "")
+    conn.commit()
+    if found is None:  # deleted between our insert and this read: vanishingly rare, and safe to report
+        raise FanInDatabaseError(f"the batch holding key {root.key!r} disappeared; try again")
+    batch_id, state, planned, digest = found
+    if state == "open":
+        if not batches.try_publish_lock(conn, batch_id):
+            conn.commit()
+            logger.info("key %r: batch_id=%s is being written by another producer; returning it", root.key, batch_id)
+            return Written(batch_id, 0, existing=True)
+        try:
+            return _resume(fanin, conn, replace(root, id=batch_id), items, planned, digest, layout)
+        finally:
+            _release(conn, batch_id)
+    # Sealed: the same child list (by count and digest) returns the batch; anything else is an error.
+    if known_digest is None or known_count is None:
+        seen, chained = 0, EMPTY_DIGEST
+        for child, _ in items:
+            chained = digest_step(chained, child)
+            seen += 1
+        known_digest, known_count = chained, seen
+    if known_count != planned or known_digest != digest:
+        raise InvalidFanIn(
+            f"key {root.key!r} is taken by batch {batch_id} with a different child list "
+            f"({planned} children there, {known_count} given); use another key"
+        )
+    logger.info("key %r: batch_id=%s exists; nothing created or published", root.key, batch_id)
+    return Written(batch_id, 0, existing=True)
+
+
+def _resume(
+    fanin: FanIn,
+    conn: Connection,
+    root: batches.NewBatch,
+    items: Iterator[tuple[batches.NewChild, Signature]],
+    planned: int,
+    digest: bytes | None,
+    layout: Layout | None,
+) -> Written:
+    """Continue an open batch whose producer died: skip the children it has, checking they are the same ones."""
+    chained = EMPTY_DIGEST
+    for _ in range(planned):
+        item = next(items, None)
+        if item is None:
+            raise InvalidFanIn(f"key {root.key!r}: batch {root.id} already has {planned} children, the input fewer")
+        chained = digest_step(chained, item[0])
+    if chained != digest:
+        raise InvalidFanIn(f"key {root.key!r} is taken by batch {root.id} with a different child list")
+    # Children the dead producer committed but did not publish go out first.
+    dispatch.publish_remaining_children(fanin, conn, root.id)
+    direct = batches.direct_children(conn, root.id)
+    leaves = batches.open_leaves(conn, root.id)
+    conn.commit()
+    base = layout or Layout(fanin.settings.max_width, fanin.settings.tree_fanout, fanin.settings.max_width)
+    max_width = base.max_width
+    resumed = Layout(max_width, base.fanout, max(0, base.direct_left - direct),
+                     [_Leaf(leaf_id, size) for leaf_id, size in leaves])  # fmt: skip
+    logger.warning("resuming batch_id=%s (key %r) after %d children", root.id, root.key, planned,
+                   extra={"batch_id": str(root.id)})  # fmt: skip
+    created = _fill(fanin, conn, root, items, resumed, start=planned, digest=chained)
+    return Written(root.id, created, existing=True)
