@@ -24,7 +24,7 @@ from celery.utils import uuid as new_task_id
 from kombu.exceptions import EncodeError
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import dispatch, producer, publish
+from . import dispatch, nesting, producer, publish
 from .exceptions import BatchNotFound, FanInDatabaseError, FanInDepthExceeded, InvalidFanIn, summarise
 from .extension import FanIn
 from .store import batches, queries
@@ -49,6 +49,7 @@ class BatchStatus:
     created_at: datetime
     completed_at: datetime | None
     successor_task_id: str
+    successor_name: str
     successor_state: str | None  # None until the last child's terminal outcome creates the successor
     successor_runs: int
     successor_duplicates: int
@@ -89,6 +90,7 @@ def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
         created_at=batch.created_at,
         completed_at=batch.completed_at,
         successor_task_id=batch.successor_task_id,
+        successor_name=batch.successor_name,
         successor_state=succ.state if succ else None,
         successor_runs=succ.runs if succ else 0,
         successor_duplicates=succ.duplicates if succ else 0,
@@ -154,6 +156,36 @@ class FanInResult:
                     f"remaining={status.remaining} successor={status.successor_state}"
                 )
             time.sleep(interval)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The successor's return value, from the store (no result backend needed); waits for it first."""
+        status = self.wait(timeout)
+        fanin = FanIn.of(self.app)
+        with fanin.engine.connect() as conn:
+            encoded = queries.successor_result(conn, _parse_batch_id(self.batch_id), status.step)
+        return publish.decode_result(self.app, encoded) if encoded is not None else None
+
+    def next_stage(self) -> FanInResult | None:
+        """The batch a `then=fan_in_group(...)` pipeline stage started when this one finished, if any."""
+        status = self.status()
+        fanin = FanIn.of(self.app)
+        with fanin.engine.connect() as conn:
+            found = batches.find_by_key(conn, self.app.main or "", f"then:{self.batch_id}:{status.step}")
+        return FanInResult(self.app, str(found[0])) if found else None
+
+    def final(self, timeout: float | None = None) -> Any:
+        """The last stage's result: follows a pipeline from this first handle to its end (within `timeout`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle: FanInResult = self
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            status = handle.wait(left)
+            if status.successor_name != nesting.TASK_NAME:
+                return handle.result(left)
+            following = handle.next_stage()
+            if following is None:
+                raise CeleryTimeoutError(f"pipeline stage {handle.batch_id} finished but started no next stage")
+            handle = following
 
     def successor(self) -> AsyncResult:
         """The successor's Celery result (needs a result backend; the store has its state without one)."""
@@ -283,6 +315,8 @@ class FanInGroup:
         self._app = app
         self.key = key
         self.max_width = max_width
+        # Set by `celery_fanin.run_group` for a nested batch: the outer child its successor completes.
+        self.parent_task_id: str | None = None
         self.options: dict[str, Any] = {
             "child_timeout": child_timeout, "on_lost": on_lost, "max_redrives": max_redrives,
             "deadline": deadline, "on_deadline": on_deadline, "on_expire": on_expire,
@@ -308,17 +342,28 @@ class FanInGroup:
 
     @property
     def app(self) -> Celery:
+        """The app given, else the one the successor (or a listed child) was made with, else Celery's current."""
         if self._app is not None:
             return self._app
         if isinstance(self.then, Signature) and self.then._app is not None:
             return self.then._app
+        if isinstance(self.then, FanInGroup):
+            return self.then.app
+        if isinstance(self.children, (list, tuple)):
+            for child in self.children:
+                if isinstance(child, Signature) and child._app is not None:
+                    return child._app
         return current_app
 
     def _validate_head(self) -> tuple[Signature, str]:
         if self.then is None:
             raise InvalidFanIn("fan_in_group needs then=: the signature of the successor to run after the children")
-        then = _check_plain_signature(self.then, "then")
-        step = then.task if self.step is None else self.step
+        if isinstance(self.then, FanInGroup):  # a pipeline: the next stage starts when this batch finishes
+            then = nesting.as_signature(self.app, self.then, "then")
+            step = self.step or "then"
+        else:
+            then = _check_plain_signature(self.then, "then")
+            step = then.task if self.step is None else self.step
         if not isinstance(step, str) or not step.strip():
             raise InvalidFanIn("step must be a non-empty string")
         if len(step) > MAX_STEP_LENGTH:
@@ -368,10 +413,14 @@ class FanInGroup:
             key=self.key,
             depth=depth,
             lineage=lineage,
+            parent_task_id=self.parent_task_id,
         )
 
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
-            sig = _check_plain_signature(item, f"child {index}")
+            if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
+                sig = nesting.as_signature(app, item, f"child {index}")
+            else:
+                sig = _check_plain_signature(item, f"child {index}")
             child = batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task,
                                      _encode(app, sig, f"child {index}"))  # fmt: skip
             return child, sig

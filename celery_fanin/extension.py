@@ -102,9 +102,10 @@ class FanIn:
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
-        from . import eager, hooks  # both import this module
+        from . import eager, hooks, nesting  # they import this module
 
         hooks.install(app)
+        nesting.register(app)
         eager.install()  # task_always_eager: children and successors run inline are counted as on a worker
         return self
 

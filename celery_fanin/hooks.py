@@ -170,15 +170,24 @@ def record_child(
 # --- successors ----------------------------------------------------------------------------------------------
 
 
-def record_successor(fanin: FanIn, marker: _Marker, state: str, exc: BaseException | None = None) -> None:
+def record_successor(
+    fanin: FanIn, marker: _Marker, state: str, exc: BaseException | None = None, value: Any = None
+) -> None:
     exc_type, exc_message = _exc_fields(exc)
+    result = None
+    if state == "succeeded":
+        try:
+            result = encode_result(fanin.app, value)
+        except EncodeError as err:
+            logger.warning("result of the successor of batch_id=%s cannot be encoded: %s", marker.batch_id, err)
     _with_retries(
         fanin,
         f"successor state of batch {marker.batch_id}",
         lambda conn: batches.record_successor_state(
-            conn, uuid.UUID(marker.batch_id), marker.step or "", state, exc_type=exc_type, exc_message=exc_message
+            conn, uuid.UUID(marker.batch_id), marker.step or "", state, result=result, exc_type=exc_type,
+            exc_message=exc_message,
         ),
-    )
+    )  # fmt: skip
 
 
 # Successor runs under way in this process: task id -> (the connection holding the run lock, its marker).
@@ -277,7 +286,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
         if task_id not in _running:
             return  # a duplicate delivery the guard refused: the run that holds the lock reports
         if state == "SUCCESS":
-            record_successor(fanin, marker, "succeeded")
+            record_successor(fanin, marker, "succeeded", value=retval)
         elif state == "FAILURE":
             record_successor(fanin, marker, "failed", retval if isinstance(retval, BaseException) else None)
         elif state == "RETRY":

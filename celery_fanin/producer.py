@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -328,8 +329,7 @@ def _existing(
         raise FanInDatabaseError(f"the batch holding key {root.key!r} disappeared; try again")
     batch_id, state, planned, digest = found
     if state == "open":
-        if not batches.try_publish_lock(conn, batch_id):
-            conn.commit()
+        if not _wait_for_publish_lock(conn, batch_id, RESUME_LOCK_WAIT):
             logger.info("key %r: batch_id=%s is being written by another producer; returning it", root.key, batch_id)
             return Written(batch_id, 0, existing=True)
         try:
@@ -350,6 +350,21 @@ def _existing(
         )
     logger.info("key %r: batch_id=%s exists; nothing created or published", root.key, batch_id)
     return Written(batch_id, 0, existing=True)
+
+
+# How long a resumer waits for an open batch's lock: the relay holds it briefly while it publishes children a dead
+# producer left unpublished, and a killed producer's session takes a moment to end; a live producer holds it longer.
+RESUME_LOCK_WAIT = 5.0
+
+
+def _wait_for_publish_lock(conn: Connection, batch_id: uuid.UUID, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        locked = batches.try_publish_lock(conn, batch_id)
+        conn.commit()
+        if locked or time.monotonic() >= deadline:
+            return locked
+        time.sleep(0.1)
 
 
 def _resume(

@@ -29,6 +29,7 @@ app.conf.update(
     fanin_reaper_interval=float(os.environ.get("FANIN_TEST_REAPER_INTERVAL", "1")),
     fanin_successor_timeout=float(os.environ.get("FANIN_TEST_SUCCESSOR_TIMEOUT", "600")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
+    fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_acks_late=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
@@ -169,3 +170,17 @@ def chaos_child(self: Any, batch: int, i: int, mode: str) -> int:
 def chaos_successor(outcome: dict[str, Any], batch: int) -> None:
     """Records each completed run of its body; the chaos suite asserts exactly one per batch."""
     record_run(outcome, f"chaos-{batch}")
+
+
+@app.task
+def sum_values(outcome: dict[str, Any]) -> int:
+    """A successor that returns the sum of its children's values (a nested batch's result)."""
+    return sum(BatchOutcome.from_message(outcome, app=app).values())
+
+
+@app.task
+def recurse(level: int) -> None:
+    """Starts a fan-in of one child like itself, one level deeper each time, until the depth bound stops it."""
+    from celery_fanin import fan_in_group
+
+    fan_in_group([recurse.s(level + 1)], then=record_run.s(f"level-{level}")).apply_async()

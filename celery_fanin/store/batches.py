@@ -501,18 +501,33 @@ def record_successor_state(
     step: str,
     state: str,
     *,
+    result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
 ) -> None:
-    """Move the successor to `retrying` or a final state; a final state is never left again."""
-    conn.execute(
+    """Move the successor to `retrying` or a final state; a final state is never left again.
+
+    A nested batch (one that stands for a child of an outer batch) reports that child in the same transaction
+    when its successor reaches a final state: its return value is the child's result, its failure the child's.
+    """
+    row = conn.execute(
         text(
             """
-            UPDATE fanin_successors
+            UPDATE fanin_successors s
                SET state = :state, exc_type = :exc_type, exc_message = :exc_message, state_at = now(),
+                   result = :result, result_content_type = :rct, result_content_encoding = :rce,
                    finished_at = CASE WHEN :state = 'retrying' THEN NULL ELSE now() END
-             WHERE batch_id = :id AND step = :step AND state NOT IN ('succeeded', 'failed', 'revoked')
+              FROM fanin_batches b
+             WHERE s.batch_id = :id AND s.step = :step AND b.id = s.batch_id
+               AND s.state NOT IN ('succeeded', 'failed', 'revoked')
+         RETURNING b.parent_task_id
             """
         ),
-        {"id": batch_id, "step": step, "state": state, "exc_type": exc_type, "exc_message": exc_message},
-    )
+        {
+            "id": batch_id, "step": step, "state": state, "exc_type": exc_type, "exc_message": exc_message,
+            "result": result.body if result else None, "rct": result.content_type if result else None,
+            "rce": result.content_encoding if result else None,
+        },
+    ).first()  # fmt: skip
+    if row is not None and row.parent_task_id and state in SUCCESSOR_FINAL_STATES:
+        record_terminal(conn, row.parent_task_id, state, result=result, exc_type=exc_type, exc_message=exc_message)

@@ -117,6 +117,17 @@ def unfinished_leaves(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int, 
     return int(row[0]), int(row[1]), int(row[2])
 
 
+def successor_result(conn: Connection, batch_id: uuid.UUID, step: str) -> Encoded | None:
+    row = conn.execute(
+        text(
+            "SELECT result, result_content_type, result_content_encoding FROM fanin_successors"
+            " WHERE batch_id = :id AND step = :step"
+        ),
+        {"id": batch_id, "step": step},
+    ).first()
+    return None if row is None else _encoded(row.result, row.result_content_type, row.result_content_encoding)
+
+
 def depth(conn: Connection, batch_id: uuid.UUID) -> int | None:
     row = conn.execute(text("SELECT depth FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
     return None if row is None else int(row[0])

@@ -42,6 +42,9 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
               JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
              WHERE b.state IN ('open', 'running') AND b.child_timeout IS NOT NULL
                AND greatest(b.created_at, c.started_at, c.redriven_at) + b.child_timeout < now()
+               -- a nested fan-in's child is alive for as long as its inner batch is
+               AND NOT EXISTS (SELECT 1 FROM fanin_batches n
+                                WHERE n.parent_task_id = c.task_id AND n.state IN ('open', 'running'))
              ORDER BY b.created_at, c.idx
              LIMIT :n
             """
@@ -173,7 +176,7 @@ def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
     head = conn.execute(
         text(
             """
-            SELECT on_deadline, on_expire_message IS NOT NULL AS has_on_expire FROM fanin_batches
+            SELECT on_deadline, on_expire_message IS NOT NULL AS has_on_expire, parent_task_id FROM fanin_batches
              WHERE id = :id AND state IN ('open', 'running') AND deadline_at <= now() AND parent_id IS NULL
             """
         ),
@@ -232,6 +235,10 @@ def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
         created = insert_successor(conn, batch_id, "then")
     elif head.has_on_expire:
         created = insert_successor(conn, batch_id, "on_expire")
+    elif head.parent_task_id:
+        # A nested batch abandoned with nothing to run: the outer child it stands for fails now.
+        record_terminal(conn, head.parent_task_id, "failed", exc_type="DeadlineExceeded",
+                        exc_message=f"nested batch {batch_id} was abandoned at its deadline")  # fmt: skip
     return Expiry(batch_id, head.on_deadline, abandoned, created is not None)
 
 

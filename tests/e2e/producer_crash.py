@@ -1,7 +1,8 @@
 """A producer that dies by SIGKILL after its batch is committed, before or while publishing the children.
 
-Run as `python -m tests.e2e.producer_crash N_CHILDREN KILL_ON_CHUNK`: prints the batch id, then kills itself on the
-KILL_ON_CHUNK-th chunk (1 = before publishing anything). Fault injection for the relay's recovery test.
+Run as `python -m tests.e2e.producer_crash N_CHILDREN KILL_ON_CHUNK [--stream KEY]`: prints the batch id, then kills
+itself on the KILL_ON_CHUNK-th chunk it publishes (1 = before publishing anything). With --stream the children come
+from a generator under KEY, written in chunks of 500. Fault injection for the recovery and resumption tests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tests import app as tasks
 
 def main() -> None:
     n, kill_on = int(sys.argv[1]), int(sys.argv[2])
-    tasks.app.conf.fanin_chunk_size = 10
+    stream_key = sys.argv[4] if len(sys.argv) > 4 and sys.argv[3] == "--stream" else None
+    tasks.app.conf.fanin_chunk_size = 500 if stream_key else 10
     calls = {"n": 0}
     real = publish.publish_children
 
@@ -37,7 +39,11 @@ def main() -> None:
         return original_insert(conn, batch, **kwargs)
 
     batches.insert_batch = insert_and_announce  # type: ignore[assignment]
-    fan_in_group([tasks.ok.s(i) for i in range(n)], then=tasks.record_run.s("crash")).apply_async()
+    if stream_key:  # a generator, written chunk by chunk under a key: the rerun resumes it
+        source = (tasks.ok.s(i) for i in range(n))
+        fan_in_group(source, then=tasks.record_run.s("resumed"), key=stream_key).apply_async()
+    else:
+        fan_in_group([tasks.ok.s(i) for i in range(n)], then=tasks.record_run.s("crash")).apply_async()
     print("producer was not killed", flush=True)
 
 

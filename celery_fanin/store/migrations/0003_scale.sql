@@ -21,6 +21,7 @@ ALTER TABLE fanin_batches
 CREATE UNIQUE INDEX fanin_batches_key ON fanin_batches (app_name, key) WHERE key IS NOT NULL;
 CREATE INDEX fanin_batches_leaves ON fanin_batches (parent_id) WHERE parent_id IS NOT NULL;
 CREATE INDEX fanin_batches_lineage ON fanin_batches (lineage) WHERE lineage IS NOT NULL;
+CREATE INDEX fanin_batches_parent_task ON fanin_batches (parent_task_id) WHERE parent_task_id IS NOT NULL;
 DROP INDEX fanin_batches_running;
 CREATE INDEX fanin_batches_running ON fanin_batches (created_at) WHERE state IN ('open', 'running');
 
@@ -37,6 +38,7 @@ DECLARE
     v_state text;
     v_kind text;
     v_outbox bigint;
+    r record;
 BEGIN
     -- The row lock serialises every settle of this batch; under READ COMMITTED this read sees the newest version.
     SELECT * INTO b FROM fanin_batches WHERE id = p_batch FOR UPDATE;
@@ -65,8 +67,8 @@ BEGIN
     END IF;
     -- This call finished the batch: a leaf hands its totals to its root; a root gets its one successor.
     IF b.parent_id IS NOT NULL THEN
-        PERFORM fanin_settle(b.parent_id, b.succeeded + p_succeeded, b.failed + p_failed);
-        RETURN QUERY SELECT b.remaining - 1, false;
+        SELECT * INTO r FROM fanin_settle(b.parent_id, b.succeeded + p_succeeded, b.failed + p_failed);
+        RETURN QUERY SELECT b.remaining - 1, coalesce(r.successor_created, false);
         RETURN;
     END IF;
     v_kind := CASE WHEN v_state = 'failed_threshold' AND b.on_failure_message IS NOT NULL
