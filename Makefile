@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: install
 	$(BIN)/python -m pytest
 
 lint: install
-	$(BIN)/ruff check celery_fanin tests example_app
-	$(BIN)/ruff format --check celery_fanin tests example_app
+	$(BIN)/ruff check celery_fanin tests example_app bench
+	$(BIN)/ruff format --check celery_fanin tests example_app bench
 	$(BIN)/mypy
+
+## The benchmark (group vs chord vs fan_in_group) on both brokers; figures, JSON and plots land in bench/report/.
+bench: install
+	$(BIN)/python -m bench --broker redis --out bench/report
+	$(BIN)/python -m bench --broker rabbitmq --out bench/report

@@ -87,6 +87,7 @@ class FanIn:
 
     app: Celery
     _engine: Engine | None
+    _single_statement_engine: Engine | None
     _engine_pid: int | None
     _engine_lock: threading.Lock
 
@@ -99,6 +100,7 @@ class FanIn:
             self = super().__new__(cls)
             self.app = app
             self._engine = None
+            self._single_statement_engine = None
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
@@ -149,20 +151,41 @@ class FanIn:
                     if self._engine is not None:
                         # Inherited across fork: drop the parent's connections without closing its sockets.
                         self._engine.dispose(close=False)
+                    if self._single_statement_engine is not None:
+                        self._single_statement_engine.dispose(close=False)
                     self._engine = create_engine(
                         self.database_url,
                         pool_size=self.settings.pool_size,
                         pool_pre_ping=True,
                         isolation_level="READ COMMITTED",
                     )
+                    # The worker hooks' one-statement writes (a child's terminal outcome, its start) are atomic
+                    # on their own: run them in autocommit, without BEGIN/COMMIT or a liveness ping, so each costs
+                    # exactly one round trip. Connection errors are retried by the hooks themselves.
+                    self._single_statement_engine = create_engine(
+                        self.database_url,
+                        pool_size=2,
+                        pool_pre_ping=False,
+                        isolation_level="AUTOCOMMIT",
+                    )
                     self._engine_pid = pid
         return self._engine
+
+    @property
+    def single_statement_engine(self) -> Engine:
+        """An autocommit engine for statements that are a whole transaction by themselves (see `engine`)."""
+        self.engine  # noqa: B018  (creates both engines for this process)
+        assert self._single_statement_engine is not None
+        return self._single_statement_engine
 
     def dispose(self) -> None:
         with self._engine_lock:
             if self._engine is not None:
                 self._engine.dispose()
+            if self._single_statement_engine is not None:
+                self._single_statement_engine.dispose()
             self._engine = None
+            self._single_statement_engine = None
             self._engine_pid = None
 
     def migrate(self) -> list[str]:

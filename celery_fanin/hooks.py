@@ -105,11 +105,17 @@ def _fanin_for(app: Celery | None) -> FanIn | None:
     return FanIn.find(app) if app is not None else None
 
 
-def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any]) -> Any:
-    """Run a store call, retrying connection errors with backoff; gives up to reconciliation after the last."""
+def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any], single_statement: bool = False) -> Any:
+    """Run a store call, retrying connection errors with backoff; gives up to reconciliation after the last.
+
+    `single_statement` calls (one statement, atomic by itself) run in autocommit: one round trip, no BEGIN/COMMIT.
+    """
     attempts = max(1, fanin.settings.record_attempts)
     for attempt in range(1, attempts + 1):
         try:
+            if single_statement:
+                with fanin.single_statement_engine.connect() as conn:
+                    return fn(conn)
             with fanin.engine.begin() as conn:
                 return fn(conn)
         except SQLAlchemyError:
@@ -152,6 +158,7 @@ def record_child(
         lambda conn: batches.record_terminal(
             conn, task_id, state, result=result, exc_type=exc_type, exc_message=exc_message
         ),
+        single_statement=True,
     )
     extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
     if rec is None:
@@ -318,7 +325,10 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         return
     attempt = int(getattr(task.request, "retries", 0) or 0)
     worker = getattr(task.request, "hostname", None)
-    _with_retries(fanin, f"start of task {task_id}", lambda conn: batches.record_start(conn, task_id, attempt, worker))
+    _with_retries(
+        fanin, f"start of task {task_id}", lambda conn: batches.record_start(conn, task_id, attempt, worker),
+        single_statement=True,
+    )  # fmt: skip
 
 
 def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:

@@ -1,0 +1,617 @@
+"""The benchmark: Celery's `group` (the floor) and `chord` against `fan_in_group`, side by side in one run.
+
+It creates its own Postgres database, claims a Redis database (as the test suite does), starts one
+`celery worker -P prefork -c 2` and one relay, and measures, alternating the contenders:
+
+- dispatch: the call to `apply_async` (signatures built beforehand), in a fresh process per dispatch, whose peak RSS
+  is also recorded;
+- end to end: dispatch start to the successor's first line (for the plain group: to the last child finishing);
+- successor latency over many small batches: the last child's terminal commit (`fanin_batches.completed_at`; for
+  chord the newest `date_done` of its header results) to the successor's first line;
+- statements and round trips per child terminal event, counted by the workers' psycopg driver (pg_stat_statements
+  is used too when the server has it loaded);
+- terminal-event throughput on one flat batch with 16 concurrent reporters, beside a raw single-row UPDATE's.
+
+Prints a table, writes JSON (and a PNG plot of end-to-end time against N) under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTENDERS = ("group", "chord", "fanin")
+ADMIN_URL = os.environ.get("BENCH_ADMIN_URL", "postgresql://root@127.0.0.1:5432/postgres")
+REDIS_SERVER = os.environ.get("BENCH_REDIS_SERVER", "redis://127.0.0.1:6379")
+RABBITMQ_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+REDIS_CLAIM_KEY = "fanin-test-session"  # the test suite's claim: a bench run and a test run never share a database
+
+FIGURE_KEYS = ("dispatch_s", "e2e_s", "rss_peak_mb")
+
+
+# --- environment ----------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def database() -> Iterator[str]:
+    name = f"fanin_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier
+    try:
+        yield f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def redis_database() -> Iterator[str]:
+    token = uuid.uuid4().hex
+    for db in range(15, 0, -1):
+        client = redis.Redis.from_url(f"{REDIS_SERVER}/{db}")
+        if client.set(REDIS_CLAIM_KEY, token, nx=True, ex=6 * 3600):
+            break
+    else:
+        raise SystemExit("every Redis database from 1 to 15 is claimed (by test sessions or other bench runs)")
+    try:
+        client.flushdb()
+        client.set(REDIS_CLAIM_KEY, token, ex=6 * 3600)
+        yield f"{REDIS_SERVER}/{db}"
+    finally:
+        if client.get(REDIS_CLAIM_KEY) == token.encode():
+            client.flushdb()
+
+
+class Proc:
+    """A celery subprocess (worker or relay) of the harness, in its own process group, logging to a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._file = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "bench.tasks", *args],
+            cwd=ROOT, env=env, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def wait_for(self, marker: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.log.name} exited: {self.log.read_text()[-3000:]}")
+            if marker in self.log.read_text(errors="replace"):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
+        self._file.close()
+
+
+def purge_queue(broker: str, queue: str, delete: bool = False) -> None:
+    from kombu import Connection
+
+    with Connection(broker) as conn:
+        channel = conn.channel()
+        try:
+            if delete:
+                channel.queue_delete(queue)
+            else:
+                channel.queue_purge(queue)
+        except Exception:  # noqa: BLE001 - a queue that was never declared has nothing to purge
+            pass
+        channel.close()
+
+
+# --- the measurements -----------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], marks: redis.Redis, log_dir: Path) -> None:
+        self.args = args
+        self.env = env
+        self.marks = marks
+        self.log_dir = log_dir
+        self.errors: list[str] = []
+
+    def wait_mark(self, key: str, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # short blocking pops: redis-py's client times out a socket after 5 s
+            got = self.marks.blpop([key], timeout=2)
+            if got is not None:
+                return float(got[1])
+        raise TimeoutError(f"no {key} within {timeout:.0f}s")
+
+    def run_one(self, contender: str, n: int, rep: int) -> dict[str, float]:
+        """Dispatch one batch of `n` in a fresh process and wait for its end mark."""
+        run = f"{contender}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
+        timeout = 120 + n / 50
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.dispatch", contender, str(n), run],
+            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"dispatch of {contender} failed:\n{out.stderr[-3000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        key = f"bench:end:{run}" if contender == "group" else f"bench:start:{run}"
+        finished = self.wait_mark(key, timeout)
+        self.marks.delete(f"bench:done:{run}")
+        return {
+            "dispatch_s": result["dispatch_s"],
+            "e2e_s": finished - result["start"],
+            "rss_peak_mb": result["rss_peak_mb"],
+        }
+
+    def contenders(self, progress: Callable[[str], None]) -> dict[str, dict[str, dict[str, Any]]]:
+        figures: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in CONTENDERS}
+        errors = self.errors
+        for n in self.args.n:
+            runs: dict[str, list[dict[str, float]]] = {c: [] for c in CONTENDERS}
+            for rep in range(self.args.repeats):
+                order = CONTENDERS[rep % 3 :] + CONTENDERS[: rep % 3]  # alternate who goes first
+                for contender in order:
+                    try:
+                        r = self.run_one(contender, n, rep)
+                    except Exception as exc:  # noqa: BLE001 - keep the other figures; the error is reported
+                        progress(f"N={n} rep={rep} {contender}: FAILED {exc!r}")
+                        errors.append(f"N={n} rep={rep} {contender}: {exc!r}"[:2000])
+                        continue
+                    runs[contender].append(r)
+                    progress(f"N={n} rep={rep} {contender}: dispatch {r['dispatch_s']:.3f}s e2e {r['e2e_s']:.3f}s "
+                             f"rss {r['rss_peak_mb']:.0f}MB")  # fmt: skip
+            for contender in CONTENDERS:
+                if runs[contender]:
+                    figures[contender][str(n)] = {k: summary([r[k] for r in runs[contender]]) for k in FIGURE_KEYS}
+        return figures
+
+    def latency(self, progress: Callable[[str], None]) -> dict[str, Any]:
+        """Successor latency over many small batches, chord and fan-in alternately, one batch at a time."""
+        from celery import chord
+
+        from bench.tasks import app, child, mark
+        from celery_fanin import fan_in_group
+
+        size = self.args.latency_size
+        lat: dict[str, list[float]] = {"chord": [], "fanin": []}
+        with psycopg.connect(self.env["FANIN_DATABASE_URL"], autocommit=True) as db:
+            for k in range(self.args.latency_batches):
+                for contender in ("chord", "fanin") if k % 2 == 0 else ("fanin", "chord"):
+                    run = f"lat-{contender}-{k}-{uuid.uuid4().hex[:6]}"
+                    if contender == "chord":
+                        result: Any = chord([child.s(i, run, size) for i in range(size)], mark.s(run)).apply_async()
+                        started = self.wait_mark(f"bench:start:{run}", 60)
+                        done = [r.date_done for r in result.parent.results]
+                        last = max(_epoch(d) for d in done)
+                    else:
+                        sigs = [child.s(i, run, size).set(ignore_result=True) for i in range(size)]
+                        handle = fan_in_group(sigs, then=mark.s(run), app=app).apply_async()
+                        started = self.wait_mark(f"bench:start:{run}", 60)
+                        row = db.execute(
+                            "SELECT extract(epoch FROM completed_at) FROM fanin_batches WHERE id = %s",
+                            (handle.batch_id,),
+                        ).fetchone()
+                        assert row is not None and row[0] is not None
+                        last = float(row[0])
+                    lat[contender].append((started - last) * 1000)
+                    self.marks.delete(f"bench:done:{run}")
+                    result = None  # chord results unsubscribe when collected: while the app is alive
+            gc.collect()
+            progress(f"latency: {len(lat['fanin'])} batches of {size} each")
+        return {
+            c: {"p50_ms": percentile(v, 0.5), "p99_ms": percentile(v, 0.99), "max_ms": max(v), "batches": len(v),
+                "batch_size": size}
+            for c, v in lat.items()
+        }  # fmt: skip
+
+    def db_counts(self, progress: Callable[[str], None]) -> dict[str, Any]:
+        """Statements and round trips per child event, counted in the workers (see bench/tasks.py)."""
+        from bench.tasks import app, child, mark
+        from celery_fanin import fan_in_group
+
+        n = self.args.count_children
+        stat = PgStatStatements(self.env["FANIN_DATABASE_URL"])
+        self.marks.delete("bench:sql")
+        stat.reset()
+        run = f"count-{uuid.uuid4().hex[:6]}"
+        fan_in_group([child.s(i, run, n).set(ignore_result=True) for i in range(n)], then=mark.s(run),
+                     app=app).apply_async()  # fmt: skip
+        self.wait_mark(f"bench:start:{run}", 120)
+        time.sleep(1.0)  # the successor's own state update, flushed after its postrun
+        raw = {k.decode(): int(v) for k, v in self.marks.hgetall("bench:sql").items()}
+        progress(f"db counts: {raw}")
+
+        def per(phase: str, what: str) -> float | None:
+            events = raw.get(f"{phase}.events", 0)
+            return raw.get(f"{phase}.{what}", 0) / events if events else None
+
+        result: dict[str, Any] = {
+            "children": n,
+            "method": "psycopg driver counters in the worker pool processes (bench/tasks.py)",
+            "terminal_events": raw.get("terminal.events", 0),
+            "terminal_statements_per_event": per("terminal", "statements"),
+            "terminal_roundtrips_per_event": per("terminal", "roundtrips"),
+            "start_statements_per_child": per("start", "statements"),
+            "start_roundtrips_per_child": per("start", "roundtrips"),
+            "all_statements_per_child": sum(v for k, v in raw.items() if k.endswith(".statements")) / n,
+            "all_roundtrips_per_child": sum(v for k, v in raw.items() if k.endswith(".roundtrips")) / n,
+            "raw": raw,
+        }
+        result["pg_stat_statements"] = stat.read(n)
+        return result
+
+    def throughput(self, progress: Callable[[str], None]) -> dict[str, Any]:
+        """Terminal events on one flat batch from `reporters` processes, and a raw hot-row UPDATE, same run."""
+        from bench.tasks import app, child, mark
+        from celery_fanin import fan_in_group
+
+        n, reporters = self.args.throughput_children, self.args.reporters
+        parked = f"{self.env['BENCH_QUEUE']}-parked"  # no worker consumes it: the children are reported by hand
+        run = f"tput-{uuid.uuid4().hex[:6]}"
+        sigs = [child.s(i, run, n).set(ignore_result=True, queue=parked) for i in range(n)]
+        handle = fan_in_group(sigs, then=mark.s(run), app=app).apply_async()
+        purge_queue(self.env["BENCH_BROKER"], parked, delete=True)
+        url = self.env["FANIN_DATABASE_URL"]
+        with psycopg.connect(url, autocommit=True) as db:
+            ids = [r[0] for r in db.execute(
+                "SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,))]  # fmt: skip
+            db.execute("CREATE TABLE IF NOT EXISTS bench_hot (id int PRIMARY KEY, n bigint NOT NULL)")
+            db.execute("INSERT INTO bench_hot VALUES (1, 1000000000) ON CONFLICT (id) DO NOTHING")
+        slices = [ids[i::reporters] for i in range(reporters)]
+        result: dict[str, Any] = {"reporters": reporters, "events": len(ids), "batch_id": handle.batch_id}
+        for label, kind, work in (
+            ("fanin_events_per_s", "fanin", slices),
+            ("raw_update_per_s", "raw", [[""] * len(s) for s in slices]),
+            ("raw_update_engine_per_s", "raw_engine", [[""] * len(s) for s in slices]),
+        ):
+            result[label] = _concurrent(url, handle.batch_id, kind, work)
+            progress(f"throughput {label}: {result[label]:.0f}/s")
+        result["ratio"] = result["fanin_events_per_s"] / result["raw_update_per_s"]
+        return result
+
+
+def _epoch(value: Any) -> float:
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return float(value.timestamp())
+
+
+class PgStatStatements:
+    """pg_stat_statements, when the server preloads it (it needs shared_preload_libraries and a restart)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.error: str | None = None
+        try:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                conn.execute("SELECT count(*) FROM pg_stat_statements")
+        except psycopg.Error as exc:
+            self.error = str(exc).strip().splitlines()[0]
+
+    def reset(self) -> None:
+        if self.error is None:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute("SELECT pg_stat_statements_reset()")
+
+    def read(self, children: int) -> dict[str, Any]:
+        if self.error is not None:
+            return {"available": False, "why": self.error}
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT query, calls FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database()) AND query NOT ILIKE '%pg_stat_statements%' ORDER BY calls DESC"
+            ).fetchall()
+        return {"available": True, "statements_per_child": sum(r[1] for r in rows) / children,
+                "top": [{"calls": r[1], "query": r[0][:160]} for r in rows[:10]]}  # fmt: skip
+
+
+def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go: Any, out: Any) -> None:
+    """One concurrent reporter process: the worker's own terminal path, or a raw UPDATE, once per id."""
+    from celery import Celery
+
+    from celery_fanin import FanIn, hooks
+
+    if kind == "fanin":
+        app = Celery("bench-reporter", set_as_current=False)
+        app.conf.fanin_database_url = url
+        fanin = FanIn(app)
+        marker = hooks._Marker(batch_id, None, None)
+        with fanin.engine.connect():  # connect before the clock starts
+            pass
+        ready.release()
+        go.wait()
+        start = time.time()
+        for i, task_id in enumerate(ids):
+            hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
+    elif kind == "raw_engine":
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"), pool_pre_ping=True,
+                               isolation_level="READ COMMITTED")  # fmt: skip
+        stmt = text("UPDATE bench_hot SET n = n - 1 WHERE id = 1 AND n > 0 RETURNING n")
+        with engine.connect():
+            pass
+        ready.release()
+        go.wait()
+        start = time.time()
+        for _ in ids:
+            with engine.begin() as conn:
+                conn.execute(stmt).one()
+    else:
+        conn = psycopg.connect(url, autocommit=True)
+        ready.release()
+        go.wait()
+        start = time.time()
+        for _ in ids:
+            conn.execute("UPDATE bench_hot SET n = n - 1 WHERE id = 1 AND n > 0 RETURNING n").fetchone()
+        conn.close()
+    out.put((start, time.time(), len(ids)))
+
+
+def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]]) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_reporter, args=(url, batch_id, kind, ids, ready, go, out)) for ids in work]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        if not ready.acquire(timeout=120):
+            raise RuntimeError("a reporter process did not start")
+    go.set()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    start = min(r[0] for r in results)
+    end = max(r[1] for r in results)
+    return sum(r[2] for r in results) / (end - start)
+
+
+# --- report ---------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import celery
+    import kombu
+
+    mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")), "0")  # fmt: skip
+    versions = {"python": platform.python_version(), "celery": celery.__version__, "kombu": kombu.__version__,
+                "psycopg": psycopg.__version__}  # fmt: skip
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        versions["postgresql"] = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
+    versions["redis"] = str(redis.Redis.from_url(REDIS_SERVER).info("server")["redis_version"])
+    try:
+        from kombu import Connection
+
+        with Connection(RABBITMQ_URL, connect_timeout=3) as conn:
+            conn.connect()
+            props = conn.connection.server_properties
+            versions["rabbitmq"] = props.get("version", "?")
+    except Exception:  # noqa: BLE001 - not needed on a Redis run
+        versions["rabbitmq"] = "unreachable"
+    return {"nproc": os.cpu_count(), "memory_gib": round(int(mem) / 1024 / 1024, 1), "platform": platform.platform(),
+            "versions": versions}  # fmt: skip
+
+
+def evaluate(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, judged on this run's own figures (None: not measured in this run)."""
+    c = report["contenders"]
+    common = set(c["group"]) & set(c["chord"]) & set(c["fanin"])
+    n = "10000" if "10000" in common else str(max(int(x) for x in common))
+
+    def med(contender: str, key: str) -> float:
+        return float(c[contender][n][key]["median"])
+
+    lat = report["latency"]["fanin"]
+    db = report["db"]
+    tput = report["throughput"]
+    rt = db["terminal_roundtrips_per_event"]
+    speedup = med("group", "dispatch_s") / med("fanin", "dispatch_s")
+    return {
+        "at_n": int(n),
+        "dispatch_speedup_vs_group": {"value": speedup, "target": ">= 5", "met": speedup >= 5},
+        "e2e_ratio_vs_group": {"value": med("fanin", "e2e_s") / med("group", "e2e_s"), "target": "<= 1.0",
+                               "met": med("fanin", "e2e_s") / med("group", "e2e_s") <= 1.0},
+        "e2e_ratio_vs_chord": {"value": med("fanin", "e2e_s") / med("chord", "e2e_s"), "target": "<= 0.8",
+                               "met": med("fanin", "e2e_s") / med("chord", "e2e_s") <= 0.8},
+        "successor_p50_ms": {"value": lat["p50_ms"], "target": "<= 10", "met": lat["p50_ms"] <= 10},
+        "successor_p99_ms": {"value": lat["p99_ms"], "target": "<= 50", "met": lat["p99_ms"] <= 50},
+        "roundtrips_per_terminal_event": {"value": rt, "target": "== 1", "met": rt is not None and rt <= 1.0},
+        "throughput_ratio_vs_raw_update": {"value": tput["ratio"], "target": ">= 0.8", "met": tput["ratio"] >= 0.8},
+    }  # fmt: skip
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = []
+    c = report["contenders"]
+    lines.append(f"{'N':>7} {'contender':<7} {'dispatch s (min-max)':>26} {'end to end s (min-max)':>28} "
+                 f"{'peak RSS MB':>12}")  # fmt: skip
+    for n in sorted(set(c["group"]) | set(c["chord"]) | set(c["fanin"]), key=int):
+        for contender in CONTENDERS:
+            if n not in c[contender]:
+                lines.append(f"{int(n):>7} {contender:<7} (failed: see errors)")
+                continue
+            f = c[contender][n]
+            d, e, r = f["dispatch_s"], f["e2e_s"], f["rss_peak_mb"]
+            lines.append(
+                f"{int(n):>7} {contender:<7} {d['median']:>9.3f} ({d['min']:.3f}-{d['max']:.3f})"
+                f"{'':>3}{e['median']:>10.3f} ({e['min']:.3f}-{e['max']:.3f}){'':>3}{r['median']:>10.0f}"
+            )
+    lat = report["latency"]
+    for contender, v in lat.items():
+        lines.append(f"successor latency {contender}: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms, "
+                     f"max {v['max_ms']:.1f} ms over {v['batches']} batches of {v['batch_size']}")  # fmt: skip
+    db = report["db"]
+    lines.append(f"per terminal event: {db['terminal_statements_per_event']} statements, "
+                 f"{db['terminal_roundtrips_per_event']} round trips; per child, all fan-in work (start + terminal): "
+                 f"{db['all_statements_per_child']:.2f} statements, "
+                 f"{db['all_roundtrips_per_child']:.2f} round trips")  # fmt: skip
+    t = report["throughput"]
+    lines.append(f"terminal events, one batch, {t['reporters']} reporters: {t['fanin_events_per_s']:.0f}/s; raw "
+                 f"single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio {t['ratio']:.2f}); same UPDATE through "
+                 f"SQLAlchemy engine.begin() {t['raw_update_engine_per_s']:.0f}/s")  # fmt: skip
+    for name, target in report["targets"].items():
+        if isinstance(target, dict):
+            value = target["value"]
+            shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+            lines.append(f"target {name}: {shown} (want {target['target']}): {'MET' if target['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for contender in CONTENDERS:
+        figs = report["contenders"][contender]
+        ns = sorted(figs, key=int)
+        med = [figs[n]["e2e_s"]["median"] for n in ns]
+        err = [[m - figs[n]["e2e_s"]["min"] for n, m in zip(ns, med, strict=True)],
+               [figs[n]["e2e_s"]["max"] - m for n, m in zip(ns, med, strict=True)]]  # fmt: skip
+        ax.errorbar([int(n) for n in ns], med, yerr=err, marker="o", capsize=3, label=contender)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("children (N)")
+    ax.set_ylabel("end to end, s (median, min-max)")
+    ax.set_title(f"dispatch start to successor start ({report['broker']}, prefork -c 2)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# --- entry point ------------------------------------------------------------------------------------------------
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis")
+    p.add_argument("--n", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 10000, 100000],
+                   help="comma-separated batch sizes (default 1000,10000,100000)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="runs per contender and N (default 3)")
+    p.add_argument("--latency-batches", type=int, default=200)
+    p.add_argument("--latency-size", type=int, default=10)
+    p.add_argument("--count-children", type=int, default=200)
+    p.add_argument("--throughput-children", type=int, default=8000)
+    p.add_argument("--reporters", type=int, default=16)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--smoke", action="store_true", help="tiny N, one repeat: checks the harness, measures nothing")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.n, args.repeats, args.latency_batches, args.latency_size = [20], 1, 4, 3
+        args.count_children, args.throughput_children = 10, 16 * 5
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    # A background job ignores SIGINT: let SIGTERM unwind too, so the workers stop and the database is dropped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out / "logs"
+    log_dir.mkdir(exist_ok=True)
+    started = time.time()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.time() - started:7.1f}s] {msg}", flush=True)
+
+    with database() as db_url, redis_database() as redis_url:
+        queue = f"bench-{uuid.uuid4().hex[:8]}"
+        broker = redis_url if args.broker == "redis" else RABBITMQ_URL
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+        env = {**os.environ, "PYTHONPATH": path, "FANIN_DATABASE_URL": db_url, "BENCH_BROKER": broker,
+               "BENCH_BACKEND": redis_url, "BENCH_REDIS": redis_url, "BENCH_QUEUE": queue}  # fmt: skip
+        os.environ.update({k: env[k] for k in ("FANIN_DATABASE_URL", "BENCH_BROKER", "BENCH_BACKEND", "BENCH_REDIS",
+                                               "BENCH_QUEUE")})  # fmt: skip
+        from bench.tasks import app, child
+        from celery_fanin import FanIn
+
+        FanIn(app).migrate()
+        marks = redis.Redis.from_url(redis_url)
+        worker = Proc(["worker", "-P", "prefork", "-c", "2", "-l", "WARNING", "-Q", queue, "--without-gossip",
+                       "--without-mingle", "--without-heartbeat", "-n", f"bench-{os.getpid()}@%h"],
+                      {**env, "BENCH_COUNT_SQL": "1"}, log_dir / "worker.log")  # fmt: skip
+        relay = Proc(["fanin", "relay"], env, log_dir / "relay.log")
+        try:
+            bench = Bench(args, env, marks, log_dir)
+            child.delay(0, "probe", 1)
+            try:
+                bench.wait_mark("bench:end:probe", 90)
+            except TimeoutError:
+                log = (log_dir / "worker.log").read_text()[-3000:]
+                raise RuntimeError(f"the worker did not start: {log}") from None
+            relay.wait_for("relay started", 30)
+            progress(f"worker and relay up (broker {args.broker}, queue {queue})")
+            report: dict[str, Any] = {
+                "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
+                "broker": args.broker,
+                "started_at": datetime.now(timezone.utc).isoformat(),
+                "machine": machine(),
+                "settings": {"n": args.n, "repeats": args.repeats, "pool": "prefork -c 2", "smoke": args.smoke},
+            }
+            report["contenders"] = bench.contenders(progress)
+            report["latency"] = bench.latency(progress)
+            report["db"] = bench.db_counts(progress)
+            report["throughput"] = bench.throughput(progress)
+            report["errors"] = bench.errors
+            report["targets"] = evaluate(report)
+        finally:
+            relay.stop()
+            worker.stop()
+            purge_queue(broker, queue, delete=args.broker == "rabbitmq")
+            FanIn(app).dispose()
+    report["duration_s"] = time.time() - started
+    name = f"bench-{args.broker}{'-smoke' if args.smoke else ''}"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    report["plot"] = str(args.out / f"{name}.png") if plot(report, args.out / f"{name}.png") else None
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
+    print(table(report))
+    print(f"wrote {args.out / f'{name}.json'}" + (f" and {report['plot']}" if report["plot"] else ""))
+    return 0

@@ -1,0 +1,50 @@
+"""The benchmark harness in --smoke mode (tiny N, one repeat), so that it cannot rot: it must start its own worker
+and relay, run every contender and phase, and write a JSON report with every figure. Its numbers mean nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.workers import ROOT
+
+pytestmark = [pytest.mark.e2e]
+
+CONTENDER_KEYS = ("dispatch_s", "e2e_s", "rss_peak_mb")
+LATENCY_KEYS = ("p50_ms", "p99_ms", "max_ms", "batches", "batch_size")
+DB_KEYS = ("terminal_statements_per_event", "terminal_roundtrips_per_event", "start_statements_per_child",
+           "all_statements_per_child", "all_roundtrips_per_child", "pg_stat_statements", "method")  # fmt: skip
+THROUGHPUT_KEYS = ("fanin_events_per_s", "raw_update_per_s", "raw_update_engine_per_s", "ratio", "reporters")
+TARGET_KEYS = ("dispatch_speedup_vs_group", "e2e_ratio_vs_group", "e2e_ratio_vs_chord", "successor_p50_ms",
+               "successor_p99_ms", "roundtrips_per_terminal_event", "throughput_ratio_vs_raw_update")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--broker", broker, "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / f"bench-{broker}-smoke.json").read_text())
+    assert report["errors"] == []
+    assert report["broker"] == broker
+    assert {"nproc", "memory_gib", "versions"} <= report["machine"].keys()
+    for contender in ("group", "chord", "fanin"):
+        figures = report["contenders"][contender]["20"]
+        for key in CONTENDER_KEYS:
+            assert figures[key]["median"] > 0, (contender, key)
+    for contender in ("chord", "fanin"):
+        assert set(LATENCY_KEYS) <= report["latency"][contender].keys()
+    assert set(DB_KEYS) <= report["db"].keys()
+    assert report["db"]["terminal_events"] == report["db"]["children"]  # every child's terminal event was counted
+    assert report["db"]["terminal_statements_per_event"] >= 1
+    assert set(THROUGHPUT_KEYS) <= report["throughput"].keys()
+    assert report["throughput"]["fanin_events_per_s"] > 0
+    assert set(TARGET_KEYS) <= report["targets"].keys()
+    assert "bench-" in (report["plot"] or "bench-")  # the plot needs matplotlib (the dev extra)

@@ -1,0 +1,294 @@
+"""Bulk publishing of children (celery_fanin/publish.py), on Redis and RabbitMQ, with a real prefork worker.
+
+The fast path builds each message once with Celery's own `create_task_message`, routes it as Celery would, and
+pipelines the writes (kombu's `Producer.batch` on Redis, confirmed back-to-back publishes on RabbitMQ). These tests
+prove that what a worker receives from it is what `apply_async` would have sent: arguments, custom and fan-in
+headers, countdown/eta, expires, time limits (signature- and task-level), queues and `task_routes`; and that the
+per-message fallbacks deliver the same.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from kombu import Connection
+
+from celery_fanin import FanIn, fan_in_group, publish
+from tests import publish_tasks
+from tests.workers import CeleryProcess, start_relay, start_worker
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_env(request: pytest.FixtureRequest, e2e_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The worker environment on one broker, with queues of this test's own (sessions may run side by side)."""
+    queue = f"fanin-pub-{uuid.uuid4().hex[:10]}"
+    env = {**e2e_env, "FANIN_TEST_QUEUE": queue, "ROUTED_QUEUE": f"{queue}-routed", "BROKER": request.param}
+    if request.param == "rabbitmq":
+        env["FANIN_TEST_BROKER"] = RABBITMQ_URL
+    yield env
+    if request.param == "rabbitmq":
+        with Connection(RABBITMQ_URL) as conn:
+            channel = conn.channel()
+            for name in (queue, env["ROUTED_QUEUE"]):
+                try:
+                    channel.queue_delete(name)
+                except Exception:  # noqa: BLE001 - already gone (or never declared): nothing to clean
+                    channel = conn.channel()
+            channel.close()
+
+
+@pytest.fixture
+def started(broker_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], None]]:
+    """Starts a worker on both test queues (with the echo tasks) and a relay; stops them after the test."""
+    procs: list[CeleryProcess] = []
+
+    def start() -> None:
+        queues = f"{broker_env['FANIN_TEST_QUEUE']},{broker_env['ROUTED_QUEUE']}"
+        procs.append(
+            start_worker(broker_env, tmp_path / "worker.log", extra=["-I", "tests.publish_tasks", "-Q", queues])
+        )
+        procs.append(start_relay(broker_env, tmp_path / "relay.log"))
+
+    yield start
+    for proc in procs:
+        proc.stop()
+        print(f"===== {proc.log.name} =====\n{proc.output()[-4000:]}")
+
+
+def _producer_app(env: dict[str, str], **conf: Any) -> Celery:
+    """A producer app of the test's own, configured like a user's: default queue, task_routes, the echo tasks."""
+    app = Celery("tests.app", broker=env["FANIN_TEST_BROKER"], set_as_current=False)
+    app.conf.update(
+        fanin_database_url=env["FANIN_DATABASE_URL"],
+        task_default_queue=env["FANIN_TEST_QUEUE"],
+        task_routes={publish_tasks.ROUTED: {"queue": env["ROUTED_QUEUE"]}},
+        broker_connection_retry_on_startup=False,
+        **conf,
+    )
+    publish_tasks.register(app)
+    FanIn(app)
+    return app
+
+
+def _children(app: Celery, env: dict[str, str]) -> list[Any]:
+    """One child per option the fast path must carry."""
+    echo = app.tasks[publish_tasks.ECHO]
+    soon = datetime.now(timezone.utc) + timedelta(seconds=2)
+    return [
+        echo.s(1, "two", k="v").set(headers={"x_custom": "hello"}),  # 0: args, kwargs, custom header
+        echo.s(1).set(countdown=2),  # 1
+        echo.s(2).set(eta=soon),  # 2
+        echo.s(3).set(expires=600),  # 3: expires in the future: runs, and knows it
+        echo.s(4).set(countdown=3, expires=1),  # 4: expired by the time its eta comes: revoked
+        app.signature("tests.app.sleepy", args=(10,)).set(soft_time_limit=0.5),  # 5: soft limit
+        app.signature("tests.app.sleepy", args=(10,)).set(time_limit=1),  # 6: hard limit (pool process killed)
+        app.tasks[publish_tasks.ROUTED].s(7),  # 7: task_routes
+        echo.s(8).set(queue=env["ROUTED_QUEUE"]),  # 8: the queue option
+        app.tasks[publish_tasks.LIMITED].s(9),  # 9: task-level time limits
+        echo.s(10).set(time_limit=20, soft_time_limit=10, priority=3),  # 10: signature-level time limits
+    ]
+
+
+def _values(env: dict[str, str], batch_id: str) -> tuple[dict[str, Any], list[Any]]:
+    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        row = conn.execute("SELECT outcome, values FROM e2e_successor_runs WHERE batch_id = %s", (batch_id,)).fetchone()
+    assert row is not None, "the successor did not run"
+    return row[0], row[1]
+
+
+def _run_and_check(app: Celery, env: dict[str, str], start: Callable[[], None]) -> dict[str, Any]:
+    """Dispatch the children to a running worker, then check what every child saw."""
+    start()
+    children = _children(app, env)
+    then = app.signature("tests.app.record_run", args=("pub",), kwargs={"with_values": True})
+    dispatched = time.time()
+    handle = fan_in_group(children, then=then, app=app).apply_async()
+    status = handle.wait(timeout=90)
+    assert status.successor_state == "succeeded", status
+    assert (status.planned, status.remaining) == (len(children), 0)
+    outcome, values = _values(env, handle.batch_id)
+    failures = {f["index"]: f for f in outcome["failures"]}
+    assert sorted(failures) == [4, 5, 6], outcome["failures"]
+    assert failures[4]["state"] == "revoked"
+    assert (failures[5]["state"], failures[5]["exc_type"]) == ("time_limit", "SoftTimeLimitExceeded")
+    assert (failures[6]["state"], failures[6]["exc_type"]) == ("time_limit", "TimeLimitExceeded")
+    assert outcome["succeeded"] == len(children) - 3
+    seen = dict(zip([i for i in range(len(children)) if i not in failures], values, strict=True))
+    for index, value in seen.items():  # the fan-in headers reached task.request on every child
+        assert value["fanin_batch"] == handle.batch_id, value
+        assert value["fanin_index"] == index, value
+    assert seen[0]["args"] == [1, "two"] and seen[0]["kwargs"] == {"k": "v"}
+    assert seen[0]["custom"] == "hello"
+    assert seen[0]["eta"] is None and seen[0]["expires"] is None
+    for index in (1, 2):
+        assert seen[index]["eta"] is not None
+        assert seen[index]["ran_at"] >= dispatched + 1.5, (index, seen[index]["ran_at"] - dispatched)
+    assert seen[3]["expires"] is not None
+    assert seen[7]["routing_key"] == env["ROUTED_QUEUE"]
+    assert seen[8]["routing_key"] == env["ROUTED_QUEUE"]
+    assert seen[0]["routing_key"] == env["FANIN_TEST_QUEUE"]
+    assert seen[9]["timelimit"] == [40, 30]
+    assert seen[10]["timelimit"] == [20, 10]
+    return outcome
+
+
+def _count_celery_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = publish._publish_with_celery
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "_publish_with_celery", counting)
+    return calls
+
+
+def test_fast_path_children_run_with_their_options(
+    broker_env: dict[str, str], started: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = _producer_app(broker_env)
+    try:
+        with app.producer_or_acquire() as prod:
+            expected = "confirm" if broker_env["BROKER"] == "rabbitmq" else "pipeline"
+            assert publish.publish_mode(prod) == expected
+        via_celery = _count_celery_path(monkeypatch)
+        _run_and_check(app, broker_env, started)
+        assert via_celery == [], "every child was expected on the fast path"
+    finally:
+        FanIn.of(app).dispose()
+
+
+@pytest.mark.parametrize("fallback", ["celery", "single"])
+def test_per_message_fallbacks_deliver_the_same(
+    fallback: str, broker_env: dict[str, str], started: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`celery`: bulk publishing switched off (``fanin_bulk_publish = False``), every child via apply_async.
+    `single`: a transport without batching (Redis set to retry commands, where kombu refuses pipelines; on
+    RabbitMQ, confirms switched off by forcing the mode) gets the fast path's messages one at a time."""
+    conf: dict[str, Any] = {}
+    if fallback == "celery":
+        conf["fanin_bulk_publish"] = False
+    elif broker_env["BROKER"] == "redis":
+        conf["broker_transport_options"] = {"retry_on_timeout": True}
+    else:
+        monkeypatch.setattr(publish, "publish_mode", lambda prod: "single")
+    app = _producer_app(broker_env, **conf)
+    try:
+        with app.producer_or_acquire() as prod:
+            if fallback == "single":
+                assert publish.publish_mode(prod) == "single"
+        via_celery = _count_celery_path(monkeypatch)
+        _run_and_check(app, broker_env, started)
+        if fallback == "celery":
+            assert len(via_celery) == 11
+        else:
+            assert via_celery == []
+    finally:
+        FanIn.of(app).dispose()
+
+
+# --- what the fast path builds, compared with what Celery itself publishes (no broker needed) ------------------
+
+
+class _Capture:
+    """A stand-in producer for `app.send_task`: records the arguments Celery hands to `Producer.publish`."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.published: list[tuple[Any, dict[str, Any]]] = []
+
+    def publish(self, body: Any, **kwargs: Any) -> None:
+        self.published.append((body, kwargs))
+
+    def maybe_declare(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+OPTION_SETS: list[tuple[str, dict[str, Any]]] = [
+    ("tests.publish_tasks.echo", {}),
+    ("tests.publish_tasks.echo", {"queue": "elsewhere"}),
+    ("tests.publish_tasks.routed", {}),
+    ("tests.publish_tasks.echo", {"exchange": "ex", "routing_key": "rk", "exchange_type": "topic"}),
+    ("tests.publish_tasks.echo", {"priority": 7, "delivery_mode": 1}),
+    ("tests.publish_tasks.echo", {"countdown": 30}),
+    ("tests.publish_tasks.echo", {"expires": 60}),
+    ("tests.publish_tasks.echo", {"time_limit": 5, "soft_time_limit": 3, "headers": {"x_custom": 1}}),
+    ("tests.publish_tasks.limited", {}),
+    ("tests.publish_tasks.limited", {"soft_time_limit": 1}),
+    ("tests.publish_tasks.echo", {"serializer": "pickle", "compression": "zlib"}),
+    ("not.registered.anywhere", {"queue": "elsewhere"}),
+]
+
+
+@pytest.mark.parametrize(("name", "options"), OPTION_SETS, ids=[f"{n}-{sorted(o)}" for n, o in OPTION_SETS])
+def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]) -> None:
+    app = Celery("tests.app", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_default_queue="default-q",
+        task_routes={publish_tasks.ROUTED: {"queue": "routed-q"}},
+        accept_content=["json", "pickle"],
+    )
+    publish_tasks.register(app)
+    sig = app.signature(name, args=(1, "a"), kwargs={"k": [1, 2]}, **options)
+    task_id = str(uuid.uuid4())
+    headers = {**(options.get("headers") or {}), publish.HEADER_BATCH: "b", publish.HEADER_INDEX: 3}
+    with app.connection_for_write() as conn:
+        capture = _Capture(conn)
+        sig.apply_async(task_id=task_id, producer=capture, headers=headers, add_to_parent=False)
+    ((celery_body, celery_kwargs),) = capture.published
+
+    route, our_headers, our_body, properties = publish._Builder(app, "b").build(3, task_id, sig)
+    assert our_body == celery_body
+    assert route.exchange == (celery_kwargs["exchange"].name if hasattr(celery_kwargs["exchange"], "name")
+                              else celery_kwargs["exchange"])  # fmt: skip
+    assert route.routing_key == celery_kwargs["routing_key"]
+    assert route.serializer == celery_kwargs["serializer"]
+    assert route.compression == celery_kwargs["compression"]
+    assert [q.name for q in route.declare] == [q.name for q in celery_kwargs["declare"]]
+    theirs = dict(celery_kwargs["headers"])
+    for key in ("eta", "expires"):  # both computed from "now", a few microseconds apart
+        assert (our_headers.pop(key) is None) == (theirs.pop(key) is None), key
+    assert our_headers == theirs
+    # Celery also passes the task's unset options (priority=None...): the same as not passing them.
+    celery_props = {k: v for k, v in celery_kwargs.items() if k not in _PUBLISH_ARGS and v is not None}
+    if "expiration" in celery_props:
+        assert properties.pop("expiration") == pytest.approx(celery_props.pop("expiration"), abs=1)
+    assert properties == celery_props
+
+
+_PUBLISH_ARGS = frozenset(
+    {"exchange", "routing_key", "serializer", "compression", "retry", "retry_policy", "declare", "headers",
+     "timeout", "confirm_timeout"}
+)  # fmt: skip
+
+
+def test_unmodelled_options_go_through_celery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link (or any option the fast path does not build) is published by apply_async, the others are not."""
+    app = Celery("tests.app", broker="memory://", set_as_current=False)
+    publish_tasks.register(app)
+    echo = app.tasks[publish_tasks.ECHO]
+    calls = _count_celery_path(monkeypatch)
+    children = [(0, str(uuid.uuid4()), echo.s(0)), (1, str(uuid.uuid4()), echo.s(1).set(link=echo.s()))]
+    with publish.producer(app) as prod:
+        publish.publish_children(app, prod, uuid.uuid4(), children)
+    assert len(calls) == 1
+    with app.connection_for_write() as conn:
+        queue = conn.SimpleQueue("celery")
+        received = [queue.get(timeout=1) for _ in range(2)]
+        assert sorted(json.loads(json.dumps(m.headers["fanin_index"])) for m in received) == [0, 1]
+        assert {m.headers["fanin_batch"] for m in received} == {received[0].headers["fanin_batch"]}
+        queue.close()
