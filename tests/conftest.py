@@ -6,7 +6,10 @@ suite's claims are about Postgres and a real broker, and a skipped claim is an u
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 
@@ -18,7 +21,33 @@ from sqlalchemy import Engine
 
 from celery_fanin import FanIn
 
-ADMIN_URL = os.environ.get("FANIN_TEST_ADMIN_URL", "postgresql://root@127.0.0.1:5432/postgres")
+DEFAULT_ADMIN_URL = "postgresql://root@127.0.0.1:5432/postgres"
+
+
+def _admin_url() -> str:
+    """`FANIN_TEST_ADMIN_URL`, else the local PostgreSQL; if none is reachable, a private embedded server for the
+    session (celery_fanin.embedded), so that the suite runs on a machine without PostgreSQL. CI has one."""
+    configured = os.environ.get("FANIN_TEST_ADMIN_URL")
+    if configured:
+        return configured
+    from celery_fanin.embedded import EmbeddedPostgres, EmbeddedPostgresError, reachable
+
+    if reachable(DEFAULT_ADMIN_URL, timeout=3):
+        return DEFAULT_ADMIN_URL
+    base = tempfile.mkdtemp(prefix="fanin-test-pg-")
+    os.chmod(base, 0o755)  # run as root, the server runs as another user, which must reach its data directory
+    server = EmbeddedPostgres(os.path.join(base, "pg"), database="postgres", ephemeral=True)
+    try:
+        server.start()
+    except EmbeddedPostgresError as exc:
+        print(f"no PostgreSQL at {DEFAULT_ADMIN_URL}, and the embedded server did not start: {exc}")
+        return DEFAULT_ADMIN_URL  # the first test that needs it fails with "not reachable"
+    atexit.register(lambda: (server.stop(), shutil.rmtree(base, ignore_errors=True)))
+    os.environ["FANIN_TEST_ADMIN_URL"] = server.admin_url  # for the processes this session starts
+    return server.admin_url
+
+
+ADMIN_URL = _admin_url()
 # A Redis server; each test session claims a database number of its own on it (see `redis_url`).
 REDIS_SERVER = os.environ.get("FANIN_TEST_REDIS_SERVER", "redis://127.0.0.1:6379")
 REDIS_CLAIM_KEY = "fanin-test-session"

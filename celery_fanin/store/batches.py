@@ -70,6 +70,9 @@ class NewBatch:
     depth: int = 0
     lineage: uuid.UUID | None = None
     parent_task_id: str | None = None
+    # A retry round (celery_fanin.rounds): its number, and the batch of round 1 it retries.
+    round: int = 1
+    retry_of: uuid.UUID | None = None
 
 
 class KeyTaken(Exception):
@@ -153,12 +156,12 @@ def insert_batch(
                                        max_failures, max_failures_ratio, on_expire_message, on_expire_content_type,
                                        on_expire_content_encoding, on_failure_message, on_failure_content_type,
                                        on_failure_content_encoding, app_name, key, digest, parent_id, depth,
-                                       lineage, parent_task_id)
+                                       lineage, parent_task_id, round, retry_of)
             VALUES (:id, :step, :state, :planned, :remaining, :stid, :sname, :smsg, :sct, :sce,
                     CASE WHEN :state = 'complete' THEN now() END,
                     :child_timeout, :on_lost, :max_redrives, :deadline_at, :on_deadline, :max_failures, :ratio,
                     :emsg, :ect, :ece, :fmsg, :fct, :fce, :app_name, :key, :digest, :parent_id, :depth, :lineage,
-                    :parent_task_id)
+                    :parent_task_id, :round, :retry_of)
             ON CONFLICT (app_name, key) WHERE key IS NOT NULL DO NOTHING
             RETURNING id
             """
@@ -194,6 +197,8 @@ def insert_batch(
             "depth": batch.depth,
             "lineage": batch.lineage,
             "parent_task_id": batch.parent_task_id,
+            "round": batch.round,
+            "retry_of": batch.retry_of,
         },
     ).first()
     return row is not None
@@ -365,19 +370,14 @@ def record_terminal(
 
 
 def record_start(conn: Connection, task_id: str, attempt: int, worker: str | None) -> bool:
-    """Note that a worker started a child (attempt = its Celery retry number); False if it is already terminal."""
-    row = conn.execute(
-        text(
-            """
-            UPDATE fanin_children
-               SET state = 'started', started_at = now(), attempt = :attempt, starts = starts + 1, worker = :worker
-             WHERE task_id = :task_id AND state IN ('pending', 'started')
-         RETURNING 1
-            """
-        ),
-        {"task_id": task_id, "attempt": attempt, "worker": worker},
-    ).first()
-    return row is not None
+    """Note that a worker started a child (attempt = its Celery retry number); False if it is already terminal.
+    One statement, committed asynchronously (see `fanin_record_start`)."""
+    return bool(
+        conn.execute(
+            text("SELECT fanin_record_start(:task_id, :attempt, :worker)"),
+            {"task_id": task_id, "attempt": attempt, "worker": worker},
+        ).scalar_one()
+    )
 
 
 def _lock_key(batch_id: uuid.UUID) -> dict[str, object]:

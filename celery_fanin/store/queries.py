@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
@@ -31,6 +32,8 @@ class BatchRow:
     on_expire_message: Encoded | None = None
     on_failure_message: Encoded | None = None
     child_timeout_seconds: float | None = None
+    round: int = 1  # a retry round's number (1 otherwise), and the batch of round 1 it retries
+    retry_of: uuid.UUID | None = None
 
     def message_for(self, kind: str) -> Encoded:
         """The stored signature a successor of `kind` runs: `then`, or `on_expire` / `on_failure` instead of it."""
@@ -68,7 +71,8 @@ def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
                    successor_name, successor_message, successor_content_type, successor_content_encoding,
                    created_at, completed_at, deadline_at, on_expire_message, on_expire_content_type,
                    on_expire_content_encoding, on_failure_message, on_failure_content_type,
-                   on_failure_content_encoding, extract(epoch FROM child_timeout) AS child_timeout_seconds
+                   on_failure_content_encoding, extract(epoch FROM child_timeout) AS child_timeout_seconds,
+                   round, retry_of
               FROM fanin_batches WHERE id = :id
             """
         ),
@@ -83,7 +87,7 @@ def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
         r.created_at, r.completed_at, r.deadline_at,
         _encoded(r.on_expire_message, r.on_expire_content_type, r.on_expire_content_encoding),
         _encoded(r.on_failure_message, r.on_failure_content_type, r.on_failure_content_encoding),
-        float(r.child_timeout_seconds) if r.child_timeout_seconds is not None else None,
+        float(r.child_timeout_seconds) if r.child_timeout_seconds is not None else None, r.round, r.retry_of,
     )  # fmt: skip
 
 
@@ -203,3 +207,21 @@ def child_results(
                 else None
             )
             yield r.idx, r.task_id, r.state, encoded
+
+
+def unfinished_children(conn: Connection, batch_id: uuid.UUID) -> list[Any]:
+    """A batch's children (leaves included) not yet terminal, in child order, with their stored messages."""
+    return list(
+        conn.execute(
+            text(
+                """
+                SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.content_encoding
+                  FROM fanin_children c
+                 WHERE c.batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+                   AND c.state IN ('pending', 'started')
+                 ORDER BY c.idx
+                """
+            ),
+            {"id": batch_id},
+        )
+    )

@@ -133,3 +133,18 @@ BEGIN
     RETURN QUERY SELECT * FROM fanin_settle(p_batch, 0, 0);
 END
 $$;
+
+CREATE FUNCTION fanin_record_start(p_task_id text, p_attempt integer, p_worker text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- A start is advisory (it tells "never started" from "started, never finished"): its commit need not wait
+    -- for the WAL flush, which halves the fsyncs a child costs. Terminal outcomes stay synchronous: a successor
+    -- published from a commit that a crash then lost could run twice.
+    PERFORM set_config('synchronous_commit', 'off', true);
+    UPDATE fanin_children
+       SET state = 'started', started_at = now(), attempt = p_attempt, starts = starts + 1, worker = p_worker
+     WHERE task_id = p_task_id AND state IN ('pending', 'started');
+    RETURN FOUND;
+END
+$$;

@@ -1,0 +1,184 @@
+"""Retention: delete finished batches older than an age, in short transactions, from the CLI or a periodic task.
+
+A batch is deleted once it is finished (complete, partial, failed_threshold or expired), its successor has
+finished too (an expired batch may have none), it finished before the cut-off, and no retry round of it is still
+running. Its leaves, children, successor and outbox rows go with it (ON DELETE CASCADE).
+
+Each transaction locks at most `chunk` root batches (`FOR UPDATE SKIP LOCKED`: rows another session holds are left
+for the next run) and deletes batches holding at most about `max_children` children: a tree's leaves are deleted
+a few at a time before its root, so a batch of a million children is never one transaction. Nothing else is
+locked: live batches are never touched, and every transaction is short.
+
+As a periodic task (``celery_fanin.prune``, defined on every app wired with `FanIn(app)`)::
+
+    app.conf.beat_schedule = {
+        "fanin-prune": {"task": "celery_fanin.prune", "schedule": crontab(hour=3, minute=17),
+                        "kwargs": {"older_than": "30d"}},
+    }
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from celery import Celery
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from .exceptions import FanInDatabaseError, summarise
+from .extension import FanIn
+from .inspection import parse_duration
+from .store import admin
+
+logger = logging.getLogger("celery_fanin.retention")
+
+TASK_NAME = "celery_fanin.prune"
+
+
+@dataclass
+class PruneReport:
+    older_than_seconds: float
+    batches: int = 0  # root batches deleted (or, with dry_run, that would be)
+    leaves: int = 0  # leaf counters of trees deleted before their roots
+    children: int = 0  # child rows deleted with them
+    transactions: int = 0
+    dry_run: bool = False
+    complete: bool = True  # False if `limit` or `max_seconds` stopped it with more left to delete
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def prune(
+    fanin: FanIn,
+    older_than: float | str,
+    *,
+    chunk: int = 500,
+    max_children: int = 20_000,
+    dry_run: bool = False,
+    limit: int | None = None,
+    max_seconds: float | None = None,
+) -> PruneReport:
+    """Delete finished batches that finished more than `older_than` ago (seconds, or `30d`, `12h`, ...).
+
+    `chunk`: root batches locked per transaction; `max_children`: children deleted per transaction (a batch
+    larger than that is deleted alone, a tree leaf by leaf); `limit`: root batches deleted by this call at most;
+    `max_seconds`: stop starting transactions after this long (a periodic task that must not overrun).
+    """
+    age = parse_duration(older_than)
+    if chunk < 1 or max_children < 1:
+        raise ValueError("chunk and max_children must be at least 1")
+    report = PruneReport(older_than_seconds=age, dry_run=dry_run)
+    try:
+        if dry_run:
+            with fanin.engine.connect() as conn:
+                report.batches, report.children = admin.prunable_totals(conn, age)
+            return report
+        started = time.monotonic()
+        while True:
+            if limit is not None and report.batches >= limit:
+                report.complete = False
+                break
+            if max_seconds is not None and time.monotonic() - started >= max_seconds:
+                report.complete = False
+                break
+            room = chunk if limit is None else min(chunk, limit - report.batches)
+            deleted = _with_retries(functools.partial(_one_transaction, fanin, age, room, max_children))
+            if deleted is None:
+                break
+            report.batches += deleted.batches
+            report.leaves += deleted.leaves
+            report.children += deleted.children
+            report.transactions += 1
+    except SQLAlchemyError as exc:
+        raise FanInDatabaseError(f"could not prune: {summarise(exc)}") from exc
+    if report.batches or report.leaves:
+        logger.info("pruned %d batches (%d leaf counters, %d children) finished over %ss ago in %d transactions",
+                    report.batches, report.leaves, report.children, age, report.transactions)  # fmt: skip
+    return report
+
+
+@dataclass(frozen=True)
+class _Deleted:
+    batches: int = 0
+    leaves: int = 0
+    children: int = 0
+
+
+# A late report of a child (a failed_threshold batch's straggler) locks the child row, then its batch row; a delete
+# holds the batch row, then deletes the child row: PostgreSQL breaks that rare deadlock, and the transaction is
+# simply run again (the report, if it was the one aborted, is retried by its worker and finds no row).
+_RETRYABLE = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+_ATTEMPTS = 5
+
+
+def _with_retries(run: Callable[[], _Deleted | None]) -> _Deleted | None:
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            return run()
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) not in _RETRYABLE or attempt == _ATTEMPTS:
+                raise
+            logger.info("prune transaction aborted (%s); running it again", summarise(exc))
+            time.sleep(0.05 * attempt)
+    return None  # not reached
+
+
+def _one_transaction(fanin: FanIn, age: float, room: int, max_children: int) -> _Deleted | None:
+    """Delete one bounded set of rows in one transaction; None when there was nothing (left) to delete."""
+    with fanin.engine.begin() as conn:
+        roots = admin.lock_prunable(conn, age, room)
+        chosen: list[uuid.UUID] = []
+        used = 0
+        for root in roots:
+            if root.leaves:
+                if chosen:
+                    break  # a tree goes leaf by leaf, in transactions of its own
+                picked: list[uuid.UUID] = []
+                for leaf_id, planned in admin.lock_leaves(conn, root.id, room):
+                    if picked and used + planned > max_children:
+                        break
+                    picked.append(leaf_id)
+                    used += planned
+                if not picked:
+                    continue  # its leaves are locked by another session: leave it for the next run
+                children = admin.child_rows(conn, picked)
+                return _Deleted(leaves=admin.delete_batches(conn, picked), children=children)
+            if chosen and used + root.planned > max_children:
+                break
+            chosen.append(root.id)
+            used += root.planned
+        if not chosen:
+            return None
+        children = admin.child_rows(conn, chosen)
+        return _Deleted(batches=admin.delete_batches(conn, chosen), children=children)
+
+
+_REGISTERED: weakref.WeakSet[Celery] = weakref.WeakSet()
+
+
+def register(app: Celery) -> None:
+    """Define the `celery_fanin.prune` task on the app (lazily, like any `@app.task`), for celery beat. Calling it
+    again for the same app does nothing."""
+    if app in _REGISTERED:
+        return
+    _REGISTERED.add(app)
+
+    @app.task(name=TASK_NAME, bind=True, shared=False)
+    def prune_task(
+        self: Any,
+        older_than: float | str = "30d",
+        chunk: int = 500,
+        max_children: int = 20_000,
+        limit: int | None = None,
+        max_seconds: float | None = None,
+    ) -> dict[str, Any]:
+        """Delete finished batches older than `older_than` (see `celery_fanin.retention.prune`)."""
+        return prune(FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit,
+                     max_seconds=max_seconds).as_dict()  # fmt: skip

@@ -1,0 +1,372 @@
+"""Statements for the operator commands (`celery -A proj fanin status | ls | failures | retry-failed | prune`).
+
+None of them is on the counting path. Reads take no locks. Retention deletes in short transactions that lock only
+rows nobody counts any more (`FOR UPDATE SKIP LOCKED`: a batch some other session holds is left for the next run).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+# Batch states in which nothing is counted any more (a failed_threshold batch may still record late children).
+FINISHED_STATES = ("complete", "partial", "failed_threshold", "expired")
+BATCH_STATES = ("open", "running", *FINISHED_STATES)
+_SUCCESSOR_FINAL = ("succeeded", "failed", "revoked")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One batch as the operator commands show it; counts are in children, leaves' unfinished totals included."""
+
+    id: uuid.UUID
+    step: str
+    state: str
+    planned: int
+    succeeded: int
+    failed: int
+    created_at: datetime
+    completed_at: datetime | None
+    deadline_at: datetime | None
+    successor_name: str
+    successor_state: str | None
+    key: str | None
+    parent_id: uuid.UUID | None
+    parent_task_id: str | None
+    lineage: uuid.UUID | None
+    depth: int
+    round: int
+    retry_of: uuid.UUID | None
+    child_index: int | None  # a nested batch: the index of the outer child it stands for
+
+    @property
+    def remaining(self) -> int:
+        return self.planned - self.succeeded - self.failed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "batch_id": str(self.id), "step": self.step, "state": self.state, "planned": self.planned,
+            "succeeded": self.succeeded, "failed": self.failed, "remaining": self.remaining,
+            "created_at": self.created_at.isoformat(),
+            "completed_at": self.completed_at.isoformat() if self.completed_at else None,
+            "deadline_at": self.deadline_at.isoformat() if self.deadline_at else None,
+            "successor_name": self.successor_name, "successor_state": self.successor_state,
+            "round": self.round, "retry_of": str(self.retry_of) if self.retry_of else None,
+        }  # fmt: skip
+
+
+# The one shape every node query returns; only the WHERE / ORDER BY / LIMIT tails below differ (fixed strings).
+_NODE_COLUMNS = """
+           b.id, b.step, b.state, b.planned,
+           b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
+           b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+           b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
+"""
+_NODE_JOINS = """
+      FROM fanin_batches b
+      LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) AS f FROM fanin_batches x
+                          WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
+      LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+      LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+"""
+_NODE_SELECT = "SELECT" + _NODE_COLUMNS + _NODE_JOINS
+
+
+def _node(r: Any) -> Node:
+    return Node(
+        r.id, r.step, r.state, int(r.planned), int(r.succeeded), int(r.failed), r.created_at, r.completed_at,
+        r.deadline_at, r.successor_name, r.successor_state, r.key, r.parent_id, r.parent_task_id, r.lineage,
+        int(r.depth), int(r.round), r.retry_of, r.child_index,
+    )  # fmt: skip
+
+
+def node(conn: Connection, batch_id: uuid.UUID) -> Node | None:
+    r = conn.execute(text(_NODE_SELECT + " WHERE b.id = :id"), {"id": batch_id}).first()
+    return None if r is None else _node(r)
+
+
+def leaves(conn: Connection, root_id: uuid.UUID, limit: int) -> list[Node]:
+    """A tree root's leaf counters, oldest first."""
+    rows = conn.execute(
+        text(_NODE_SELECT + " WHERE b.parent_id = :id ORDER BY b.created_at, b.id LIMIT :n"),
+        {"id": root_id, "n": limit},
+    )
+    return [_node(r) for r in rows]
+
+
+def descendants(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[Node]:
+    """Batches created by this batch's children or successor: nested batches (their `parent_task_id` is one of
+    its children), the next stage of a pipeline (`then=fan_in_group(...)`), and any other fan-in a child or the
+    successor started. Leaves are not included (see `leaves`)."""
+    rows = conn.execute(
+        text(_NODE_SELECT + " WHERE b.lineage = :id AND b.parent_id IS NULL ORDER BY c.idx NULLS LAST, "
+             "b.created_at, b.id LIMIT :n"),
+        {"id": batch_id, "n": limit},
+    )  # fmt: skip
+    return [_node(r) for r in rows]
+
+
+def rounds(conn: Connection, original_id: uuid.UUID) -> list[Node]:
+    """Round 1 (the original batch, if it still exists) and every retry round of it, in round order."""
+    rows = conn.execute(
+        text(_NODE_SELECT + " WHERE (b.id = :id AND b.retry_of IS NULL) OR b.retry_of = :id "
+             "ORDER BY b.round, b.created_at"),
+        {"id": original_id},
+    )  # fmt: skip
+    return [_node(r) for r in rows]
+
+
+def open_children(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int]:
+    """(pending, started) children of a batch and its leaves: published or queued, and running on a worker now."""
+    r = conn.execute(
+        text(
+            """
+            SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+                   count(*) FILTER (WHERE state = 'started') AS started
+              FROM fanin_children
+             WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+               AND state IN ('pending', 'started')
+            """
+        ),
+        {"id": batch_id},
+    ).one()
+    return int(r.pending), int(r.started)
+
+
+def last_progress(conn: Connection, batch_id: uuid.UUID) -> datetime | None:
+    """When a child of the batch (or of its leaves) last reached a terminal state."""
+    return conn.execute(
+        text(
+            "SELECT max(finished_at) FROM fanin_children"
+            " WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)"
+        ),
+        {"id": batch_id},
+    ).scalar_one()
+
+
+def child_location(conn: Connection, task_id: str) -> tuple[uuid.UUID, int] | None:
+    """The root batch a child belongs to (its leaf's root for a tree) and the child's index."""
+    r = conn.execute(
+        text(
+            "SELECT coalesce(b.parent_id, b.id) AS root, c.idx FROM fanin_children c"
+            " JOIN fanin_batches b ON b.id = c.batch_id WHERE c.task_id = :t"
+        ),
+        {"t": task_id},
+    ).first()
+    return None if r is None else (r.root, int(r.idx))
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    child_timeout_seconds: float | None
+    on_lost: str
+    max_redrives: int
+
+
+def recovery_policy(conn: Connection, batch_id: uuid.UUID) -> RecoveryPolicy:
+    """What a batch does about lost children (a retry round of it does the same)."""
+    r = conn.execute(
+        text(
+            "SELECT extract(epoch FROM child_timeout) AS timeout_s, on_lost, max_redrives"
+            " FROM fanin_batches WHERE id = :id"
+        ),
+        {"id": batch_id},
+    ).one()
+    return RecoveryPolicy(float(r.timeout_s) if r.timeout_s is not None else None, r.on_lost, int(r.max_redrives))
+
+
+def db_now(conn: Connection) -> datetime:
+    return conn.execute(text("SELECT now()")).scalar_one()
+
+
+def failure_count(conn: Connection, batch_id: uuid.UUID) -> int:
+    """Children of a batch (and its leaves) that ended in any terminal state but `succeeded`."""
+    return int(
+        conn.execute(
+            text(
+                """
+                SELECT count(*) FROM fanin_children
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+                   AND state NOT IN ('pending', 'started', 'succeeded')
+                """
+            ),
+            {"id": batch_id},
+        ).scalar_one()
+    )
+
+
+# --- ls ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listed:
+    node: Node
+    last_progress: datetime | None  # unfinished batches only: when one of its children last finished
+    stuck: bool
+
+
+def list_batches(
+    conn: Connection,
+    *,
+    states: Sequence[str] = (),
+    stuck: bool = False,
+    stuck_after: float = 600.0,
+    older_than: float | None = None,
+    newer_than: float | None = None,
+    step: str | None = None,
+    limit: int = 50,
+) -> list[Listed]:
+    """Root batches (a tree's leaves are part of their root), newest first.
+
+    `states` and `stuck` select (a batch matching either is listed; neither: every state): batches in one of
+    `states`, and with `stuck`, open or running batches none of whose children finished in the last `stuck_after`
+    seconds, nor was the batch created in them. Ages are seconds since creation; `step` matches exactly.
+    """
+    rows = conn.execute(
+        text(
+            "SELECT p.last_progress, now() AS now,"
+            + _NODE_COLUMNS
+            + _NODE_JOINS
+            + """
+      LEFT JOIN LATERAL (
+            SELECT max(ch.finished_at) AS last_progress FROM fanin_children ch
+             WHERE b.state IN ('open', 'running')
+               AND ch.batch_id IN (SELECT y.id FROM fanin_batches y WHERE y.id = b.id OR y.parent_id = b.id)
+      ) p ON true
+     WHERE b.parent_id IS NULL
+       AND (CAST(:any_state AS boolean)
+            OR b.state = ANY(CAST(:states AS text[]))
+            OR (CAST(:stuck AS boolean) AND b.state IN ('open', 'running')
+                AND greatest(b.created_at, p.last_progress) < now() - make_interval(secs => :threshold)))
+       AND (CAST(:older AS double precision) IS NULL
+            OR b.created_at < now() - make_interval(secs => CAST(:older AS double precision)))
+       AND (CAST(:newer AS double precision) IS NULL
+            OR b.created_at > now() - make_interval(secs => CAST(:newer AS double precision)))
+       AND (CAST(:step AS text) IS NULL OR b.step = CAST(:step AS text))
+     ORDER BY b.created_at DESC, b.id
+     LIMIT :n
+            """
+        ),
+        {
+            "any_state": not states and not stuck,
+            "states": list(states),
+            "stuck": stuck,
+            "threshold": stuck_after,
+            "older": older_than,
+            "newer": newer_than,
+            "step": step,
+            "n": limit,
+        },
+    ).all()
+    listed = []
+    for r in rows:
+        n = _node(r)
+        progress = max(n.created_at, r.last_progress) if r.last_progress is not None else n.created_at
+        is_stuck = n.state in ("open", "running") and (r.now - progress).total_seconds() > stuck_after
+        listed.append(Listed(n, r.last_progress, is_stuck))
+    return listed
+
+
+# --- retry rounds -----------------------------------------------------------------------------------------------
+
+
+def latest_round(conn: Connection, original_id: uuid.UUID) -> uuid.UUID | None:
+    """The batch of the highest round of `original_id` (itself when it was never retried); None if none exists."""
+    return conn.execute(
+        text(
+            """
+            SELECT id FROM fanin_batches
+             WHERE (id = :id AND retry_of IS NULL) OR retry_of = :id
+             ORDER BY round DESC, created_at DESC LIMIT 1
+            """
+        ),
+        {"id": original_id},
+    ).scalar()
+
+
+def highest_round(conn: Connection, original_id: uuid.UUID) -> int:
+    return int(
+        conn.execute(
+            text("SELECT coalesce(max(round), 1) FROM fanin_batches WHERE id = :id OR retry_of = :id"),
+            {"id": original_id},
+        ).scalar_one()
+    )
+
+
+# --- retention --------------------------------------------------------------------------------------------------
+
+# A root batch retention may delete: finished, with its successor finished too (an expired batch may have none),
+# finished before the cut-off, and with no retry round still running. `created_at < cut-off` is implied by the
+# completion time and lets the planner walk the creation index instead of the whole table.
+_PRUNABLE = """
+      FROM fanin_batches b
+     WHERE b.parent_id IS NULL
+       AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired')
+       AND b.created_at < now() - make_interval(secs => :age)
+       AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
+       AND (EXISTS (SELECT 1 FROM fanin_successors s
+                     WHERE s.batch_id = b.id AND s.step = b.step AND s.state IN ('succeeded', 'failed', 'revoked'))
+            OR (b.state = 'expired' AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
+       AND NOT EXISTS (SELECT 1 FROM fanin_batches r
+                        WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
+"""
+
+
+def prunable_totals(conn: Connection, age_seconds: float) -> tuple[int, int]:
+    """(root batches, children) retention would delete now."""
+    r = conn.execute(
+        text("SELECT count(*) AS n, coalesce(sum(b.planned), 0) AS children" + _PRUNABLE), {"age": age_seconds}
+    ).one()
+    return int(r.n), int(r.children)
+
+
+@dataclass(frozen=True)
+class Prunable:
+    id: uuid.UUID
+    planned: int
+    leaves: int
+
+
+def lock_prunable(conn: Connection, age_seconds: float, limit: int) -> list[Prunable]:
+    """Lock up to `limit` prunable roots, oldest first, skipping rows another session holds (a late report that
+    is settling a failed_threshold batch, another prune). Call inside the transaction that deletes them."""
+    rows = conn.execute(
+        text(
+            "SELECT b.id, b.planned, (SELECT count(*) FROM fanin_batches x WHERE x.parent_id = b.id) AS leaves"
+            + _PRUNABLE
+            + " ORDER BY b.created_at, b.id LIMIT :n FOR UPDATE OF b SKIP LOCKED"
+        ),
+        {"age": age_seconds, "n": limit},
+    )
+    return [Prunable(r.id, int(r.planned), int(r.leaves)) for r in rows]
+
+
+def lock_leaves(conn: Connection, root_id: uuid.UUID, limit: int) -> list[tuple[uuid.UUID, int]]:
+    """Up to `limit` leaves of a locked prunable root, with their child counts."""
+    rows = conn.execute(
+        text("SELECT id, planned FROM fanin_batches WHERE parent_id = :id ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"),
+        {"id": root_id, "n": limit},
+    )
+    return [(r.id, int(r.planned)) for r in rows]
+
+
+def child_rows(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
+    """Child rows held directly by these batches (about to be deleted with them)."""
+    return int(
+        conn.execute(
+            text("SELECT count(*) FROM fanin_children WHERE batch_id = ANY(CAST(:ids AS uuid[]))"), {"ids": list(ids)}
+        ).scalar_one()
+    )
+
+
+def delete_batches(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
+    """Delete batch rows; their children, leaves, successors and outbox rows go with them (ON DELETE CASCADE)."""
+    if not ids:
+        return 0
+    result = conn.execute(text("DELETE FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[]))"), {"ids": list(ids)})
+    return int(result.rowcount)

@@ -1,0 +1,140 @@
+"""`celery_fanin.retention.prune` against Postgres alone: what counts as prunable, bounded transactions that skip
+rows another session holds instead of waiting for them, and a deadlock with a late report run again."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
+
+from celery_fanin import FanIn, retention
+from celery_fanin.store import admin, batches
+
+from .helpers import new_batch, row_counts
+
+
+def _finished(engine: Engine, n: int, *, days: float = 40, successor: str | None = "succeeded",
+              state: str | None = None, **fields: Any) -> uuid.UUID:  # fmt: skip
+    """A batch of `n` children, every one succeeded, its successor in `successor` (None: no successor row), moved
+    back `days` in time; `state` overrides the batch state, `fields` set more columns."""
+    batch, children = new_batch(n)
+    with engine.begin() as conn:
+        batches.create_batch(conn, batch, children)
+        for child in children:
+            batches.record_terminal(conn, child.task_id, "succeeded")
+        if successor is None:
+            conn.execute(text("DELETE FROM fanin_outbox WHERE batch_id = :b"), {"b": batch.id})
+            conn.execute(text("DELETE FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id})
+        if successor is not None:
+            batches.insert_successor(conn, batch.id, "then")
+            conn.execute(text("UPDATE fanin_successors SET state = :s WHERE batch_id = :b"),
+                         {"s": successor, "b": batch.id})  # fmt: skip
+        conn.execute(
+            text("UPDATE fanin_batches SET created_at = created_at - make_interval(days => :d), completed_at = "
+                 "coalesce(completed_at, now()) - make_interval(days => :d), state = coalesce(:state, state) "
+                 "WHERE id = :b"),
+            {"b": batch.id, "d": days, "state": state},
+        )  # fmt: skip
+        for column, value in fields.items():  # test-chosen column names only
+            conn.execute(text(f"UPDATE fanin_batches SET {column} = :v WHERE id = :b"), {"v": value, "b": batch.id})
+    return batch.id
+
+
+def _exists(engine: Engine, batch_id: uuid.UUID) -> bool:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT 1 FROM fanin_batches WHERE id = :b"), {"b": batch_id}).first() is not None
+
+
+def test_only_finished_batches_with_finished_successors_are_pruned(app: Celery, engine: Engine) -> None:
+    fanin = FanIn.of(app)
+    done = _finished(engine, 3)
+    failed_successor = _finished(engine, 1, successor="failed")
+    expired_without_successor = _finished(engine, 1, successor=None, state="expired")
+    successor_running = _finished(engine, 1, successor="running")
+    no_successor_yet = _finished(engine, 1, successor=None)  # complete, successor not created: keep
+    recent = _finished(engine, 1, days=10)
+    running = _finished(engine, 1, state="running")
+    with_running_round = _finished(engine, 1)
+    _finished(engine, 1, days=0, state="running", retry_of=with_running_round, round=2)
+
+    dry = retention.prune(fanin, "30d", dry_run=True)
+    assert (dry.batches, dry.children) == (3, 5)
+    report = retention.prune(fanin, "30d")
+    assert (report.batches, report.children, report.complete) == (3, 5, True)
+    for gone in (done, failed_successor, expired_without_successor):
+        assert not _exists(engine, gone)
+    for kept in (successor_running, no_successor_yet, recent, running, with_running_round):
+        assert _exists(engine, kept)
+    assert retention.prune(fanin, "5d").batches == 1  # `recent`
+    assert row_counts(engine)["fanin_outbox"] == 4  # successor_running, with_running_round, the round, `running`
+
+
+def test_chunks_and_limit(app: Celery, engine: Engine) -> None:
+    fanin = FanIn.of(app)
+    for _ in range(5):
+        _finished(engine, 2)
+    report = retention.prune(fanin, 30 * 86400, chunk=2, limit=3)
+    assert (report.batches, report.children, report.complete) == (3, 6, False)
+    assert report.transactions == 2  # 2 + 1 batches
+    report = retention.prune(fanin, "30d", chunk=10, max_children=3)
+    assert (report.batches, report.transactions) == (2, 2)  # 2 + 2 children would pass 3: one batch each
+
+
+def test_a_batch_another_session_holds_is_skipped_not_waited_for(app: Celery, engine: Engine) -> None:
+    fanin = FanIn.of(app)
+    held, free = _finished(engine, 1), _finished(engine, 1)
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("SELECT 1 FROM fanin_batches WHERE id = :b FOR UPDATE"), {"b": held})
+            locked.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        started = time.monotonic()
+        report = retention.prune(fanin, "30d")
+        assert time.monotonic() - started < 5
+        assert report.batches == 1 and not _exists(engine, free) and _exists(engine, held)
+    finally:
+        release.set()
+        holder.join(10)
+    assert retention.prune(fanin, "30d").batches == 1 and not _exists(engine, held)
+
+
+class _Deadlock(Exception):
+    sqlstate = "40P01"
+
+
+def test_a_deadlocked_transaction_is_run_again(app: Celery, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    fanin = FanIn.of(app)
+    _finished(engine, 1)
+    real = admin.lock_prunable
+    calls = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise DBAPIError("DELETE ...", {}, _Deadlock("deadlock detected"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(admin, "lock_prunable", flaky)
+    assert retention.prune(fanin, "30d").batches == 1
+    assert len(calls) == 3  # aborted, run again, then nothing left
+
+
+def test_the_periodic_task(app: Celery, engine: Engine) -> None:
+    retention.register(app)
+    _finished(engine, 2)
+    result = app.tasks[retention.TASK_NAME].apply(kwargs={"older_than": "30d", "chunk": 10}).get()
+    assert (result["batches"], result["children"], result["dry_run"]) == (1, 2, False)

@@ -1,0 +1,198 @@
+"""The least-privilege roles of docs/how-to/database-roles.md, tested: the very SQL files the page includes are run
+in a throwaway database, the schema is migrated as the owner role, and then a producer, a worker's hooks, the
+relay (with its recovery duties) and retention each run as their own role, and are refused what they must not do.
+
+Roles are cluster-wide, so each run suffixes their names and drops them at the end.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+from celery import Celery
+from sqlalchemy.engine import make_url
+
+from celery_fanin import BatchNotFound, BatchOutcome, FanIn, fan_in_group, hooks, retention
+from celery_fanin.relay import Relay
+from celery_fanin.store import batches
+from tests.conftest import ADMIN_URL
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "how-to"
+ROLES = ("owner", "producer", "worker", "relay", "maintenance")
+
+
+@dataclass
+class Cluster:
+    database: str
+    suffix: str
+
+    def role(self, name: str) -> str:
+        return f"fanin_{name}_{self.suffix}"
+
+    def url(self, role: str) -> str:
+        """A libpq URL for `role` on the throwaway database (the test server trusts local connections)."""
+        base = make_url(ADMIN_URL).set(username=self.role(role), password=None, database=self.database)
+        return base.render_as_string(hide_password=False)
+
+    def sql(self, path: Path) -> str:
+        """A documented SQL file with this run's role names."""
+        return re.sub(r"\bfanin_(" + "|".join(ROLES) + r")\b", rf"fanin_\1_{self.suffix}", path.read_text())
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    suffix = uuid.uuid4().hex[:8]
+    c = Cluster(f"fanin_roles_{suffix}", suffix)
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{c.database}"')  # generated identifiers, not input
+    try:
+        with psycopg.connect(make_url(ADMIN_URL).set(database=c.database).render_as_string(False),
+                             autocommit=True) as admin:  # fmt: skip
+            admin.execute(c.sql(DOCS / "roles.sql"))
+        yield c
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{c.database}" WITH (FORCE)')
+            for name in ROLES:
+                admin.execute(f'DROP ROLE IF EXISTS "{c.role(name)}"')
+
+
+def _app(cluster: Cluster, role: str, **conf: object) -> Celery:
+    app = Celery(f"roles-{role}", broker="memory://", set_as_current=False)
+    app.conf.update(fanin_database_url=cluster.url(role), fanin_record_attempts=1, fanin_pool_size=2, **conf)
+    FanIn(app)
+    app.task(name="roles.child")(_child)
+    app.task(name="roles.successor")(_successor)
+    return app
+
+
+def _child(i: int) -> int:
+    return i
+
+
+def _successor(outcome: dict[str, int]) -> int:
+    return outcome["succeeded"]
+
+
+def _refused(url: str, statement: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(statement)
+
+
+@pytest.mark.timeout(120)
+def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
+    owner = _app(cluster, "owner")
+    assert FanIn.of(owner).migrate(), "the owner role creates the schema"
+    with psycopg.connect(cluster.url("owner"), autocommit=True) as conn:
+        conn.execute(cluster.sql(DOCS / "grants.sql"))
+    FanIn.of(owner).dispose()
+
+    producer = _app(cluster, "producer")
+    worker = _app(cluster, "worker")
+    relay_app = _app(cluster, "relay", fanin_successor_timeout=0.0)
+    apps = (producer, worker, relay_app)
+    try:
+        # --- the producer: every way of writing a batch -------------------------------------------------------
+        child = producer.signature("roles.child")
+        then = producer.signature("roles.successor")
+        plain_ids = [f"plain-{cluster.suffix}-{i}" for i in range(3)]
+        plain = fan_in_group([child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(plain_ids)],
+                             then=then, app=producer).apply_async()  # fmt: skip
+        empty = fan_in_group([], then=then, app=producer).apply_async()  # its successor is sent at once
+        tree_ids = [f"tree-{cluster.suffix}-{i}" for i in range(5)]
+        streamed = (child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(tree_ids))
+        tree = fan_in_group(streamed, then=then, app=producer, max_width=2, key=f"tree-{cluster.suffix}").apply_async()
+        redrive = fan_in_group([child.clone(args=(0,))], then=then, app=producer, child_timeout=0.2,
+                               on_lost="redrive", max_redrives=1).apply_async()  # fmt: skip
+        lost = fan_in_group([child.clone(args=(0,))], then=then, app=producer, child_timeout=0.2).apply_async()
+        late = fan_in_group([child.clone(args=(0,))], then=then, app=producer,
+                            deadline=timedelta(seconds=0.2)).apply_async()  # fmt: skip
+        assert (plain.status().planned, tree.status().planned, redrive.status().planned) == (3, 5, 1)
+        assert empty.status().successor_state in ("sent", "pending")
+
+        # --- a worker's hooks: starts, terminal outcomes, the successor's run ---------------------------------
+        fanin_w = FanIn.of(worker)
+        for index, task_id in enumerate(plain_ids):
+            with fanin_w.engine.begin() as conn:
+                assert batches.record_start(conn, task_id, 0, "worker@test")
+            marker = hooks._Marker(plain.batch_id, index, None)
+            state = "failed" if index == 2 else "succeeded"
+            rec = hooks.record_child(fanin_w, task_id, marker, state, value=index * 10, has_value=state == "succeeded",
+                                     exc=ValueError("no") if state == "failed" else None)  # fmt: skip
+            assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
+        for index, task_id in enumerate(tree_ids):
+            rec = hooks.record_child(fanin_w, task_id, hooks._Marker(tree.batch_id, index, None), "succeeded",
+                                     value=index, has_value=True)  # fmt: skip
+            assert rec is not None and rec.counted
+        assert tree.status().state == "complete", "the leaves settled their root as the worker role"
+
+        # --- the relay: outbox, orphaned children, lost children, deadlines, stalled successors, reconcile ------
+        with psycopg.connect(make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False),
+                             autocommit=True) as admin:  # fmt: skip
+            admin.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (lost.batch_id,))
+        time.sleep(0.5)  # past the child timeouts and the deadline
+        relay = Relay(FanIn.of(relay_app), poll_interval=0.1)
+        relay.run_once(maintenance=True)
+        relay.run_once(maintenance=True)  # publishes what the first round's recovery created
+        stats = relay.stats
+        assert stats.errors == 0
+        assert (stats.children_redriven, stats.deadlines_applied) == (1, 1)
+        assert stats.children_lost >= 1  # `lost`, and `redrive` too if its redrive outlived child_timeout again
+        assert stats.children_published >= 1, "the relay published the children the producer 'did not'"
+        assert stats.successors_published >= 4
+        assert stats.successors_restarted >= 1, "a sent successor past fanin_successor_timeout was put back"
+        for handle in (plain, tree, lost, late):
+            assert handle.status().successor_state in ("sent", "pending"), handle.batch_id
+
+        # The successor of `plain` runs on a worker: start guard, body reading the results, state and result.
+        status = plain.status()
+        succ_marker = hooks._Marker(plain.batch_id, None, status.step)
+        assert hooks._claim_run(fanin_w, status.successor_task_id, succ_marker, 0)
+        outcome = BatchOutcome(plain.batch_id, status.step, 3, 2, 1, app=worker)
+        assert list(outcome.values()) == [0, 10]
+        hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2)
+        hooks._release_run(status.successor_task_id)
+        assert plain.status().successor_state == "succeeded"
+
+        # --- retention ----------------------------------------------------------------------------------------
+        statement = (DOCS / "retention.sql").read_text().replace("interval '30 days'", "interval '0 seconds'")
+        with psycopg.connect(cluster.url("maintenance"), autocommit=True) as conn:
+            deleted = conn.execute(statement).rowcount
+            assert deleted == 1, "only `plain` is finished with its successor done"
+        with psycopg.connect(cluster.url("relay")) as conn:
+            left = conn.execute("SELECT count(*) FROM fanin_children WHERE batch_id = %s", (plain.batch_id,))
+            assert left.fetchone() == (0,), "its children went with it"
+        # `fanin prune` as the same role, once the empty batch's successor has run.
+        status = empty.status()
+        marker = hooks._Marker(empty.batch_id, None, status.step)
+        assert hooks._claim_run(fanin_w, status.successor_task_id, marker, 0)
+        hooks.record_successor(fanin_w, marker, "succeeded", value=0)
+        hooks._release_run(status.successor_task_id)
+        maintenance = _app(cluster, "maintenance")
+        apps = (*apps, maintenance)
+        assert retention.prune(FanIn.of(maintenance), 0).batches == 1
+        with pytest.raises(BatchNotFound):
+            empty.status()
+
+        # --- and what each role must not do ---------------------------------------------------------------------
+        _refused(cluster.url("producer"), "DELETE FROM fanin_batches")
+        _refused(cluster.url("producer"), "UPDATE fanin_children SET message = ''")
+        _refused(cluster.url("worker"), "INSERT INTO fanin_batches (id) VALUES (gen_random_uuid())")
+        _refused(cluster.url("worker"), "UPDATE fanin_batches SET successor_message = ''")
+        _refused(cluster.url("worker"), "UPDATE fanin_children SET message = ''")
+        _refused(cluster.url("relay"), "UPDATE fanin_children SET message = ''")
+        _refused(cluster.url("relay"), "DELETE FROM fanin_outbox")
+        _refused(cluster.url("maintenance"), "UPDATE fanin_batches SET state = 'running'")
+        _refused(cluster.url("maintenance"), "SELECT message FROM fanin_children")
+        _refused(cluster.url("relay"), "CREATE TABLE fanin_extra (id int)")
+    finally:
+        for app in apps:
+            FanIn.of(app).dispose()

@@ -1,0 +1,159 @@
+"""The pytest plugin for users (`celery_fanin.testing`) and eager mode, shown as a user's test suite would use them.
+
+Each test writes a small test suite with `pytester` and runs it in a pytest subprocess, as a user's CI would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+USER_TESTS = """
+import pytest
+from celery.exceptions import Reject
+from celery_fanin import BatchOutcome, fan_in_group
+
+
+@pytest.fixture
+def tasks(fanin_app):
+    @fanin_app.task
+    def square(i):
+        return i * i
+
+    @fanin_app.task
+    def boom(i):
+        raise ValueError(f"boom {i}")
+
+    @fanin_app.task(bind=True, max_retries=3)
+    def flaky(self, i):
+        if self.request.retries < 2:
+            raise self.retry(countdown=30)  # eager retries run at once
+        return i
+
+    @fanin_app.task
+    def refuse(i):
+        raise Reject("refused", requeue=False)
+
+    @fanin_app.task
+    def summary(outcome, label):
+        result = BatchOutcome.from_message(outcome, app=fanin_app)
+        return {"label": label, "ok": result.succeeded, "failed": result.failed, "values": list(result.values()),
+                "failures": [[f["index"], f["state"], f["exc_type"]] for f in result.failures]}
+
+    return square, boom, flaky, refuse, summary
+
+
+def test_fanin_run_completes_with_production_outcomes(fanin_app, fanin_run, tasks):
+    square, boom, flaky, refuse, summary = tasks
+    children = [square.s(1), boom.s(2), flaky.s(3), refuse.s(4), fanin_app.signature("no.such.task"), square.s(6)]
+    handle = fanin_run(fan_in_group(children, then=summary.s("nightly")))
+    status = handle.status()
+    assert (status.state, status.planned, status.succeeded, status.failed) == ("complete", 6, 3, 3)
+    assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
+    assert handle.successor().result == {
+        "label": "nightly", "ok": 3, "failed": 3, "values": [1, 3, 36],
+        "failures": [[1, "failed", "ValueError"], [3, "rejected", "Reject"], [4, "unknown", "NotRegistered"]],
+    }
+
+
+def test_an_empty_group_runs_its_successor(fanin_run, tasks):
+    summary = tasks[-1]
+    handle = fanin_run(fan_in_group([], then=summary.s("empty")))
+    assert handle.successor().result["ok"] == 0
+    assert handle.status().finished
+
+
+def test_each_test_starts_with_empty_tables(fanin_database):
+    import psycopg
+    url = fanin_database.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT count(*) FROM fanin_batches").fetchone() == (0,)
+"""
+
+EAGER_TESTS = """
+import pytest
+from celery_fanin import fan_in_group
+
+
+@pytest.fixture
+def fanin_celery_config():
+    return {"broker_url": "memory://", "task_always_eager": True, "task_eager_propagates": True}
+
+
+def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fanin_app):
+    from celery_fanin.eager import run_eagerly
+    from celery_fanin import FanIn
+
+    @fanin_app.task
+    def double(i):
+        return 2 * i
+
+    @fanin_app.task
+    def fails(i):
+        raise KeyError(i)
+
+    @fanin_app.task
+    def total(outcome):
+        return outcome["succeeded"], outcome["failed"]
+
+    handle = fan_in_group([double.s(1), fails.s(2), double.s(3)], then=total.s()).apply_async()
+    # Under task_always_eager apply_async ran the children and then the successor inline.
+    status = handle.status()
+    assert (status.succeeded, status.failed, status.successor_state) == (2, 1, "succeeded")
+    assert handle.successor().result == (2, 1)
+    # Running it again is harmless: the successor's run guard refuses a second run.
+    again = run_eagerly(FanIn.of(fanin_app), handle.batch_id)
+    assert again.status().successor_runs == 1
+"""
+
+
+def _ini(pytester: pytest.Pytester, database_url: str | None, enable: bool = True) -> None:
+    lines = ["[pytest]"]
+    if enable:
+        lines.append("celery_fanin = true")
+    if database_url is not None:
+        lines.append(f"fanin_test_database_url = {database_url}")
+    pytester.makeini("\n".join(lines) + "\n")
+
+
+@pytest.mark.timeout(180)
+def test_enabled_by_the_ini_option(pytester: pytest.Pytester, database_url: str) -> None:
+    _ini(pytester, database_url)
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+
+
+@pytest.mark.timeout(180)
+def test_enabled_with_dash_p_and_eager_apply_async(pytester: pytest.Pytester, database_url: str) -> None:
+    _ini(pytester, database_url, enable=False)
+    pytester.makepyfile(test_eager=EAGER_TESTS)
+    result = pytester.runpytest_subprocess("-q", "-p", "celery_fanin.testing")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.timeout(180)
+def test_enabled_from_a_conftest_on_an_embedded_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No database configured: the plugin starts a private embedded server for the session."""
+    monkeypatch.delenv("FANIN_TEST_DATABASE_URL", raising=False)
+    _ini(pytester, None, enable=False)
+    pytester.makeconftest('pytest_plugins = ["celery_fanin.testing"]\n')
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-q")
+    result.assert_outcomes(passed=3)
+
+
+def test_off_unless_enabled(pytester: pytest.Pytester) -> None:
+    _ini(pytester, None, enable=False)
+    pytester.makepyfile(
+        test_off="""
+        def test_uses_the_fixture(fanin_app):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-q")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'fanin_app' not found*"])
