@@ -28,12 +28,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from celery import Celery
 from rich.console import Console
 from rich.table import Table
 
 from celery_fanin import FanIn, FanInDatabaseError, fan_in_group, publish
 from celery_fanin.store.batches import Encoded
-from tests import app as tasks
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -146,8 +146,9 @@ def _create_batches(producer: Any, run: Run, n_batches: int, width: int, rng: ra
     for b in range(n_batches):
         if stop.is_set():
             return
-        children = [tasks.chaos_child.s(b, i, rng.choice(MODES)) for i in range(width)]
-        group = fan_in_group(children, then=tasks.chaos_successor.s(b), child_timeout=45, on_lost="redrive",
+        children = [producer.signature("tests.app.chaos_child", args=(b, i, rng.choice(MODES))) for i in range(width)]
+        successor = producer.signature("tests.app.chaos_successor", args=(b,))
+        group = fan_in_group(children, then=successor, app=producer, child_timeout=45, on_lost="redrive",
                              max_redrives=20)  # fmt: skip
         for _ in range(60):  # Postgres may be restarting: nothing was written, try again
             try:
@@ -189,9 +190,11 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
     rng = random.Random(seed)
     n_batches, width, duration = int(12 * scale), int(100 * min(scale, 5)), 60 * scale
 
-    tasks.app.conf.broker_url = broker_env["FANIN_TEST_BROKER"]
-    tasks.app.conf.task_default_queue = broker_env["FANIN_TEST_QUEUE"]
-    tasks.app.conf.fanin_database_url = broker_env["FANIN_DATABASE_URL"]
+    # A producer app of its own: the shared `tests.app.app` (and its cached producer pool) stays untouched.
+    capp = Celery("chaos-producer", broker=broker_env["FANIN_TEST_BROKER"], set_as_current=False)
+    capp.conf.task_default_queue = broker_env["FANIN_TEST_QUEUE"]
+    capp.conf.fanin_database_url = broker_env["FANIN_DATABASE_URL"]
+    FanIn(capp)
     chaos = Chaos(broker_env, tmp_path, rng, run)
     stop = threading.Event()
     try:
@@ -199,7 +202,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         chaos.start_worker("acks_early")
         chaos.start_relay()
         producer = threading.Thread(target=_create_batches,
-                                    args=(tasks.app, run, n_batches, width, random.Random(seed + 1), stop))  # fmt: skip
+                                    args=(capp, run, n_batches, width, random.Random(seed + 1), stop))  # fmt: skip
         producer.start()
         faults = {
             "kill pool process": (chaos.kill_pool_process, 6),
@@ -208,7 +211,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             "start/stop second relay": (chaos.toggle_second_relay, 2),
             "restart postgres": (chaos.restart_postgres, 1),
             f"restart {broker}": (chaos.restart_broker, 1),
-            "publish children twice": (lambda: chaos.duplicate_children(tasks.app), 3),
+            "publish children twice": (lambda: chaos.duplicate_children(capp), 3),
         }
         names = list(faults)
         weights = [faults[n][1] for n in names]
@@ -227,8 +230,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         _ensure_services(broker)
         if len(chaos.relays) == 0:
             chaos.start_relay()
-        fanin = FanIn.of(tasks.app)
-        fanin.dispose()
+        FanIn.of(capp).dispose()
         results = _wait_until_finished(broker_env["FANIN_DATABASE_URL"], timeout=240 * max(1.0, scale))
         _report(run, results)
         _check(results, run)
@@ -236,6 +238,8 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         stop.set()
         _ensure_services(broker)
         chaos.stop_all()
+        FanIn.of(capp).dispose()
+        capp.pool.force_close_all()
 
 
 def _wait_until_finished(url: str, timeout: float) -> list[dict[str, Any]]:

@@ -76,5 +76,6 @@ def producer(e2e_env: dict[str, str]) -> Any:
 
     app.conf.fanin_database_url = e2e_env["FANIN_DATABASE_URL"]
     app.conf.broker_url = e2e_env["FANIN_TEST_BROKER"]
+    app.conf.task_default_queue = e2e_env.get("FANIN_TEST_QUEUE", "celery")
     yield app
     FanIn.of(app).dispose()
