@@ -155,3 +155,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("chaos")
     group.addoption("--chaos-scale", type=float, default=1.0, help="chaos suite size and duration multiplier")
     group.addoption("--chaos-seed", type=int, default=None, help="chaos suite random seed (default: new, printed)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The chaos suite restarts the machine's PostgreSQL and brokers: run it after everything else."""
+    items.sort(key=lambda item: item.get_closest_marker("chaos") is not None)
