@@ -229,11 +229,13 @@ def _fill(
     """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root."""
     chunk_size = fanin.settings.chunk_size
     index = start
-    seen_ids: set[str] = set()
     while True:
         part = list(itertools.islice(items, chunk_size))
         if not part:
             break
+        # Duplicate task ids are caught here within a chunk, and by the primary key across chunks: a set of every
+        # id would make the producer's memory grow with the batch instead of the chunk.
+        seen_ids: set[str] = set()
         for child, _ in part:
             if child.task_id in seen_ids:
                 raise InvalidFanIn(f"child {index}: two children share the task_id {child.task_id!r}")
