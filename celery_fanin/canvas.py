@@ -11,10 +11,10 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import Celery, current_app
 from celery.canvas import Signature
@@ -106,6 +106,32 @@ def _parse_batch_id(batch_id: str | uuid.UUID) -> uuid.UUID:
         raise BatchNotFound(f"{batch_id!r} is not a batch id (batch ids are UUIDs)") from None
 
 
+S = TypeVar("S")
+
+
+def poll_until_finished(
+    read: Callable[[], S], finished: Callable[[S], bool], timeout: float | None, interval: float,
+    describe: Callable[[S], str],
+) -> S:  # fmt: skip
+    """Read until `finished`; `celery.exceptions.TimeoutError` (with `describe`) after `timeout` seconds.
+
+    `FanInDatabaseError` while waiting is retried until then: a database restart or failover should not end a wait.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            status = read()
+        except FanInDatabaseError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+        else:
+            if finished(status):
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError(describe(status))
+        time.sleep(interval)
+
+
 class FanInResult:
     """The handle `apply_async` returns. Holds no worker and no connection; every call reads the store."""
 
@@ -137,25 +163,16 @@ class FanInResult:
         Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds. Database errors while
         waiting are retried until then (a restart or failover should not end a wait).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        status: BatchStatus | None = None
-        while True:
-            try:
-                status = self.status()
-            except FanInDatabaseError:
-                # A database restart or failover while waiting: keep waiting, unless the time is up.
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-            else:
-                if status.finished:
-                    return status
-            if deadline is not None and time.monotonic() >= deadline:
-                assert status is not None
-                raise CeleryTimeoutError(
-                    f"batch {self.batch_id} not finished after {timeout}s: state={status.state} "
-                    f"remaining={status.remaining} successor={status.successor_state}"
-                )
-            time.sleep(interval)
+        return poll_until_finished(
+            self.status,
+            lambda st: st.finished,
+            timeout,
+            interval,
+            lambda st: (
+                f"batch {self.batch_id} not finished after {timeout}s: state={st.state} "
+                f"remaining={st.remaining} successor={st.successor_state}"
+            ),
+        )
 
     def result(self, timeout: float | None = None) -> Any:
         """The successor's return value, from the store (no result backend needed); waits for it first."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
@@ -45,13 +44,12 @@ from typing import Any
 
 from celery import Celery, current_app
 from celery.canvas import Signature
-from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.exceptions import EncodeError
 from sqlalchemy import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from . import nesting, publish
-from .canvas import FanInGroup, FanInResult
+from .canvas import FanInGroup, FanInResult, poll_until_finished
 from .exceptions import FanInDatabaseError, FanInDepthExceeded, FanInError, InvalidFanIn, summarise
 from .extension import FanIn
 from .store import batches, queries
@@ -402,21 +400,13 @@ class SagaResult:
 
         Raises `celery.exceptions.TimeoutError` after `timeout` seconds. Database errors are retried until then.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        status: SagaStatus | None = None
-        while True:
-            try:
-                status = self.status()
-            except FanInDatabaseError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-            else:
-                if status.finished:
-                    return status
-            if deadline is not None and time.monotonic() >= deadline:
-                state = status.state if status else "unknown"
-                raise CeleryTimeoutError(f"saga {self.saga_id} not finished after {timeout}s: state={state}")
-            time.sleep(interval)
+        return poll_until_finished(
+            self.status,
+            lambda st: st.finished,
+            timeout,
+            interval,
+            lambda st: f"saga {self.saga_id} not finished after {timeout}s: state={st.state}",
+        )
 
 
 # --- moving a saga on --------------------------------------------------------------------------------------------
