@@ -67,6 +67,7 @@ def mark(first: Any, run: str) -> None:
 
 _counts: Counter[str] = Counter()
 _phase = threading.local()
+_counts_lock = threading.RLock()
 
 
 def _install_sql_counters() -> None:
@@ -108,29 +109,50 @@ def _install_sql_counters() -> None:
     psycopg.Connection.commit = counting_commit  # type: ignore[method-assign]
     psycopg.Connection.rollback = counting_rollback  # type: ignore[method-assign]
 
-    with_retries = getattr(hooks, "_with_retries", None)
-    if with_retries is not None:
-
-        def phased(fanin: Any, what: str, fn: Any, **kwargs: Any) -> Any:
+    def phased(run: Any) -> Any:
+        def wrapper(fanin: Any, what: str, fn: Any, **kwargs: Any) -> Any:
             _phase.name = (
                 "terminal" if what.startswith("terminal") else "start" if what.startswith("start") else "successor"
             )
             _counts[f"{_phase.name}.events"] += 1
             try:
-                return with_retries(fanin, what, fn, **kwargs)
+                return run(fanin, what, fn, **kwargs)
             finally:
                 _phase.name = "other"
 
-        hooks._with_retries = phased
+        return wrapper
+
+    # Every store call a hook makes goes through one of these two (transactions; one-statement reports).
+    hooks._with_retries = phased(hooks._with_retries)
+    hooks._report_with_retries = phased(hooks._report_with_retries)
+
+    # Starts are written by a thread of the worker's main process, many per statement: count each child's start
+    # as an event there, and flush that process's counts after each write.
+    from celery_fanin import starts
+
+    write = starts.StartRecorder._write
+
+    def counted_write(self: Any, batch: list[Any]) -> None:
+        _phase.name = "start"
+        try:
+            write(self, batch)
+        finally:
+            _phase.name = "other"
+        with _counts_lock:
+            _counts["start.events"] += len(batch)
+            flush_counts()
+
+    starts.StartRecorder._write = counted_write  # type: ignore[method-assign]
 
     @signals.task_postrun.connect(weak=False)
     def flush_counts(**_: Any) -> None:
-        if _counts:
-            pipe = marks().pipeline()
-            for key, value in _counts.items():
-                pipe.hincrby("bench:sql", key, value)
-            pipe.execute()
-            _counts.clear()
+        with _counts_lock:
+            if _counts:
+                pipe = marks().pipeline()
+                for key, value in list(_counts.items()):
+                    pipe.hincrby("bench:sql", key, value)
+                pipe.execute()
+                _counts.clear()
 
 
 if os.environ.get("BENCH_COUNT_SQL") == "1":

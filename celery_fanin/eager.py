@@ -117,7 +117,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
             logger.warning("eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
                            marker.batch_id, marker.step, task_id)  # fmt: skip
         return
-    hooks._on_prerun(sender=view, task_id=task_id, task=view)
+    # An eager child ends within this same call: its terminal report is all there is to record (no start).
 
 
 def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None, retval: Any = None,

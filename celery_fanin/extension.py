@@ -13,6 +13,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
 from .exceptions import FanInNotConfigured
+from .store.reports import ReportConnection
 
 _REGISTRY: weakref.WeakKeyDictionary[Celery, FanIn] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
@@ -37,8 +38,10 @@ class Settings:
     relay_batch_size: int = 100
     # Attempts a worker makes to record a terminal outcome before it logs and gives up (to reconciliation).
     record_attempts: int = 5
-    # Record each child's start (time, attempt, worker): one more statement per child, no counter involved.
+    # Record each child's start (time, attempt, worker), written off the child's path by a thread of the pool
+    # process at most every start_write_interval seconds, many starts per statement (see celery_fanin.starts).
     track_started: bool = True
+    start_write_interval: float = 0.25
     # Default per-batch child timeout in seconds (None: children may run forever) and what happens past it.
     child_timeout: float | None = 6 * 3600.0
     on_lost: str = "fail"
@@ -87,7 +90,7 @@ class FanIn:
 
     app: Celery
     _engine: Engine | None
-    _single_statement_engine: Engine | None
+    _reports: ReportConnection | None
     _engine_pid: int | None
     _engine_lock: threading.Lock
 
@@ -100,7 +103,7 @@ class FanIn:
             self = super().__new__(cls)
             self.app = app
             self._engine = None
-            self._single_statement_engine = None
+            self._reports = None
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
@@ -153,41 +156,39 @@ class FanIn:
                     if self._engine is not None:
                         # Inherited across fork: drop the parent's connections without closing its sockets.
                         self._engine.dispose(close=False)
-                    if self._single_statement_engine is not None:
-                        self._single_statement_engine.dispose(close=False)
                     self._engine = create_engine(
                         self.database_url,
                         pool_size=self.settings.pool_size,
                         pool_pre_ping=True,
                         isolation_level="READ COMMITTED",
                     )
-                    # The worker hooks' one-statement writes (a child's terminal outcome, its start) are atomic
-                    # on their own: run them in autocommit, without BEGIN/COMMIT or a liveness ping, so each costs
-                    # exactly one round trip. Connection errors are retried by the hooks themselves.
-                    self._single_statement_engine = create_engine(
-                        self.database_url,
-                        pool_size=2,
-                        pool_pre_ping=False,
-                        isolation_level="AUTOCOMMIT",
-                    )
                     self._engine_pid = pid
         return self._engine
 
     @property
-    def single_statement_engine(self) -> Engine:
-        """An autocommit engine for statements that are a whole transaction by themselves (see `engine`)."""
-        self.engine  # noqa: B018  (creates both engines for this process)
-        assert self._single_statement_engine is not None
-        return self._single_statement_engine
+    def reports(self) -> ReportConnection:
+        """The worker hooks' own connection for a child's start and terminal reports (see `store.reports`)."""
+        reports = self._reports
+        if reports is None:
+            with self._engine_lock:
+                if self._reports is None:
+                    self._reports = ReportConnection(self.database_url)
+                reports = self._reports
+        return reports
+
+    def setting(self, name: str) -> Any:
+        """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
+        value = self.app.conf.get(f"fanin_{name}")
+        return Settings.__dataclass_fields__[name].default if value is None else value
 
     def dispose(self) -> None:
         with self._engine_lock:
             if self._engine is not None:
                 self._engine.dispose()
-            if self._single_statement_engine is not None:
-                self._single_statement_engine.dispose()
+            if self._reports is not None:
+                self._reports.reset()
             self._engine = None
-            self._single_statement_engine = None
+            self._reports = None
             self._engine_pid = None
 
     def migrate(self) -> list[str]:

@@ -14,10 +14,12 @@ unregistered task name                            main            ``task_unknown
 message that cannot be decoded                    main            ``task_rejected`` (headers when readable)
 ===============================================  ==============  ==============================================
 
-Tasks without the fan-in headers return from every hook before any database work. The main process learns a
-child's headers from ``task_received`` (a bounded in-memory map), since celery 5.5/5.6 give ``task_failure`` no
-request there. Duplicate reports (5.7 sends ``task_failure`` twice for a hard time limit) are harmless: the store
-counts a child once.
+A child's start is only queued by ``task_prerun`` (a thread writes starts in batches: `celery_fanin.starts`); its
+terminal outcome is one statement on the process's report connection (`store.reports`), the only round trip on the
+child's own path. Tasks without the fan-in headers return from every hook before any database work. The main
+process learns a child's headers from ``task_received`` (a bounded in-memory map), since celery 5.5/5.6 give
+``task_failure`` no request there. Duplicate reports (5.7 sends ``task_failure`` twice for a hard time limit) are
+harmless: the store counts a child once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
@@ -37,9 +40,11 @@ from kombu.exceptions import EncodeError
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
+from . import starts
 from .extension import FanIn
 from .publish import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
 from .store import batches
+from .store.reports import ReportConnection
 
 logger = logging.getLogger("celery_fanin.hooks")
 
@@ -105,20 +110,31 @@ def _fanin_for(app: Celery | None) -> FanIn | None:
     return FanIn.find(app) if app is not None else None
 
 
-def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any], single_statement: bool = False) -> Any:
-    """Run a store call, retrying connection errors with backoff; gives up to reconciliation after the last.
-
-    `single_statement` calls (one statement, atomic by itself) run in autocommit: one round trip, no BEGIN/COMMIT.
-    """
-    attempts = max(1, fanin.settings.record_attempts)
+def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any]) -> Any:
+    """Run a store transaction, retrying connection errors with backoff; gives up to reconciliation after the last."""
+    attempts = max(1, int(fanin.setting("record_attempts")))
     for attempt in range(1, attempts + 1):
         try:
-            if single_statement:
-                with fanin.single_statement_engine.connect() as conn:
-                    return fn(conn)
             with fanin.engine.begin() as conn:
                 return fn(conn)
         except SQLAlchemyError:
+            if attempt == attempts:
+                logger.exception("gave up recording %s after %d attempts", what, attempts)
+                return None
+            time.sleep(min(5.0, 0.2 * 2**attempt))
+    return None
+
+
+def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
+    """Send one of a child's reports (its start, its terminal outcome) with the same retry policy as above.
+
+    Each report is a single statement in autocommit on the process's report connection: one round trip.
+    """
+    attempts = max(1, int(fanin.setting("record_attempts")))
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn(fanin.reports)
+        except psycopg.Error:
             if attempt == attempts:
                 logger.exception("gave up recording %s after %d attempts", what, attempts)
                 return None
@@ -152,13 +168,12 @@ def record_child(
         except EncodeError as err:  # the child succeeded; only its value cannot be kept
             logger.warning("result of task_id=%s cannot be encoded, stored as none: %s", task_id, err)
     exc_type, exc_message = _exc_fields(exc)
-    rec: batches.TerminalRecord | None = _with_retries(
+    rec: batches.TerminalRecord | None = _report_with_retries(
         fanin,
         f"terminal outcome of task {task_id}",
-        lambda conn: batches.record_terminal(
-            conn, task_id, state, result=result, exc_type=exc_type, exc_message=exc_message
+        lambda reports: reports.record_terminal(
+            task_id, state, result=result, exc_type=exc_type, exc_message=exc_message
         ),
-        single_statement=True,
     )
     extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
     if rec is None:
@@ -228,7 +243,7 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _claim_run(fanin: FanIn, task_id: str, marker: _Marker, retries: int) -> bool:
-    attempts = max(1, fanin.settings.record_attempts)
+    attempts = max(1, int(fanin.setting("record_attempts")))
     for attempt in range(1, attempts + 1):
         conn = None
         try:
@@ -321,14 +336,10 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
     if marker is None or marker.is_successor:
         return
     fanin = _fanin_for(task.app)
-    if fanin is None or not fanin.settings.track_started:
+    if fanin is None or not fanin.setting("track_started"):
         return
-    attempt = int(getattr(task.request, "retries", 0) or 0)
-    worker = getattr(task.request, "hostname", None)
-    _with_retries(
-        fanin, f"start of task {task_id}", lambda conn: batches.record_start(conn, task_id, attempt, worker),
-        single_statement=True,
-    )  # fmt: skip
+    request = task.request
+    starts.note_start(fanin, task_id, int(getattr(request, "retries", 0) or 0), getattr(request, "hostname", None))
 
 
 def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -405,6 +416,10 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         guard_tasks(app)  # type: ignore[arg-type]
 
 
+def _on_worker_shutdown(**_: Any) -> None:
+    starts.flush_all(timeout=5.0)
+
+
 def _on_worker_process_init(**_: Any) -> None:
     # A pool child started as a fresh interpreter (spawn) rebuilt its task classes: guard them and rebuild the
     # tracers, which read `before_start` once when they are built.
@@ -431,6 +446,10 @@ def install(app: Celery) -> None:
         signals.task_unknown.connect(_on_unknown, weak=False, dispatch_uid="celery_fanin.unknown")
         signals.task_rejected.connect(_on_rejected, weak=False, dispatch_uid="celery_fanin.rejected")
         signals.worker_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_fanin.worker_init")
+        signals.worker_shutdown.connect(_on_worker_shutdown, weak=False, dispatch_uid="celery_fanin.worker_shutdown")
+        signals.worker_process_shutdown.connect(
+            _on_worker_shutdown, weak=False, dispatch_uid="celery_fanin.worker_process_shutdown"
+        )
         signals.worker_process_init.connect(
             _on_worker_process_init, weak=False, dispatch_uid="celery_fanin.worker_process_init"
         )

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psycopg
@@ -120,9 +120,9 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
 
         # --- a worker's hooks: starts, terminal outcomes, the successor's run ---------------------------------
         fanin_w = FanIn.of(worker)
+        started = [batches.Start(t, 0, "worker@test", datetime.now(timezone.utc)) for t in plain_ids]
+        assert fanin_w.reports.record_starts(started) == len(plain_ids)  # what a worker's main process writes
         for index, task_id in enumerate(plain_ids):
-            with fanin_w.engine.begin() as conn:
-                assert batches.record_start(conn, task_id, 0, "worker@test")
             marker = hooks._Marker(plain.batch_id, index, None)
             state = "failed" if index == 2 else "succeeded"
             rec = hooks.record_child(fanin_w, task_id, marker, state, value=index * 10, has_value=state == "succeeded",

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection, text
 
@@ -332,6 +333,53 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
     return None if row is None else int(row[0])
 
 
+# The statements a worker sends, each a whole transaction in autocommit (one round trip). They are driver-level
+# SQL (psycopg's named placeholders) because the worker hooks send them over a psycopg connection of their own
+# (see `store.reports`); `record_terminal` below sends the same text through SQLAlchemy.
+RECORD_TERMINAL_SQL = (
+    "SELECT counted, late, remaining, successor_created FROM fanin_record_terminal("
+    "%(task_id)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s, %(exc_message)s)"
+)
+# Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
+RECORD_STARTS_SQL = "SELECT fanin_record_starts(%(task_ids)s, %(attempts)s, %(workers)s, %(started_at)s)"
+
+
+@dataclass(frozen=True)
+class Start:
+    """A worker took a child: its task id, Celery retry number, worker name, and when."""
+
+    task_id: str
+    attempt: int
+    worker: str | None
+    started_at: datetime
+
+
+def terminal_params(
+    task_id: str, state: str, result: Encoded | None, exc_type: str | None, exc_message: str | None
+) -> dict[str, object]:
+    """The parameters of RECORD_TERMINAL_SQL; refuses a state that is not terminal before anything is sent."""
+    if state not in CHILD_TERMINAL_STATES:
+        raise ValueError(f"not a terminal child state: {state!r}")
+    return {
+        "task_id": task_id,
+        "state": state,
+        "result": result.body if result else None,
+        "rct": result.content_type if result else None,
+        "rce": result.content_encoding if result else None,
+        "exc_type": exc_type,
+        "exc_message": exc_message,
+    }
+
+
+def starts_params(starts: Sequence[Start]) -> dict[str, object]:
+    return {
+        "task_ids": [s.task_id for s in starts],
+        "attempts": [s.attempt for s in starts],
+        "workers": [s.worker for s in starts],
+        "started_at": [s.started_at for s in starts],
+    }
+
+
 def record_terminal(
     conn: Connection,
     task_id: str,
@@ -349,35 +397,14 @@ def record_terminal(
     below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its
     successor and outbox row (a root), and is the only one that sends NOTIFY.
     """
-    if state not in CHILD_TERMINAL_STATES:
-        raise ValueError(f"not a terminal child state: {state!r}")
-    row = conn.execute(
-        text("SELECT * FROM fanin_record_terminal(:task_id, :state, :result, :rct, :rce, :exc_type, :exc_message)"),
-        {
-            "task_id": task_id,
-            "state": state,
-            "result": result.body if result else None,
-            "rct": result.content_type if result else None,
-            "rce": result.content_encoding if result else None,
-            "exc_type": exc_type,
-            "exc_message": exc_message,
-        },
-    ).one()
-    return TerminalRecord(
-        counted=bool(row.counted), remaining=row.remaining, successor_created=bool(row.successor_created),
-        late=bool(row.late),
-    )  # fmt: skip
+    params = terminal_params(task_id, state, result, exc_type, exc_message)
+    return terminal_record(conn.exec_driver_sql(RECORD_TERMINAL_SQL, params).one())
 
 
-def record_start(conn: Connection, task_id: str, attempt: int, worker: str | None) -> bool:
-    """Note that a worker started a child (attempt = its Celery retry number); False if it is already terminal.
-    One statement, committed asynchronously (see `fanin_record_start`)."""
-    return bool(
-        conn.execute(
-            text("SELECT fanin_record_start(:task_id, :attempt, :worker)"),
-            {"task_id": task_id, "attempt": attempt, "worker": worker},
-        ).scalar_one()
-    )
+def terminal_record(row: Sequence[Any]) -> TerminalRecord:
+    """The row RECORD_TERMINAL_SQL returns: (counted, late, remaining, successor_created)."""
+    counted, late, remaining, successor_created = row
+    return TerminalRecord(bool(counted), remaining, bool(successor_created), bool(late))
 
 
 def _lock_key(batch_id: uuid.UUID) -> dict[str, object]:

@@ -6,6 +6,7 @@
 -- roles below.
 REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_record_terminal(text, text, bytea, text, text, text, text),
+                           fanin_record_starts(text[], integer[], text[], timestamptz[]),
                            fanin_seal(uuid) FROM PUBLIC;
 
 -- Producers: write a batch and its children, publish them, send an empty (or already finished) batch's successor.
@@ -31,6 +32,7 @@ GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_ty
     ON fanin_successors TO fanin_worker;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
+                          fanin_record_starts(text[], integer[], text[], timestamptz[]),
                           fanin_settle(uuid, integer, integer) TO fanin_worker;
 
 -- The relay: the outbox, children no producer published, lost children, deadlines, stalled successors and

@@ -1,0 +1,142 @@
+"""Children's start records, written off the child's path by a thread of the process that runs it.
+
+A start says "a worker took this child" (when, which attempt, which worker): `status` shows it, and child_timeout
+measures a running child from it. `task_prerun` only queues it; a daemon thread of the same (pool) process writes
+the starts queued since its previous write with one statement (`fanin_record_starts`,
+migrations/0006_batched_starts.sql). So the child's own path waits for one round trip only, its terminal report:
+with prefork's fair scheduling a pool process takes its next task only after the last one returned, and every
+wait on that path is lost throughput. (Celery's main process also learns of starts, in `Request.on_accepted`, but
+it is the busiest process of a prefork worker with short tasks; writing there slowed the whole worker down.)
+
+A start is advisory and its write is best effort: committed asynchronously, retried a few times, then dropped with
+a warning. A lost start leaves the child timed from its creation, as if it had not started; a start written after
+the child's terminal report changes nothing (only pending or started children move).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from datetime import datetime, timezone
+
+import psycopg
+
+from .extension import FanIn
+from .store.batches import Start
+
+logger = logging.getLogger("celery_fanin.starts")
+
+MAX_PER_WRITE = 1000  # starts per statement
+WRITE_ATTEMPTS = 3
+
+
+class StartRecorder:
+    """Gathers starts and writes them from a daemon thread, at most once per `interval` seconds.
+
+    Waiting `interval` after the first queued start lets one statement carry every start of that stretch (a pool
+    process starts hundreds of short children a second): the database does one update per stretch, not one per
+    child. A start is advisory, so a fraction of a second's delay changes nothing a reader relies on; a child
+    that ends sooner than that is recorded by its terminal report alone (no `started_at`).
+    """
+
+    def __init__(self, fanin: FanIn, interval: float = 0.25) -> None:
+        self._fanin = fanin
+        self._interval = interval
+        self._flushing = False
+        self._pending: deque[Start] = deque()
+        self._cond = threading.Condition()
+        self._writing = 0
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def add(self, start: Start) -> None:
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                # First start in this process (or a forked copy, whose parent's thread does not exist here).
+                self._pending.clear()
+                self._writing = 0
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="celery-fanin-starts", daemon=True)
+                self._thread.start()
+            self._pending.append(start)
+            if len(self._pending) == 1 or len(self._pending) >= MAX_PER_WRITE:
+                self._cond.notify()  # the first start of a stretch, or a full one; else the writer is waiting anyway
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every start added so far is written (or dropped); False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._flushing = True
+            self._cond.notify_all()
+            try:
+                while self._pending or self._writing:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._pid != os.getpid():
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._flushing = False
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                due = time.monotonic() + self._interval
+                while len(self._pending) < MAX_PER_WRITE and not self._flushing:
+                    left = due - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                batch = [self._pending.popleft() for _ in range(min(len(self._pending), MAX_PER_WRITE))]
+                self._writing = len(batch)
+            try:
+                self._write(batch)
+            finally:
+                with self._cond:
+                    self._writing = 0
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[Start]) -> None:
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            try:
+                self._fanin.reports.record_starts(batch)
+                return
+            except psycopg.Error as exc:
+                if attempt == WRITE_ATTEMPTS:
+                    logger.warning("dropped %d children's start records (advisory): %s", len(batch), exc)
+                    return
+                time.sleep(0.2 * 2**attempt)
+            except Exception:  # noqa: BLE001 - the thread must survive anything: starts are advisory
+                logger.exception("dropped %d children's start records", len(batch))
+                return
+
+
+_recorders: weakref.WeakKeyDictionary[FanIn, StartRecorder] = weakref.WeakKeyDictionary()
+_recorders_lock = threading.Lock()
+
+
+def recorder(fanin: FanIn) -> StartRecorder:
+    with _recorders_lock:
+        found = _recorders.get(fanin)
+        if found is None:
+            found = _recorders[fanin] = StartRecorder(fanin, float(fanin.setting("start_write_interval")))
+        return found
+
+
+def note_start(fanin: FanIn, task_id: str, attempt: int, worker: str | None) -> None:
+    """Queue a child's start for this process's writer thread (called from `task_prerun`)."""
+    recorder(fanin).add(Start(task_id, attempt, worker, datetime.now(timezone.utc)))
+
+
+def flush_all(timeout: float = 5.0) -> None:
+    """Write what is still queued (when a pool process or the worker shuts down)."""
+    with _recorders_lock:
+        recorders = list(_recorders.values())
+    for rec in recorders:
+        rec.flush(timeout)

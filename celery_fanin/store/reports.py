@@ -1,0 +1,91 @@
+"""The workers' reports (children's terminal outcomes, their starts) over a psycopg connection of their own.
+
+Each report is one statement, a whole transaction by itself (`fanin_record_terminal` in migrations/0003_scale.sql,
+`fanin_record_starts` in 0006), so they run in autocommit: one round trip, no BEGIN/COMMIT, no liveness ping. They
+are sent on a plain psycopg connection rather than through SQLAlchemy because they sit on every child's path:
+SQLAlchemy's pool checkout, statement compilation and result wrapping cost about as much CPU as the round trip
+itself. psycopg prepares them server-side after a few uses (its `prepare_threshold`), so a report is a
+Bind/Execute of a prepared plan.
+
+One connection per thread and process: created lazily, created again after a fork (a pool process never uses the
+connection it inherited), dropped after an error so that the next attempt reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+from .batches import (
+    RECORD_STARTS_SQL,
+    RECORD_TERMINAL_SQL,
+    Encoded,
+    Start,
+    TerminalRecord,
+    starts_params,
+    terminal_params,
+    terminal_record,
+)
+
+
+def libpq_conninfo(sqlalchemy_url: str) -> str:
+    """The libpq URI for a SQLAlchemy PostgreSQL URL (drops the `+psycopg` driver suffix)."""
+    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class ReportConnection:
+    """Sends the hooks' two reports; every error is psycopg's own (the hooks retry them)."""
+
+    def __init__(self, sqlalchemy_url: str) -> None:
+        self._conninfo = libpq_conninfo(sqlalchemy_url)
+        self._local = threading.local()
+
+    def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
+        conn: psycopg.Connection[tuple[Any, ...]] | None = getattr(self._local, "conn", None)
+        if conn is not None and getattr(self._local, "pid", None) == os.getpid() and not conn.closed:
+            return conn
+        # An inherited connection's socket belongs to the parent: forget it without closing it.
+        conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
+        self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    def record_terminal(
+        self,
+        task_id: str,
+        state: str,
+        *,
+        result: Encoded | None = None,
+        exc_type: str | None = None,
+        exc_message: str | None = None,
+    ) -> TerminalRecord:
+        """`batches.record_terminal` over this connection: the same statement, the same invariant."""
+        params = terminal_params(task_id, state, result, exc_type, exc_message)
+        return terminal_record(self._run(RECORD_TERMINAL_SQL, params))
+
+    def record_starts(self, starts: Sequence[Start]) -> int:
+        """Many children's starts in one round trip, committed asynchronously; how many children moved."""
+        return int(self._run(RECORD_STARTS_SQL, starts_params(starts))[0])
+
+    def _run(self, sql: str, params: dict[str, object]) -> tuple[Any, ...]:
+        conn = self._connection()
+        try:
+            row = conn.execute(sql, params).fetchone()
+        except psycopg.Error:
+            self.reset()
+            raise
+        assert row is not None  # both functions return exactly one row
+        return row
+
+    def reset(self) -> None:
+        """Drop this thread's connection (after an error, or at shutdown); the next report reconnects."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None and getattr(self._local, "pid", None) == os.getpid():
+            with contextlib.suppress(psycopg.Error):
+                conn.close()

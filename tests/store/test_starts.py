@@ -1,0 +1,104 @@
+"""Children's starts: `fanin_record_starts` moves only open children, and `StartRecorder` batches them off the
+child's path (many starts per statement), flushes on demand, and survives a broken connection."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from celery import Celery
+from sqlalchemy import Engine
+
+from celery_fanin import FanIn
+from celery_fanin.starts import StartRecorder
+from celery_fanin.store import batches
+from celery_fanin.store.reports import ReportConnection
+
+from .helpers import create, fetch_all, json_encoded
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _children(engine: Engine, batch_id: object) -> list[dict[str, object]]:
+    with engine.connect() as conn:
+        return fetch_all(
+            conn,
+            "SELECT task_id, state, attempt, starts, worker, started_at FROM fanin_children WHERE batch_id = :b "
+            "ORDER BY idx",
+            b=batch_id,
+        )
+
+
+def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> None:
+    batch, children, _ = create(engine, 3)
+    reports = ReportConnection(FanIn.of(app).database_url)
+    try:
+        with engine.begin() as conn:  # child 2 finished before its start arrived (a slow writer, a fast child)
+            batches.record_terminal(conn, children[2].task_id, "succeeded", result=json_encoded(2))
+        at = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+        moved = reports.record_starts(
+            [batches.Start(c.task_id, 1, "w1@host", at + timedelta(seconds=i)) for i, c in enumerate(children)]
+        )
+        assert moved == 2
+        rows = _children(engine, batch.id)
+        assert [(r["state"], r["attempt"], r["starts"], r["worker"]) for r in rows] == [
+            ("started", 1, 1, "w1@host"),
+            ("started", 1, 1, "w1@host"),
+            ("succeeded", 0, 0, None),
+        ]
+        assert rows[1]["started_at"] == at + timedelta(seconds=1)
+        # A second attempt of child 0 (a retry) starts it again; its counters are untouched.
+        assert reports.record_starts([batches.Start(children[0].task_id, 2, "w2@host", at)]) == 1
+        assert _children(engine, batch.id)[0]["starts"] == 2
+        with engine.connect() as conn:
+            counters = fetch_all(
+                conn, "SELECT remaining, succeeded, failed FROM fanin_batches WHERE id = :b", b=batch.id
+            )
+        assert counters == [{"remaining": 2, "succeeded": 1, "failed": 0}]
+    finally:
+        reports.reset()
+
+
+def test_recorder_writes_many_starts_per_statement(app: Celery, engine: Engine) -> None:
+    batch, children, _ = create(engine, 50)
+    fanin = FanIn.of(app)
+    writes: list[int] = []
+    recorder = StartRecorder(fanin, interval=0.3)
+    original = recorder._write
+    recorder._write = lambda batch_: (writes.append(len(batch_)), original(batch_))[1]  # type: ignore[method-assign]
+    now = datetime.now(timezone.utc)
+    for c in children:  # a burst, as a pool process running short children produces
+        recorder.add(batches.Start(c.task_id, 0, "w@host", now))
+    assert recorder.flush(timeout=10)
+    assert sum(writes) == 50 and len(writes) <= 2, writes  # one stretch, one statement (two if split mid-burst)
+    assert {r["state"] for r in _children(engine, batch.id)} == {"started"}
+
+
+def test_recorder_waits_for_its_interval_unless_flushed(app: Celery, engine: Engine) -> None:
+    batch, children, _ = create(engine, 1)
+    recorder = StartRecorder(FanIn.of(app), interval=5.0)
+    recorder.add(batches.Start(children[0].task_id, 0, "w@host", datetime.now(timezone.utc)))
+    time.sleep(0.3)  # shorter than the interval: proves the write is deferred, not how long anything takes
+    assert _children(engine, batch.id)[0]["state"] == "pending"
+    started = time.monotonic()
+    assert recorder.flush(timeout=10)
+    assert time.monotonic() - started < 4.0, "flush writes at once instead of waiting out the interval"
+    assert _children(engine, batch.id)[0]["state"] == "started"
+
+
+def test_recorder_reconnects_after_the_connection_is_killed(app: Celery, engine: Engine) -> None:
+    batch, children, _ = create(engine, 2)
+    fanin = FanIn.of(app)
+    recorder = StartRecorder(fanin, interval=0.0)
+    recorder.add(batches.Start(children[0].task_id, 0, "w@host", datetime.now(timezone.utc)))
+    assert recorder.flush(timeout=10)
+    # Kill every report connection of this database (what a PostgreSQL restart does to them).
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'celery-fanin worker' AND pid <> pg_backend_pid()"
+        )
+    recorder.add(batches.Start(children[1].task_id, 0, "w@host", datetime.now(timezone.utc)))
+    assert recorder.flush(timeout=20)
+    assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started"]
