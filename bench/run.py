@@ -285,35 +285,40 @@ class Bench:
         n, reporters = self.args.throughput_children, self.args.reporters
         parked = f"{self.env['BENCH_QUEUE']}-parked"  # no worker consumes it: the children are reported by hand
         run = f"tput-{uuid.uuid4().hex[:6]}"
-        sigs = [child.s(i, run, n).set(ignore_result=True, queue=parked) for i in range(n)]
-        handle = fan_in_group(sigs, then=mark.s(run), app=app).apply_async()
-        purge_queue(self.env["BENCH_BROKER"], parked, delete=True)
         url = self.env["FANIN_DATABASE_URL"]
+
+        def parked_batch(**options: Any) -> tuple[str, list[list[str]]]:
+            """A batch of n children nobody consumes, and its task ids dealt out to the reporters."""
+            sigs = [child.s(i, run, n).set(ignore_result=True, queue=parked) for i in range(n)]
+            handle = fan_in_group(sigs, then=mark.s(run), app=app, **options).apply_async()
+            purge_queue(self.env["BENCH_BROKER"], parked, delete=True)
+            with psycopg.connect(url, autocommit=True) as db:
+                ids = [r[0] for r in db.execute(
+                    "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
+                    "WHERE id = %s OR parent_id = %s) ORDER BY idx", (handle.batch_id, handle.batch_id))]  # fmt: skip
+            return handle.batch_id, [ids[i::reporters] for i in range(reporters)]
+
         with psycopg.connect(url, autocommit=True) as db:
-            ids = [r[0] for r in db.execute(
-                "SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,))]  # fmt: skip
             db.execute("CREATE TABLE IF NOT EXISTS bench_hot (id int PRIMARY KEY, n bigint NOT NULL)")
             db.execute("INSERT INTO bench_hot VALUES (1, 1000000000) ON CONFLICT (id) DO NOTHING")
-        slices = [ids[i::reporters] for i in range(reporters)]
+        flat, slices = parked_batch()
+        bare, bare_slices = parked_batch()
         # The same children as a tree: max_width n/16 gives 16 leaf counters, filled round robin.
-        tree_sigs = [child.s(i, run, n).set(ignore_result=True, queue=parked) for i in range(n)]
-        tree = fan_in_group(tree_sigs, then=mark.s(run), app=app, max_width=max(1, n // 16)).apply_async()
-        purge_queue(self.env["BENCH_BROKER"], parked, delete=True)
-        with psycopg.connect(url, autocommit=True) as db:
-            tree_ids = [r[0] for r in db.execute(
-                "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
-                "WHERE id = %s OR parent_id = %s) ORDER BY idx", (tree.batch_id, tree.batch_id))]  # fmt: skip
-        result: dict[str, Any] = {"reporters": reporters, "events": len(ids), "batch_id": handle.batch_id}
+        tree, tree_slices = parked_batch(max_width=max(1, n // 16))
+        result: dict[str, Any] = {"reporters": reporters, "events": n, "batch_id": flat}
         for label, kind, batch_id, work in (
-            ("fanin_events_per_s", "fanin", handle.batch_id, slices),
-            ("fanin_tree_events_per_s", "fanin", tree.batch_id, [tree_ids[i::reporters] for i in range(reporters)]),
-            ("raw_update_per_s", "raw", handle.batch_id, [[""] * len(s) for s in slices]),
-            ("raw_update_engine_per_s", "raw_engine", handle.batch_id, [[""] * len(s) for s in slices]),
+            ("fanin_events_per_s", "fanin", flat, slices),
+            # The same server-side function called bare from psycopg: what the database alone allows.
+            ("fanin_sql_events_per_s", "fanin_sql", bare, bare_slices),
+            ("fanin_tree_events_per_s", "fanin", tree, tree_slices),
+            ("raw_update_per_s", "raw", flat, [[""] * len(s) for s in slices]),
+            ("raw_update_engine_per_s", "raw_engine", flat, [[""] * len(s) for s in slices]),
         ):
             result[label] = _concurrent(url, batch_id, kind, work)
             progress(f"throughput {label}: {result[label]:.0f}/s")
         result["ratio"] = result["fanin_events_per_s"] / result["raw_update_per_s"]
         result["tree_ratio"] = result["fanin_tree_events_per_s"] / result["raw_update_per_s"]
+        result["sql_ratio"] = result["fanin_sql_events_per_s"] / result["raw_update_per_s"]
         return result
 
 
@@ -366,8 +371,9 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
         marker = hooks._Marker(batch_id, None, None)
-        with fanin.engine.connect():  # connect before the clock starts
+        with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
+        fanin.reports.record_starts([])
         ready.release()
         go.wait()
         start = time.time()
@@ -387,6 +393,16 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         for _ in ids:
             with engine.begin() as conn:
                 conn.execute(stmt).one()
+    elif kind == "fanin_sql":
+        from celery_fanin.store.batches import RECORD_TERMINAL_SQL, terminal_params
+
+        conn = psycopg.connect(url, autocommit=True)
+        ready.release()
+        go.wait()
+        start = time.time()
+        for task_id in ids:
+            conn.execute(RECORD_TERMINAL_SQL, terminal_params(task_id, "succeeded", None, None, None)).fetchone()
+        conn.close()
     else:
         conn = psycopg.connect(url, autocommit=True)
         ready.release()
@@ -500,6 +516,8 @@ def table(report: dict[str, Any]) -> str:
     lines.append(f"terminal events, one batch, {t['reporters']} reporters: {t['fanin_events_per_s']:.0f}/s; raw "
                  f"single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio {t['ratio']:.2f}); same UPDATE through "
                  f"SQLAlchemy engine.begin() {t['raw_update_engine_per_s']:.0f}/s")  # fmt: skip
+    lines.append(f"the same function called bare from psycopg (no worker hook): {t['fanin_sql_events_per_s']:.0f}/s "
+                 f"(ratio {t['sql_ratio']:.2f})")  # fmt: skip
     lines.append(f"the same {t['events']} events on a tree of 16 leaf counters: {t['fanin_tree_events_per_s']:.0f}/s "
                  f"(ratio {t['tree_ratio']:.2f} of the raw single-row UPDATE)")  # fmt: skip
     for name, target in report["targets"].items():

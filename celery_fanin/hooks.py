@@ -160,6 +160,7 @@ def record_child(
     value: Any = None,
     has_value: bool = False,
     exc: BaseException | None = None,
+    start: batches.Start | None = None,
 ) -> batches.TerminalRecord | None:
     result = None
     if has_value:
@@ -172,7 +173,7 @@ def record_child(
         fanin,
         f"terminal outcome of task {task_id}",
         lambda reports: reports.record_terminal(
-            task_id, state, result=result, exc_type=exc_type, exc_message=exc_message
+            task_id, state, result=result, exc_type=exc_type, exc_message=exc_message, start=start
         ),
     )
     extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
@@ -318,13 +319,14 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
         _release_run(task_id)  # after the state is recorded, so no duplicate can slip in between
         return
     if state == "SUCCESS":
-        record_child(fanin, task_id, marker, "succeeded", value=retval, has_value=True)
+        start = starts.take_start(fanin, task_id)
+        record_child(fanin, task_id, marker, "succeeded", value=retval, has_value=True, start=start)
     elif state == "FAILURE":
         exc = retval if isinstance(retval, BaseException) else None
         terminal = "time_limit" if isinstance(exc, SoftTimeLimitExceeded) else "failed"
-        record_child(fanin, task_id, marker, terminal, exc=exc)
+        record_child(fanin, task_id, marker, terminal, exc=exc, start=starts.take_start(fanin, task_id))
     elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
-        record_child(fanin, task_id, marker, "rejected", exc=retval)
+        record_child(fanin, task_id, marker, "rejected", exc=retval, start=starts.take_start(fanin, task_id))
     # RETRY, IGNORED, REJECTED with requeue: the child is not finished; another attempt reports.
 
 

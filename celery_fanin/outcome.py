@@ -25,8 +25,16 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
     Built when the successor is published, after the transaction that saw zero committed, so every child's
     terminal row is visible. Failures are listed up to `failures_limit`; the full list stays in Postgres.
     """
-    listed = [failure_entry(f) for f in queries.failures(conn, batch.id, limit=failures_limit + 1)]
-    counts = queries.child_counts(conn, batch.id)
+    if batch.state == "complete":
+        # Every child reached a terminal state by being counted (none abandoned: that is the deadline's path), so
+        # there is nothing unfinished to count, and failures to list only if some were counted: the common case
+        # costs no scan of the batch's children.
+        counts: dict[str, int] = {}
+        failed = queries.failures(conn, batch.id, limit=failures_limit + 1) if batch.failed else []
+    else:
+        counts = queries.child_counts(conn, batch.id)
+        failed = queries.failures(conn, batch.id, limit=failures_limit + 1)
+    listed = [failure_entry(f) for f in failed]
     return {
         "batch_id": str(batch.id),
         "step": batch.step,

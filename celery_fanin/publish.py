@@ -135,6 +135,9 @@ class _Route:
     expires: Any  # the task's default `expires`, if the signature has none
 
 
+_NO_ARG: Any = object()  # `_Builder.build` without an argument placed first
+
+
 class _Unsupported(Exception):
     """This child needs Celery's own publishing path."""
 
@@ -283,8 +286,14 @@ class _Builder:
             expires=task_expires,
         )
 
-    def build(self, idx: int, task_id: str, sig: Signature) -> tuple[_Route, dict[str, Any], Any, dict[str, Any]]:
-        """One child's (route, headers, body, properties), as `app.send_task` would publish it."""
+    def build(
+        self, idx: int, task_id: str, sig: Signature, *, first_arg: Any = _NO_ARG, marker: dict[str, Any] | None = None
+    ) -> tuple[_Route, dict[str, Any], Any, dict[str, Any]]:
+        """One child's (route, headers, body, properties), as `app.send_task` would publish it.
+
+        For a successor: `first_arg` (the outcome) goes before the signature's own arguments, as a chord body gets
+        its header's results, and `marker` replaces the child's batch headers.
+        """
         options = sig.options
         if not options.keys() <= _FAST_OPTIONS:
             raise _Unsupported(", ".join(sorted(options.keys() - _FAST_OPTIONS)))
@@ -292,7 +301,7 @@ class _Builder:
         task = self.task(name)
         if task is _UNSUPPORTED_TASK:
             raise _Unsupported("task")
-        args = tuple(sig.args)
+        args = tuple(sig.args) if first_arg is _NO_ARG else (first_arg, *sig.args)
         kwargs = dict(sig.kwargs)
         route_options = {k: v for k, v in options.items() if k not in _PER_MESSAGE_OPTIONS}
         route = self.route(name, task, route_options, args, kwargs)
@@ -320,8 +329,7 @@ class _Builder:
         )  # fmt: skip
         headers = message.headers
         headers.update(options.get("headers") or {})
-        headers[HEADER_BATCH] = self.batch_id
-        headers[HEADER_INDEX] = idx
+        headers.update(marker if marker is not None else {HEADER_BATCH: self.batch_id, HEADER_INDEX: idx})
         properties = {**route.properties, **message.properties}
         if expires is not None:
             # As `send_task`: an expiring task is also a message with a TTL (RabbitMQ drops it unconsumed).
@@ -387,8 +395,6 @@ def publish_children(
     quorum = _has_quorum_queues(app, driver)
     confirms = _confirm_channel(prod) if mode == "confirm" else None
     target = confirms.producer if confirms is not None else prod
-    before = signals.before_task_publish
-    after = signals.after_task_publish
     # Nested in the `producer` context's batch when there is one (flushed when it exits), else flushed here.
     batch = prod.batch(BATCH_SIZE) if mode == "pipeline" else contextlib.nullcontext()
     try:
@@ -401,38 +407,54 @@ def publish_children(
                 except _Unsupported:
                     _publish_with_celery(prod, bid, idx, task_id, sig)
                     continue
-                for entity in route.declare:
-                    if id(entity) not in builder.declared:
-                        prod.maybe_declare(entity)
-                        builder.declared.add(id(entity))
-                if before.receivers:
-                    before.send(sender=sig.task, body=body, exchange=route.exchange, routing_key=route.routing_key,
-                                declare=list(route.declare), headers=headers, properties=properties,
-                                retry_policy=None)  # fmt: skip
-                target.publish(
-                    body,
-                    exchange=route.exchange,
-                    routing_key=route.routing_key,
-                    serializer=route.serializer,
-                    compression=route.compression,
-                    headers=headers,
-                    declare=[],
-                    retry=False,
-                    **properties,
-                )
+                _send(builder, prod, target, sig.task, route, headers, body, properties)
                 if confirms is not None:
                     confirms.sent += 1
                     if confirms.sent - confirms.floor >= 2 * CONFIRM_WINDOW:
                         confirms.wait(upto=confirms.sent - CONFIRM_WINDOW)  # a window stays in flight
-                if after.receivers:
-                    after.send(sender=sig.task, body=body, headers=headers, exchange=route.exchange,
-                               routing_key=route.routing_key)  # fmt: skip
             if confirms is not None:
                 confirms.wait()
     except BaseException:
         if confirms is not None:
             confirms.discard()
         raise
+
+
+def _send(
+    builder: _Builder,
+    prod: Producer,
+    target: Producer,
+    name: str,
+    route: _Route,
+    headers: dict[str, Any],
+    body: Any,
+    properties: dict[str, Any],
+) -> None:
+    """Publish one built message as `amqp.send_task_message` would: declare its queue once, the publish signals."""
+    for entity in route.declare:
+        if id(entity) not in builder.declared:
+            prod.maybe_declare(entity)
+            builder.declared.add(id(entity))
+    before = signals.before_task_publish
+    if before.receivers:
+        before.send(sender=name, body=body, exchange=route.exchange, routing_key=route.routing_key,
+                    declare=list(route.declare), headers=headers, properties=properties,
+                    retry_policy=None)  # fmt: skip
+    target.publish(
+        body,
+        exchange=route.exchange,
+        routing_key=route.routing_key,
+        serializer=route.serializer,
+        compression=route.compression,
+        headers=headers,
+        declare=[],
+        retry=False,
+        **properties,
+    )
+    after = signals.after_task_publish
+    if after.receivers:
+        after.send(sender=name, body=body, headers=headers, exchange=route.exchange,
+                   routing_key=route.routing_key)  # fmt: skip
 
 
 def _publish_with_celery(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature) -> None:
@@ -548,11 +570,26 @@ def _confirm_channel(prod: Producer) -> ConfirmChannel:
 def publish_successor(
     app: Celery, prod: Producer, batch_id: uuid.UUID, step: str, task_id: str, then: Signature, outcome: dict[str, Any]
 ) -> None:
-    """Publish the successor with the outcome as its first argument, as a chord body gets the header results."""
+    """Publish the successor with the outcome as its first argument, as a chord body gets the header results.
+
+    Built like a child's message when it can be (no result-backend subscription for a result this process never
+    reads, no per-call routing), else through Celery's own `apply_async`.
+    """
+    marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
+    if bulk_publish_enabled(app):
+        builder = _Builder(app, str(batch_id))
+        try:
+            built = builder.build(0, task_id, then, first_arg=outcome, marker=marker)
+        except _Unsupported:
+            pass
+        else:
+            _ensure_connection(app, prod)
+            _send(builder, prod, prod, then.task, *built)
+            return
     then.apply_async(
         args=(outcome,),
         task_id=task_id,
         producer=prod,
-        headers={**(then.options.get("headers") or {}), HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step},
+        headers={**(then.options.get("headers") or {}), **marker},
         add_to_parent=False,
     )

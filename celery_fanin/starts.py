@@ -8,9 +8,10 @@ with prefork's fair scheduling a pool process takes its next task only after the
 wait on that path is lost throughput. (Celery's main process also learns of starts, in `Request.on_accepted`, but
 it is the busiest process of a prefork worker with short tasks; writing there slowed the whole worker down.)
 
+A child that ends before its start was written takes the start out of the queue and hands it to its terminal
+report, which records both in the same row update: no statement of its own, and `starts` still counts every run.
 A start is advisory and its write is best effort: committed asynchronously, retried a few times, then dropped with
-a warning. A lost start leaves the child timed from its creation, as if it had not started; a start written after
-the child's terminal report changes nothing (only pending or started children move).
+a warning. A lost start leaves the child timed from its creation, as if it had not started.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class StartRecorder:
     Waiting `interval` after the first queued start lets one statement carry every start of that stretch (a pool
     process starts hundreds of short children a second): the database does one update per stretch, not one per
     child. A start is advisory, so a fraction of a second's delay changes nothing a reader relies on; a child
-    that ends sooner than that is recorded by its terminal report alone (no `started_at`).
+    that ends sooner than that takes its start back (`take`) and its terminal report records it.
     """
 
     def __init__(self, fanin: FanIn, interval: float = 0.25) -> None:
@@ -65,6 +66,18 @@ class StartRecorder:
             self._pending.append(start)
             if len(self._pending) == 1 or len(self._pending) >= MAX_PER_WRITE:
                 self._cond.notify()  # the first start of a stretch, or a full one; else the writer is waiting anyway
+
+    def take(self, task_id: str) -> Start | None:
+        """Remove and return this child's start if it is still queued: its terminal report carries it instead."""
+        with self._cond:
+            if self._pid != os.getpid():
+                return None
+            for i in range(len(self._pending) - 1, -1, -1):  # the newest first: it is almost always the last one
+                if self._pending[i].task_id == task_id:
+                    start = self._pending[i]
+                    del self._pending[i]
+                    return start
+        return None
 
     def flush(self, timeout: float) -> bool:
         """Wait until every start added so far is written (or dropped); False if `timeout` passed first."""
@@ -132,6 +145,13 @@ def recorder(fanin: FanIn) -> StartRecorder:
 def note_start(fanin: FanIn, task_id: str, attempt: int, worker: str | None) -> None:
     """Queue a child's start for this process's writer thread (called from `task_prerun`)."""
     recorder(fanin).add(Start(task_id, attempt, worker, datetime.now(timezone.utc)))
+
+
+def take_start(fanin: FanIn, task_id: str) -> Start | None:
+    """The child's start if this process queued it and has not written it yet (see `StartRecorder.take`)."""
+    with _recorders_lock:
+        found = _recorders.get(fanin)
+    return found.take(task_id) if found is not None else None
 
 
 def flush_all(timeout: float = 5.0) -> None:

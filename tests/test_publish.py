@@ -209,6 +209,7 @@ class _Capture:
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        self.channel = None
         self.published: list[tuple[Any, dict[str, Any]]] = []
 
     def publish(self, body: Any, **kwargs: Any) -> None:
@@ -268,6 +269,33 @@ def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]
     if "expiration" in celery_props:
         assert properties.pop("expiration") == pytest.approx(celery_props.pop("expiration"), abs=1)
     assert properties == celery_props
+
+
+@pytest.mark.parametrize(("name", "options"), OPTION_SETS[:4], ids=[f"{n}-{sorted(o)}" for n, o in OPTION_SETS[:4]])
+def test_successor_message_matches_what_celery_publishes(name: str, options: dict[str, Any]) -> None:
+    """The relay builds a successor's message like a child's: the outcome first, the successor headers."""
+    app = Celery("tests.app", broker="memory://", set_as_current=False)
+    app.conf.update(task_default_queue="default-q", task_routes={publish_tasks.ROUTED: {"queue": "routed-q"}})
+    publish_tasks.register(app)
+    sig = app.signature(name, args=("label",), **options)
+    outcome = {"batch_id": "b", "succeeded": 2, "failed": 1, "failures": [{"index": 1, "state": "failed"}]}
+    task_id = str(uuid.uuid4())
+    with app.connection_for_write() as conn:
+        capture = _Capture(conn)
+        sig.apply_async(args=(outcome,), task_id=task_id, producer=capture, add_to_parent=False,
+                        headers={**(options.get("headers") or {}), publish.HEADER_SUCCESSOR: "b",
+                                 publish.HEADER_STEP: "merge"})  # fmt: skip
+        ours = _Capture(conn)
+        publish.publish_successor(app, ours, uuid.UUID(int=0), "merge", task_id, sig, outcome)  # type: ignore[arg-type]
+    ((celery_body, celery_kwargs),) = capture.published
+    ((our_body, our_kwargs),) = ours.published
+    assert our_body == celery_body and our_body[0][0] == outcome
+    theirs, mine = dict(celery_kwargs["headers"]), dict(our_kwargs["headers"])
+    theirs[publish.HEADER_SUCCESSOR] = str(uuid.UUID(int=0))
+    for key in ("eta", "expires"):
+        assert (mine.pop(key) is None) == (theirs.pop(key) is None), key
+    assert mine == theirs
+    assert our_kwargs["routing_key"] == celery_kwargs["routing_key"]
 
 
 _PUBLISH_ARGS = frozenset(

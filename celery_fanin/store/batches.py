@@ -338,7 +338,8 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 # (see `store.reports`); `record_terminal` below sends the same text through SQLAlchemy.
 RECORD_TERMINAL_SQL = (
     "SELECT counted, late, remaining, successor_created FROM fanin_record_terminal("
-    "%(task_id)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s, %(exc_message)s)"
+    "%(task_id)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s, %(exc_message)s,"
+    " %(started_at)s, %(attempt)s, %(worker)s)"
 )
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
 RECORD_STARTS_SQL = "SELECT fanin_record_starts(%(task_ids)s, %(attempts)s, %(workers)s, %(started_at)s)"
@@ -355,12 +356,23 @@ class Start:
 
 
 def terminal_params(
-    task_id: str, state: str, result: Encoded | None, exc_type: str | None, exc_message: str | None
+    task_id: str,
+    state: str,
+    result: Encoded | None,
+    exc_type: str | None,
+    exc_message: str | None,
+    start: Start | None = None,
 ) -> dict[str, object]:
-    """The parameters of RECORD_TERMINAL_SQL; refuses a state that is not terminal before anything is sent."""
+    """The parameters of RECORD_TERMINAL_SQL; refuses a state that is not terminal before anything is sent.
+
+    `start`: the child's start, when it was not written yet (see `celery_fanin.starts`): recorded with the outcome.
+    """
     if state not in CHILD_TERMINAL_STATES:
         raise ValueError(f"not a terminal child state: {state!r}")
     return {
+        "started_at": start.started_at if start else None,
+        "attempt": start.attempt if start else None,
+        "worker": start.worker if start else None,
         "task_id": task_id,
         "state": state,
         "result": result.body if result else None,

@@ -63,9 +63,11 @@ class ReportConnection:
         result: Encoded | None = None,
         exc_type: str | None = None,
         exc_message: str | None = None,
+        start: Start | None = None,
     ) -> TerminalRecord:
-        """`batches.record_terminal` over this connection: the same statement, the same invariant."""
-        params = terminal_params(task_id, state, result, exc_type, exc_message)
+        """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
+        start, if it was not written yet)."""
+        params = terminal_params(task_id, state, result, exc_type, exc_message, start)
         return terminal_record(self._run(RECORD_TERMINAL_SQL, params))
 
     def record_starts(self, starts: Sequence[Start]) -> int:

@@ -6,6 +6,7 @@
 -- roles below.
 REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_record_terminal(text, text, bytea, text, text, text, text),
+                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
                            fanin_seal(uuid) FROM PUBLIC;
 
@@ -32,6 +33,7 @@ GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_ty
     ON fanin_successors TO fanin_worker;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
+                          fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
                           fanin_record_starts(text[], integer[], text[], timestamptz[]),
                           fanin_settle(uuid, integer, integer) TO fanin_worker;
 
@@ -40,14 +42,16 @@ GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, t
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_relay;
 GRANT UPDATE (published_upto, remaining, succeeded, failed, state, completed_at, max_failures)
     ON fanin_batches TO fanin_relay;
-GRANT UPDATE (state, started_at, finished_at, result, result_content_type, result_content_encoding, exc_type,
-              exc_message, late_state, late_at, late_reports, redrives, redriven_at)
+GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, result_content_type,
+              result_content_encoding, exc_type, exc_message, late_state, late_at, late_reports, redrives,
+              redriven_at)
     ON fanin_children TO fanin_relay;
 GRANT INSERT ON fanin_successors, fanin_outbox TO fanin_relay;
 GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_relay;
 GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_relay;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_relay;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
+                          fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
                           fanin_settle(uuid, integer, integer), fanin_seal(uuid) TO fanin_relay;
 
 -- Retention: find finished batches and delete them; ON DELETE CASCADE removes the rest (as the owner).

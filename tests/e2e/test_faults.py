@@ -111,9 +111,8 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
     row = _sql(producer, "SELECT redrives, starts FROM fanin_children WHERE batch_id = :b AND idx = 0",
                b=handle.batch_id)[0]  # fmt: skip
     # At least one redrive; a slow worker start can make the reaper redrive once more before the run starts.
-    # The first run's start was recorded (the wait above saw it); the redriven run ends in 0.1 s, sooner than
-    # starts are written (fanin_start_write_interval), so it may leave its terminal report alone.
-    assert row.redrives >= 1 and row.starts >= 1
+    # The redriven run ends sooner than starts are written: its terminal report carries its start.
+    assert row.redrives >= 1 and row.starts >= 2
     assert len(successor_runs(handle.batch_id)) == 1
 
 

@@ -1,4 +1,5 @@
-"""Children's starts: `fanin_record_starts` moves only open children, and `StartRecorder` batches them off the
+"""Children's starts: `fanin_record_starts` moves only open children, a child that ends first carries its start
+in its terminal report, and `StartRecorder` batches them off the
 child's path (many starts per statement), flushes on demand, and survives a broken connection."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine
 
-from celery_fanin import FanIn
+from celery_fanin import FanIn, starts
 from celery_fanin.starts import StartRecorder
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection
@@ -40,12 +41,13 @@ def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> 
         moved = reports.record_starts(
             [batches.Start(c.task_id, 1, "w1@host", at + timedelta(seconds=i)) for i, c in enumerate(children)]
         )
-        assert moved == 2
+        assert moved == 3
         rows = _children(engine, batch.id)
+        # The finished child keeps its state; its run is still counted, with when and where it started.
         assert [(r["state"], r["attempt"], r["starts"], r["worker"]) for r in rows] == [
             ("started", 1, 1, "w1@host"),
             ("started", 1, 1, "w1@host"),
-            ("succeeded", 0, 0, None),
+            ("succeeded", 1, 1, "w1@host"),
         ]
         assert rows[1]["started_at"] == at + timedelta(seconds=1)
         # A second attempt of child 0 (a retry) starts it again; its counters are untouched.
@@ -102,3 +104,24 @@ def test_recorder_reconnects_after_the_connection_is_killed(app: Celery, engine:
     recorder.add(batches.Start(children[1].task_id, 0, "w@host", datetime.now(timezone.utc)))
     assert recorder.flush(timeout=20)
     assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started"]
+
+
+def test_child_that_ends_before_its_start_is_written_carries_it(app: Celery, engine: Engine) -> None:
+    batch, children, _ = create(engine, 2)
+    fanin = FanIn.of(app)
+    recorder = starts.recorder(fanin)
+    at = datetime.now(timezone.utc)
+    for c in children:
+        recorder.add(batches.Start(c.task_id, 0, "w@host", at))
+    taken = starts.take_start(fanin, children[0].task_id)  # what task_postrun does for a finished child
+    assert taken is not None and taken.task_id == children[0].task_id
+    assert starts.take_start(fanin, children[0].task_id) is None
+    rec = fanin.reports.record_terminal(children[0].task_id, "succeeded", result=json_encoded(0), start=taken)
+    assert rec.counted and rec.remaining == 1
+    assert recorder.flush(timeout=10)  # writes child 1's start only
+    rows = _children(engine, batch.id)
+    assert [(r["state"], r["starts"], r["worker"]) for r in rows] == [
+        ("succeeded", 1, "w@host"),
+        ("started", 1, "w@host"),
+    ]
+    assert rows[0]["started_at"] == at
