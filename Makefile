@@ -28,7 +28,8 @@ lint: install
 	$(BIN)/ruff format --check celery_fanin tests example_app bench
 	$(BIN)/mypy
 
-## The benchmark (group vs chord vs fan_in_group) on both brokers; figures, JSON and plots land in bench/report/.
+## The benchmark (group vs chord vs fan_in_group) on both brokers: JSON and plots land in bench/report/, and the
+## figures in BENCHMARKS.md are rewritten from them.
 bench: install
-	$(BIN)/python -m bench --broker redis --out bench/report
-	$(BIN)/python -m bench --broker rabbitmq --out bench/report
+	$(BIN)/python -m bench --broker redis --out bench/report --markdown BENCHMARKS.md
+	$(BIN)/python -m bench --broker rabbitmq --out bench/report --markdown BENCHMARKS.md

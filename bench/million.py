@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.stop()
             fanin.dispose()
     print(json.dumps(report, indent=2))
+    (args.out / f"million{'-e2e' if args.e2e else ''}.json").write_text(json.dumps(report, indent=2))
     n = args.n
     ok = report["planned"] == report["child_rows"] == report["distinct_indexes"] == report["published"] == n
     if args.e2e:

@@ -528,6 +528,77 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict[str, Any], command: str) -> str:
+    """The run's figures as the Markdown block BENCHMARKS.md carries for this broker (see `update_markdown`)."""
+    c, m = report["contenders"], report["machine"]
+    v = m["versions"]
+    out = [
+        f"Command: `{command}`, run at {report['started_at'][:16].replace('T', ' ')} UTC, "
+        f"{report['duration_s']:.0f} s. "
+        f"Machine: {m['nproc']} cores, {m['memory_gib']} GiB, {m['platform']}; Python {v['python']}, Celery "
+        f"{v['celery']}, kombu {v['kombu']}, psycopg {v['psycopg']}, PostgreSQL {v['postgresql']}, Redis "
+        f"{v['redis']}, RabbitMQ {v['rabbitmq']}. Worker: `celery worker -P {report['settings']['pool']}`.",
+        "",
+        "| N | contender | dispatch s, median (min–max) | end to end s, median (min–max) | producer peak RSS MB |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    names = {"group": "group", "chord": "chord", "fanin": "fan_in_group"}
+    for n in sorted(set(c["group"]) | set(c["chord"]) | set(c["fanin"]), key=int):
+        for contender in CONTENDERS:
+            f = c[contender].get(n)
+            if f is None:
+                out.append(f"| {int(n):,} | {names[contender]} | failed (see the JSON's errors) | | |")
+                continue
+            d, e, r = f["dispatch_s"], f["e2e_s"], f["rss_peak_mb"]
+            out.append(f"| {int(n):,} | {names[contender]} | {d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f}) | "
+                       f"{e['median']:.3f} ({e['min']:.3f}–{e['max']:.3f}) | {r['median']:.0f} |")  # fmt: skip
+    lat, db, t = report["latency"], report["db"], report["throughput"]
+    out += ["", "| successor latency (last child's terminal commit → successor's first line) | p50 | p99 | max |",
+            "|---|---:|---:|---:|"]  # fmt: skip
+    for contender, x in lat.items():
+        out.append(f"| {names[contender]}, {x['batches']} batches of {x['batch_size']} | {x['p50_ms']:.1f} ms | "
+                   f"{x['p99_ms']:.1f} ms | {x['max_ms']:.1f} ms |")  # fmt: skip
+    out += ["", f"| per child of a {db['children']}-child batch, counted at the worker's psycopg driver | statements |"
+            " round trips |", "|---|---:|---:|",
+            f"| terminal event (`fanin_record_terminal`, autocommit) | {db['terminal_statements_per_event']:.2f} | "
+            f"{db['terminal_roundtrips_per_event']:.2f} |",
+            f"| start (a thread writes many per statement, or the terminal report carries it) | "
+            f"{db['start_statements_per_child'] or 0:.2f} | {db['start_roundtrips_per_child'] or 0:.2f} |",
+            f"| all fan-in work per child | {db['all_statements_per_child']:.2f} | "
+            f"{db['all_roundtrips_per_child']:.2f} |",
+            "", f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes | events/s |"
+            " ratio to raw |", "|---|---:|---:|",
+            f"| one flat batch, the workers' own path (`hooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
+            f"{t['ratio']:.2f} |",
+            f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
+            f"{t['sql_ratio']:.2f} |",
+            f"| a tree of 16 leaf counters (`max_width={max(1, t['events'] // 16)}`) | "
+            f"{t['fanin_tree_events_per_s']:.0f} | {t['tree_ratio']:.2f} |",
+            f"| raw single-row `UPDATE`, one round trip | {t['raw_update_per_s']:.0f} | 1.00 |",
+            f"| the same `UPDATE` through SQLAlchemy `engine.begin()` + pre-ping | "
+            f"{t['raw_update_engine_per_s']:.0f} | {t['raw_update_engine_per_s'] / t['raw_update_per_s']:.2f} |",
+            "", f"| target (at N = {report['targets']['at_n']:,}, this run) | result | |",
+            "|---|---:|---|"]  # fmt: skip
+    for name, target in report["targets"].items():
+        if isinstance(target, dict):
+            value = target["value"]
+            shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+            out.append(f"| {name.replace('_', ' ')} {target['target']} | {shown} | "
+                       f"{'met' if target['met'] else '**missed**'} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def update_markdown(path: Path, broker: str, block: str) -> None:
+    """Replace the text between this broker's markers in `path` (BENCHMARKS.md) with `block`."""
+    start, end = f"<!-- bench:{broker}:start -->", f"<!-- bench:{broker}:end -->"
+    text = path.read_text()
+    if start not in text or end not in text:
+        raise SystemExit(f"{path} has no {start} ... {end} block to rewrite")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{block}\n{end}{tail}")
+
+
 def plot(report: dict[str, Any], path: Path) -> bool:
     try:
         import matplotlib
@@ -573,6 +644,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reporters", type=int, default=16)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--smoke", action="store_true", help="tiny N, one repeat: checks the harness, measures nothing")
+    p.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="rewrite this broker's block of this file (BENCHMARKS.md) with the run's figures",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.n, args.repeats, args.latency_batches, args.latency_size = [20], 1, 4, 3
@@ -650,4 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
     print(table(report))
     print(f"wrote {args.out / f'{name}.json'}" + (f" and {report['plot']}" if report["plot"] else ""))
+    if args.markdown is not None:
+        update_markdown(args.markdown, args.broker, markdown(report, report["command"]))
+        print(f"rewrote the {args.broker} figures in {args.markdown}")
     return 0

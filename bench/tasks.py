@@ -34,6 +34,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     result_expires=3600,
+    fanin_track_started=os.environ.get("BENCH_TRACK_STARTED", "1") == "1",
 )
 FanIn(app)
 
@@ -67,7 +68,13 @@ def mark(first: Any, run: str) -> None:
 
 _counts: Counter[str] = Counter()
 _phase = threading.local()
-_counts_lock = threading.RLock()
+_counts_lock = threading.RLock()  # the starts thread counts and flushes too
+
+
+def _count(*keys: str, n: int = 1) -> None:
+    with _counts_lock:
+        for key in keys:
+            _counts[key] += n
 
 
 def _install_sql_counters() -> None:
@@ -89,20 +96,18 @@ def _install_sql_counters() -> None:
         phase = getattr(_phase, "name", "other")
         conn = self.connection
         if not conn.autocommit and conn.info.transaction_status == idle:
-            _counts[f"{phase}.roundtrips"] += 1  # BEGIN
-            _counts[f"{phase}.begin"] += 1
-        _counts[f"{phase}.statements"] += 1
-        _counts[f"{phase}.roundtrips"] += 1
+            _count(f"{phase}.roundtrips", f"{phase}.begin")  # BEGIN
+        _count(f"{phase}.statements", f"{phase}.roundtrips")
         return execute(self, query, params, **kwargs)
 
     def counting_commit(self: Any) -> None:
         if self.info.transaction_status != idle:
-            _counts[f"{getattr(_phase, 'name', 'other')}.roundtrips"] += 1
+            _count(f"{getattr(_phase, 'name', 'other')}.roundtrips")
         commit(self)
 
     def counting_rollback(self: Any) -> None:
         if self.info.transaction_status != idle:
-            _counts[f"{getattr(_phase, 'name', 'other')}.roundtrips"] += 1
+            _count(f"{getattr(_phase, 'name', 'other')}.roundtrips")
         rollback(self)
 
     psycopg.Cursor.execute = counting_execute  # type: ignore[method-assign]
@@ -114,7 +119,7 @@ def _install_sql_counters() -> None:
             _phase.name = (
                 "terminal" if what.startswith("terminal") else "start" if what.startswith("start") else "successor"
             )
-            _counts[f"{_phase.name}.events"] += 1
+            _count(f"{_phase.name}.events")
             try:
                 return run(fanin, what, fn, **kwargs)
             finally:

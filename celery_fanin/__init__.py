@@ -2,6 +2,7 @@
 
 from .canvas import BatchStatus, FanInGroup, FanInResult, fan_in_group
 from .exceptions import (
+    BatchNotFinished,
     BatchNotFound,
     FanInDatabaseError,
     FanInDepthExceeded,
@@ -14,6 +15,7 @@ from .outcome import BatchOutcome, ChildResult
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
+    "BatchNotFinished",
     "BatchNotFound",
     "BatchOutcome",
     "BatchStatus",
