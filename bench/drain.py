@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from bench.run import ROOT, Proc, database, purge_queue, redis_database
+from bench.run import ROOT, Proc, database, harness_env, purge_queue, redis_database
 
 KINDS = ("plain", "result", "fanin", "fanin-nostart")
 
@@ -70,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     with database() as url, redis_database() as redis_url:
         queue = f"bench-drain-{uuid.uuid4().hex[:6]}"
-        path = os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(ROOT)) if x)
-        env = {**os.environ, "PYTHONPATH": path, "FANIN_DATABASE_URL": url, "BENCH_BROKER": redis_url,
-               "BENCH_BACKEND": redis_url, "BENCH_REDIS": redis_url, "BENCH_QUEUE": queue}  # fmt: skip
-        os.environ.update({k: env[k] for k in ("FANIN_DATABASE_URL", "BENCH_BROKER", "BENCH_BACKEND", "BENCH_REDIS",
-                                               "BENCH_QUEUE")})  # fmt: skip
+        env = harness_env(url, redis_url, redis_url, queue)
         from bench.tasks import app
         from celery_fanin import FanIn
 

@@ -81,6 +81,15 @@ def redis_database() -> Iterator[str]:
             client.flushdb()
 
 
+def harness_env(db_url: str, redis_url: str, broker: str, queue: str) -> dict[str, str]:
+    """The environment `bench.tasks` is configured from, for this process and the workers and relays it starts."""
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    settings = {"FANIN_DATABASE_URL": db_url, "BENCH_BROKER": broker, "BENCH_BACKEND": redis_url,
+                "BENCH_REDIS": redis_url, "BENCH_QUEUE": queue}  # fmt: skip
+    os.environ.update(settings)
+    return {**os.environ, "PYTHONPATH": path, **settings}
+
+
 class Proc:
     """A celery subprocess (worker or relay) of the harness, in its own process group, logging to a file."""
 
@@ -672,11 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with database() as db_url, redis_database() as redis_url:
         queue = f"bench-{uuid.uuid4().hex[:8]}"
         broker = redis_url if args.broker == "redis" else RABBITMQ_URL
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-        env = {**os.environ, "PYTHONPATH": path, "FANIN_DATABASE_URL": db_url, "BENCH_BROKER": broker,
-               "BENCH_BACKEND": redis_url, "BENCH_REDIS": redis_url, "BENCH_QUEUE": queue}  # fmt: skip
-        os.environ.update({k: env[k] for k in ("FANIN_DATABASE_URL", "BENCH_BROKER", "BENCH_BACKEND", "BENCH_REDIS",
-                                               "BENCH_QUEUE")})  # fmt: skip
+        env = harness_env(db_url, redis_url, broker, queue)
         from bench.tasks import app, child
         from celery_fanin import FanIn
 
