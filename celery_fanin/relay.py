@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import psycopg
-from sqlalchemy.engine import make_url
 
 from . import dispatch
 from . import maintenance as maintenance_duties
 from .extension import FanIn
+from .store.reports import libpq_conninfo
 
 logger = logging.getLogger("celery_fanin.relay")
 
@@ -40,11 +40,6 @@ class RelayStats:
     rounds: int = 0
     errors: int = 0
     started_at: float = field(default_factory=time.time)
-
-
-def _psycopg_conninfo(sqlalchemy_url: str) -> str:
-    url = make_url(sqlalchemy_url).set(drivername="postgresql")
-    return url.render_as_string(hide_password=False)
 
 
 class Relay:
@@ -124,7 +119,7 @@ class Relay:
     def _ensure_listener(self) -> None:
         if self._listener is not None and not self._listener.closed:
             return
-        conn = psycopg.connect(_psycopg_conninfo(self.fanin.database_url), autocommit=True)
+        conn = psycopg.connect(libpq_conninfo(self.fanin.database_url), autocommit=True)
         conn.execute(f"LISTEN {CHANNEL}")  # a constant, never input
         self._listener = conn
 
