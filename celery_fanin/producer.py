@@ -23,6 +23,7 @@ that lock is how a resumer, and the relay, know whether a producer is alive.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -179,12 +180,17 @@ def _write_at_once(
             raise FanInDatabaseError(f"could not record the batch; nothing was published: {summarise(exc)}") from exc
         # Committed: the batch is durable. Whatever this process fails to publish, the relay publishes once this
         # connection (and with it the publish lock) is gone.
+        chunks = _ChunkPublisher(fanin, conn, root.id)
         try:
             for start in range(0, len(prepared), chunk):
-                if not _publish_chunk(fanin, conn, root.id, start, prepared[start : start + chunk]):
+                chunks.send(start, prepared[start : start + chunk])
+                if not chunks.ok:
                     break  # the broker is unreachable: the relay publishes the rest
         finally:
-            _release(conn, root.id)
+            try:
+                chunks.close()
+            finally:
+                _release(conn, root.id)
     return Written(root.id, len(children), successor_outbox_id=outbox_id)
 
 
@@ -229,35 +235,39 @@ def _fill(
     """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root."""
     chunk_size = fanin.settings.chunk_size
     index = start
-    while True:
-        part = list(itertools.islice(items, chunk_size))
-        if not part:
-            break
-        # Duplicate task ids are caught here within a chunk, and by the primary key across chunks: a set of every
-        # id would make the producer's memory grow with the batch instead of the chunk.
-        seen_ids: set[str] = set()
-        for child, _ in part:
-            if child.task_id in seen_ids:
-                raise InvalidFanIn(f"child {index}: two children share the task_id {child.task_id!r}")
-            seen_ids.add(child.task_id)
-            digest = digest_step(digest, child)
-        targets, opened, full = layout.place(len(part))
-        placed = [(target or root.id, child, index + offset)
-                  for offset, ((child, _), target) in enumerate(zip(part, targets, strict=True))]  # fmt: skip
-        try:
-            with conn.begin():
-                for leaf_id in opened:
-                    batches.add_leaf(conn, root, leaf_id)
-                batches.add_children(conn, root.id, placed, digest)
-                for leaf_id in full:
-                    batches.seal(conn, leaf_id)
-        except SQLAlchemyError as exc:
-            raise FanInDatabaseError(
-                f"could not record children {index} to {index + len(part) - 1} of batch {root.id} (it stays open: "
-                f"rerun with the same key to resume): {summarise(exc)}"
-            ) from exc
-        _publish_chunk(fanin, conn, root.id, index, part)
-        index += len(part)
+    chunks = _ChunkPublisher(fanin, conn, root.id)
+    try:
+        while True:
+            part = list(itertools.islice(items, chunk_size))
+            if not part:
+                break
+            # Duplicate task ids are caught here within a chunk, and by the primary key across chunks: a set of
+            # every id would make the producer's memory grow with the batch instead of the chunk.
+            seen_ids: set[str] = set()
+            for child, _ in part:
+                if child.task_id in seen_ids:
+                    raise InvalidFanIn(f"child {index}: two children share the task_id {child.task_id!r}")
+                seen_ids.add(child.task_id)
+                digest = digest_step(digest, child)
+            targets, opened, full = layout.place(len(part))
+            placed = [(target or root.id, child, index + offset)
+                      for offset, ((child, _), target) in enumerate(zip(part, targets, strict=True))]  # fmt: skip
+            try:
+                with conn.begin():
+                    for leaf_id in opened:
+                        batches.add_leaf(conn, root, leaf_id)
+                    batches.add_children(conn, root.id, placed, digest)
+                    for leaf_id in full:
+                        batches.seal(conn, leaf_id)
+            except SQLAlchemyError as exc:
+                raise FanInDatabaseError(
+                    f"could not record children {index} to {index + len(part) - 1} of batch {root.id} (it stays "
+                    f"open: rerun with the same key to resume): {summarise(exc)}"
+                ) from exc
+            chunks.send(index, part)  # after a refused chunk, only written: the relay publishes them
+            index += len(part)
+    finally:
+        chunks.close()
     try:
         with conn.begin():
             for leaf_id in layout.unsealed():
@@ -270,26 +280,78 @@ def _fill(
     return index - start
 
 
-def _publish_chunk(
-    fanin: FanIn, conn: Connection, root_id: uuid.UUID, start: int, part: Sequence[tuple[batches.NewChild, Signature]]
-) -> bool:
-    """Publish one committed chunk and record that it reached the broker; a failure is left to the relay."""
-    app = fanin.app
-    try:
-        with publish.producer(app) as prod:
-            publish.publish_children(
-                app, prod, root_id, ((start + i, child.task_id, sig) for i, (child, sig) in enumerate(part))
-            )
-        batches.mark_published(conn, root_id, start + len(part))
-        conn.commit()
-        return True
-    except Exception:
-        conn.rollback()
+class _ChunkPublisher:
+    """Publishes a batch's committed chunks in order and records each as published once it is on the broker.
+
+    It stops at the first chunk that does not reach the broker: `published_upto` then stays at that chunk's start
+    and the relay publishes from there once this producer's lock is gone (a later chunk must never mark an earlier,
+    refused one as published). On RabbitMQ one chunk stays in flight: chunk k's confirms are waited for after
+    chunk k+1 is written (and, streaming, after its rows are committed), so the broker stores one chunk while
+    the next is built; a crash republishes at most those two chunks (duplicates are counted once). The producer is
+    held from the first chunk to `close`.
+    """
+
+    def __init__(self, fanin: FanIn, conn: Connection, root_id: uuid.UUID) -> None:
+        self.fanin = fanin
+        self.conn = conn
+        self.root_id = root_id
+        self.ok = True  # False from the first chunk that did not reach the broker
+        self._stack = contextlib.ExitStack()
+        self._producer: Any = None
+        self._in_flight: tuple[int, int, publish.Unconfirmed] | None = None  # (start, end, confirms)
+
+    def send(self, start: int, part: Sequence[tuple[batches.NewChild, Signature]]) -> None:
+        """Publish children `start`.. (already committed), then record the chunk before them as published."""
+        if not self.ok:
+            return
+        app = self.fanin.app
+        try:
+            if self._producer is None:
+                self._producer = self._stack.enter_context(app.producer_or_acquire())
+            unconfirmed = publish.publish_children(
+                app, self._producer, self.root_id,
+                ((start + i, child.task_id, sig) for i, (child, sig) in enumerate(part)), wait=False,
+            )  # fmt: skip
+        except Exception:
+            self._finish()  # the chunk before may still have reached the broker
+            if self.ok:
+                self._failed(start)
+            return
+        self._finish()
+        if self.ok:
+            self._in_flight = (start, start + len(part), unconfirmed)
+            if not unconfirmed.pending:  # on the broker already (Redis): recorded now, not with the next chunk
+                self._finish()
+
+    def _finish(self) -> None:
+        """Wait for the chunk in flight to be confirmed and record it as published."""
+        if self._in_flight is None:
+            return
+        start, end, unconfirmed = self._in_flight
+        self._in_flight = None
+        try:
+            unconfirmed.wait()
+            batches.mark_published(self.conn, self.root_id, end)
+            self.conn.commit()
+        except Exception:
+            self._failed(start)
+
+    def _failed(self, start: int) -> None:
+        self.ok = False
+        self._in_flight = None  # a later chunk's confirms are not waited for: the relay republishes from `start`
+        self.conn.rollback()
         logger.warning(
             "batch_id=%s is recorded but children %d.. were not published; the relay will publish them",
-            root_id, start, exc_info=True, extra={"batch_id": str(root_id)},
+            self.root_id, start, exc_info=True, extra={"batch_id": str(self.root_id)},
         )  # fmt: skip
-        return False
+
+    def close(self) -> bool:
+        """Finish the chunk in flight and release the producer; True if every chunk reached the broker."""
+        try:
+            self._finish()
+        finally:
+            self._stack.close()
+        return self.ok
 
 
 def _publish_successor_now(fanin: FanIn, batch_id: uuid.UUID) -> None:

@@ -13,9 +13,10 @@ the broker writes are pipelined:
 
 - Redis: kombu's ``Producer.batch`` (one pipeline per ``BATCH_SIZE`` commands, flushed when the `producer`
   context exits);
-- RabbitMQ: a channel of the producer's connection in publisher-confirm mode; messages are written back to back
-  and `publish_children` returns only once the broker has confirmed all of them (a nack or a channel error
-  raises), so a caller that records "published" afterwards records the truth;
+- RabbitMQ: a channel of the producer's connection in publisher-confirm mode; messages are written many per
+  socket write (`amqp_frames`), and `publish_children` returns only once the broker has confirmed all of them
+  (a nack or a channel error raises), so a caller that records "published" afterwards records the truth; or,
+  with ``wait=False``, hands back the confirms to wait for before recording it (`Unconfirmed`);
 - any other transport, or a Redis connection configured to retry commands (where kombu refuses pipelines):
   the same messages, published one by one.
 
@@ -46,6 +47,7 @@ from kombu.common import Broadcast
 from kombu.exceptions import OperationalError
 from kombu.serialization import dumps, loads, prepare_accept_content
 
+from .amqp_frames import FrameBuffer
 from .store.batches import Encoded
 
 logger = logging.getLogger("celery_fanin.publish")
@@ -374,20 +376,55 @@ def publish_mode(prod: Producer) -> str:
     return "single"
 
 
+class Unconfirmed:
+    """Messages `publish_children` wrote to RabbitMQ without waiting for the broker's confirms.
+
+    `wait` returns once the broker confirmed all of them and raises if it refused one or did not answer; only then
+    may they be recorded as published. Empty (nothing to wait for) on every other broker: there `publish_children`
+    returns once the messages are on the broker. The producer they were published with must stay acquired until
+    `wait` returns (the confirms arrive on its connection).
+    """
+
+    def __init__(self, confirms: ConfirmChannel | None = None, upto: int = 0) -> None:
+        self._confirms = confirms
+        self._upto = upto
+
+    @property
+    def pending(self) -> bool:
+        """Whether there are confirms to wait for."""
+        return self._confirms is not None
+
+    def wait(self) -> None:
+        confirms, self._confirms = self._confirms, None
+        if confirms is None:
+            return
+        try:
+            confirms.wait(upto=self._upto)
+        except BaseException:
+            confirms.discard()
+            raise
+
+
 def publish_children(
-    app: Celery, prod: Producer, batch_id: uuid.UUID, children: Iterable[tuple[int, str, Signature]]
-) -> None:
+    app: Celery,
+    prod: Producer,
+    batch_id: uuid.UUID,
+    children: Iterable[tuple[int, str, Signature]],
+    *,
+    wait: bool = True,
+) -> Unconfirmed:
     """Publish children (index, task id, signature) as ordinary task messages carrying the batch headers.
 
     With Redis the messages are buffered in the producer's pipeline (see `producer`); with RabbitMQ this returns
-    once the broker confirmed every one of them. Raises if the broker cannot be reached or refuses a message: the
-    caller then leaves these children to the relay.
+    once the broker confirmed every one of them, or with `wait=False` as soon as they are written, handing back
+    the confirms to wait for (the caller can do other work while the broker stores the messages). Raises if the
+    broker cannot be reached or refuses a message: the caller then leaves these children to the relay.
     """
     bid = str(batch_id)
     if not bulk_publish_enabled(app):
         for idx, task_id, sig in children:
             _publish_with_celery(prod, bid, idx, task_id, sig)
-        return
+        return Unconfirmed()
     _ensure_connection(app, prod)
     mode = publish_mode(prod)
     builder = _Builder(app, bid)
@@ -412,8 +449,13 @@ def publish_children(
                     confirms.sent += 1
                     if confirms.sent - confirms.floor >= 2 * CONFIRM_WINDOW:
                         confirms.wait(upto=confirms.sent - CONFIRM_WINDOW)  # a window stays in flight
-            if confirms is not None:
+            if confirms is None:
+                return Unconfirmed()
+            if wait:
                 confirms.wait()
+                return Unconfirmed()
+            confirms.frames.flush()
+            return Unconfirmed(confirms, confirms.sent)
     except BaseException:
         if confirms is not None:
             confirms.discard()
@@ -502,8 +544,10 @@ class ConfirmChannel:
         self.transport_connection = conn.connection
         self.channel = conn.channel()
         self.channel.confirm_select()
-        # A connection with `confirm_publish` makes every publish wait for its own ack: not on this channel.
-        self.channel.basic_publish = self.channel._basic_publish
+        # Instead of py-amqp's write per message (which, with `confirm_publish`, also waits for each message's
+        # ack): the same frames, held and written a stretch at a time, flushed before every wait.
+        self.frames = FrameBuffer(self.channel)
+        self.channel.basic_publish = self.frames.publish
         self.channel.events["basic_ack"].add(self._on_ack)
         self.channel.events["basic_nack"].add(self._on_nack)
         self.producer = Producer(self.channel, exchange=prod.exchange, serializer=prod.serializer, auto_declare=False)
@@ -511,10 +555,13 @@ class ConfirmChannel:
         self.floor = 0  # every tag <= floor is acked
         self._acked: set[int] = set()
         self._nacked = 0
+        self._discarded = False
 
     @property
     def usable(self) -> bool:
-        return bool(self.channel.is_open) and self.channel.connection is self.transport_connection
+        return (
+            not self._discarded and bool(self.channel.is_open) and self.channel.connection is self.transport_connection
+        )
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
         if multiple:
@@ -534,6 +581,7 @@ class ConfirmChannel:
     def wait(self, upto: int | None = None, timeout: float = CONFIRM_TIMEOUT) -> None:
         """Drain acks until every message up to `upto` (default: all sent) is confirmed."""
         target = self.sent if upto is None else upto
+        self.frames.flush()
         deadline = time.monotonic() + timeout
         connection = self.channel.connection
         while self.floor < target:
@@ -550,6 +598,8 @@ class ConfirmChannel:
 
     def discard(self) -> None:
         """After a failure the channel's count is unknown: close it; the next call opens a fresh one."""
+        self._discarded = True
+        self.frames.clear()
         try:
             self.channel.close()
         except Exception:  # noqa: BLE001 - the channel may be gone with its connection already
@@ -560,7 +610,7 @@ def _confirm_channel(prod: Producer) -> ConfirmChannel:
     """The connection's confirm channel, opened on first use and reused by later calls on the same connection."""
     conn = prod.connection
     existing: ConfirmChannel | None = getattr(conn, "_fanin_confirms", None)
-    if existing is not None and existing.usable and existing.floor == existing.sent:
+    if existing is not None and existing.usable:  # possibly with an earlier call's messages still unconfirmed
         return existing
     confirms = ConfirmChannel(prod)
     conn._fanin_confirms = confirms

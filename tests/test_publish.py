@@ -320,3 +320,65 @@ def test_unmodelled_options_go_through_celery(monkeypatch: pytest.MonkeyPatch) -
         assert sorted(json.loads(json.dumps(m.headers["fanin_index"])) for m in received) == [0, 1]
         assert {m.headers["fanin_batch"] for m in received} == {received[0].headers["fanin_batch"]}
         queue.close()
+
+
+# --- RabbitMQ: one chunk in flight while the next is written, and a chunk the broker does not confirm ------------
+
+
+def _queued_indexes(queue: str) -> list[int]:
+    """Drain the queue (RabbitMQ), returning each message's fanin_index in the order the broker holds them."""
+    indexes = []
+    with Connection(RABBITMQ_URL) as conn:
+        channel = conn.default_channel
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            indexes.append(int(message.headers["fanin_index"]))
+    return indexes
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["list", "generator"])
+def test_rabbitmq_chunks_are_recorded_only_once_confirmed(
+    e2e_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """Chunks go out with the previous one's confirms still pending; a chunk whose confirms fail is not recorded as
+    published, nor is any chunk after it, and the relay publishes from there (duplicates are counted once)."""
+    from celery_fanin.relay import Relay
+
+    queue = f"fanin-pub-{uuid.uuid4().hex[:10]}"
+    app = _producer_app({**e2e_env, "FANIN_TEST_BROKER": RABBITMQ_URL, "FANIN_TEST_QUEUE": queue,
+                         "ROUTED_QUEUE": f"{queue}-routed"}, fanin_chunk_size=4)  # fmt: skip
+    echo = app.tasks[publish_tasks.ECHO]
+    try:
+
+        def children() -> Any:
+            sigs = (echo.s(i) for i in range(13))
+            return sigs if stream else list(sigs)
+
+        handle = fan_in_group(children(), then=echo.s(), app=app).apply_async()
+        assert handle.status().published == 13
+        assert _queued_indexes(queue) == list(range(13))
+
+        real_wait = publish.Unconfirmed.wait
+        waits: list[int] = []
+
+        def second_chunk_unconfirmed(self: publish.Unconfirmed) -> None:
+            if self.pending:
+                waits.append(1)
+                if len(waits) == 2:
+                    raise OSError("no confirms from the broker")
+            real_wait(self)
+
+        monkeypatch.setattr(publish.Unconfirmed, "wait", second_chunk_unconfirmed)
+        handle = fan_in_group(children(), then=echo.s(), app=app).apply_async()
+        monkeypatch.setattr(publish.Unconfirmed, "wait", real_wait)
+        assert handle.status().published == 4, "only the first chunk is known to be on the broker"
+        first = _queued_indexes(queue)
+        assert first[:8] == list(range(8)), "the second chunk was written; it is just not confirmed"
+        assert len(waits) == 2, "no chunk after the unconfirmed one is waited for (or recorded)"
+
+        assert Relay(FanIn.of(app)).run_once() == 9
+        assert handle.status().published == 13
+        assert sorted(set(first + _queued_indexes(queue))) == list(range(13))
+    finally:
+        FanIn.of(app).dispose()
+        with Connection(RABBITMQ_URL) as conn:
+            conn.default_channel.queue_delete(queue)

@@ -24,11 +24,11 @@ def main() -> None:
     calls = {"n": 0}
     real = publish.publish_children
 
-    def crashing(*args: Any, **kwargs: Any) -> None:
+    def crashing(*args: Any, **kwargs: Any) -> publish.Unconfirmed:
         calls["n"] += 1
         if calls["n"] == kill_on:
             os.kill(os.getpid(), signal.SIGKILL)
-        real(*args, **kwargs)
+        return real(*args, **kwargs)
 
     publish.publish_children = crashing  # type: ignore[assignment]
     original_insert = batches.insert_batch

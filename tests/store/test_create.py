@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chain, chord, group
+from kombu.exceptions import OperationalError
 from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, FanInDatabaseError, FanInGroup, FanInResult, InvalidFanIn, fan_in_group, publish
@@ -413,3 +414,31 @@ def test_empty_group_with_dead_broker_leaves_the_successor_to_the_relay(
     [message] = queued_messages(broker)
     assert message.headers["id"] == handle.successor_task_id
     assert message.args[0]["planned"] == 0
+
+
+def test_streamed_batch_stops_publishing_at_a_chunk_the_broker_refused_and_the_relay_publishes_from_there(
+    app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later chunk that does reach the broker must not mark the refused chunk before it as published."""
+    app.conf.fanin_chunk_size = 3
+    real = publish.publish_children
+    calls: list[int] = []
+
+    def refuse_the_second_chunk(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OperationalError("broker went away for a moment")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "publish_children", refuse_the_second_chunk)
+    handle = fan_in_group((tasks.add.s(i, 1) for i in range(9)), then=tasks.collect.s()).apply_async()
+    monkeypatch.setattr(publish, "publish_children", real)
+
+    assert len(calls) == 2, "after a refused chunk the producer leaves the rest to the relay"
+    assert handle.status().published == 3
+    assert len(_children(store_engine, handle.batch_id)) == 9, "every child is still recorded"
+    assert [m.headers["fanin_index"] for m in queued_messages(broker)] == [0, 1, 2]
+
+    assert Relay(FanIn.of(app)).run_once() == 6
+    assert sorted(m.headers["fanin_index"] for m in queued_messages(broker)) == list(range(9))
+    assert handle.status().published == 9

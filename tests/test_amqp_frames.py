@@ -1,0 +1,142 @@
+"""`amqp_frames.FrameBuffer` writes, byte for byte, what py-amqp's own frame writer writes for the same publish."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from amqp import Message, spec
+from amqp.exceptions import RecoverableConnectionError
+from amqp.method_framing import frame_writer
+from amqp.serialization import dumps
+from celery import Celery
+
+from celery_fanin import amqp_frames, publish
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        self.writes.append(bytes(data))  # py-amqp hands over a view of a buffer it reuses
+
+
+class _Connection:
+    def __init__(self, frame_max: int) -> None:
+        self.frame_max = frame_max
+        self.bytes_sent = 0
+        self.transport = _Transport()
+
+
+class _Channel:
+    def __init__(self, frame_max: int = 131072, channel_id: int = 3) -> None:
+        self.channel_id = channel_id
+        self.connection = _Connection(frame_max)
+
+
+def _py_amqp_bytes(msg: Message, frame_max: int, exchange: str, routing_key: str, mandatory: bool) -> bytes:
+    """What ``Channel.basic_publish`` hands to py-amqp's frame writer (``send_method``), captured."""
+    conn = _Connection(frame_max)
+    args = dumps("Bssbb", (0, exchange, routing_key, mandatory, False))
+    frame_writer(conn, conn.transport)(1, 3, spec.Basic.Publish, args, msg)
+    return b"".join(conn.transport.writes)
+
+
+def _celery_message(i: int) -> Message:
+    """A child's message as the fast path builds it, turned into an ``amqp.Message`` as kombu does."""
+    app = Celery("tests.frames", broker="memory://", set_as_current=False)
+    sig = app.signature("some.task", args=(i, "ünïcode", [1, 2]), kwargs={"k": {"nested": True}})
+    route, headers, body, properties = publish._Builder(app, "batch").build(i, str(uuid.uuid4()), sig)
+    return Message(
+        f'[[{i}, "x"], {{}}, {{}}]',
+        content_type="application/json",
+        content_encoding="utf-8",
+        application_headers=headers,
+        **{k: v for k, v in properties.items() if v is not None},
+    )
+
+
+def _messages() -> list[tuple[str, Message]]:
+    when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    odd_headers = {"s": "é", "b": True, "i": 1, "big": 2**40, "f": 1.5, "d": Decimal("1.25"), "t": when, "n": None,
+                   "l": [1, "a", None, [True]], "m": {"x": {"y": 1}}, "bytes": b"\x00\x01"}  # fmt: skip
+    return [
+        ("celery task", _celery_message(7)),
+        ("text body, unicode", Message("héllo wörld")),
+        (
+            "bytes body, every property",
+            Message(
+                b"\x00" * 50,
+                content_type="application/x-test",
+                content_encoding="binary",
+                application_headers=odd_headers,
+                delivery_mode=2,
+                priority=9,
+                correlation_id="c-1",
+                reply_to="r",
+                expiration="60000",
+                message_id="m-1",
+                timestamp=1700000000,
+                type="t",
+                user_id="guest",
+                app_id="a",
+                cluster_id="c",
+            ),
+        ),  # fmt: skip
+        ("empty body", Message(b"", application_headers={"x": 1})),
+        ("body over frame_max", Message(b"0123456789" * 1000, application_headers={"k": "v"})),
+        ("body exactly one frame", Message(b"a" * (4096 - 8))),
+    ]
+
+
+@pytest.mark.parametrize("frame_max", [131072, 4096])
+@pytest.mark.parametrize(("label", "make"), [(label, i) for i, (label, _) in enumerate(_messages())])
+def test_frames_match_py_amqp(label: str, make: int, frame_max: int) -> None:
+    ours, theirs = _messages()[make][1], _messages()[make][1]
+    theirs.properties = dict(ours.properties)
+    if "application_headers" in ours.properties:
+        theirs.properties["application_headers"] = dict(ours.properties["application_headers"])
+    channel = _Channel(frame_max)
+    buffer = amqp_frames.FrameBuffer(channel)  # type: ignore[arg-type]
+    buffer.publish(ours, exchange="ex", routing_key="rk", mandatory=True)
+    buffer.flush()
+    assert b"".join(channel.connection.transport.writes) == _py_amqp_bytes(theirs, frame_max, "ex", "rk", True)
+    assert ours.properties == theirs.properties  # a text body gets its content_encoding on both sides
+
+
+def test_many_messages_are_one_write_until_the_size_bound() -> None:
+    channel = _Channel()
+    buffer = amqp_frames.FrameBuffer(channel)  # type: ignore[arg-type]
+    expected = b""
+    for i in range(20):
+        msg = _celery_message(i)
+        expected += _py_amqp_bytes(Message(msg.body, **msg.properties), 131072, "", "q", False)
+        buffer.publish(msg, routing_key="q")
+    assert channel.connection.transport.writes == []  # held
+    buffer.flush()
+    assert channel.connection.transport.writes == [expected]
+    buffer.flush()  # nothing held: nothing written
+    assert len(channel.connection.transport.writes) == 1
+
+    big = Message(b"x" * (amqp_frames.FLUSH_BYTES // 2 + 1))
+    buffer.publish(big, routing_key="q")
+    assert len(channel.connection.transport.writes) == 1
+    buffer.publish(big, routing_key="q")  # past the bound: written without waiting for flush
+    assert len(channel.connection.transport.writes) == 2
+
+
+def test_cleared_frames_are_never_written_and_a_closed_connection_raises() -> None:
+    channel = _Channel()
+    buffer = amqp_frames.FrameBuffer(channel)  # type: ignore[arg-type]
+    buffer.publish(Message(b"dropped"), routing_key="q")
+    buffer.clear()
+    buffer.flush()
+    assert channel.connection.transport.writes == []
+    buffer.publish(Message(b"kept"), routing_key="q")
+    channel.connection = None  # type: ignore[assignment]
+    with pytest.raises(RecoverableConnectionError):
+        buffer.flush()
