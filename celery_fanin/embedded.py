@@ -103,9 +103,9 @@ def sqla_broker_url(database_url: str) -> str:
 
 
 def _conninfo(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from .store.reports import libpq_conninfo  # imported late: sqlalchemy and psycopg only when a server runs
 
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return libpq_conninfo(url)
 
 
 def _free_port() -> int:

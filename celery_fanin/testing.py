@@ -131,10 +131,10 @@ def fanin_database(fanin_database_url: str) -> str:
     """The session database with every fan-in table emptied."""
     import psycopg
     from psycopg import sql
-    from sqlalchemy.engine import make_url
 
-    conninfo = make_url(fanin_database_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    from .store.reports import libpq_conninfo
+
+    with psycopg.connect(libpq_conninfo(fanin_database_url), autocommit=True) as conn:
         tables = [r[0] for r in conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'fanin\\_%%' "
             "AND tablename <> 'fanin_migrations'"

@@ -20,13 +20,13 @@ import pytest
 from celery import Celery
 from sqlalchemy.engine import make_url
 
-from celery_fanin import BatchNotFound, BatchOutcome, FanIn, fan_in_group, hooks, retention
+from celery_fanin import BatchNotFound, BatchOutcome, FanIn, compensated, fan_in_group, hooks, retention, saga, sagas
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from tests.conftest import ADMIN_URL
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "how-to"
-ROLES = ("owner", "producer", "worker", "relay", "maintenance")
+ROLES = ("owner", "producer", "worker", "relay", "maintenance", "sagaworker")
 
 
 @dataclass
@@ -82,6 +82,15 @@ def _successor(outcome: dict[str, int]) -> int:
     return outcome["succeeded"]
 
 
+def _migrate(cluster: Cluster) -> None:
+    """The schema, as the owner role, then the documented grants."""
+    owner = _app(cluster, "owner")
+    assert FanIn.of(owner).migrate(), "the owner role creates the schema"
+    with psycopg.connect(cluster.url("owner"), autocommit=True) as conn:
+        conn.execute(cluster.sql(DOCS / "grants.sql"))
+    FanIn.of(owner).dispose()
+
+
 def _refused(url: str, statement: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
         conn.execute(statement)
@@ -89,12 +98,7 @@ def _refused(url: str, statement: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
-    owner = _app(cluster, "owner")
-    assert FanIn.of(owner).migrate(), "the owner role creates the schema"
-    with psycopg.connect(cluster.url("owner"), autocommit=True) as conn:
-        conn.execute(cluster.sql(DOCS / "grants.sql"))
-    FanIn.of(owner).dispose()
-
+    _migrate(cluster)
     producer = _app(cluster, "producer")
     worker = _app(cluster, "worker")
     relay_app = _app(cluster, "relay", fanin_successor_timeout=0.0)
@@ -193,6 +197,92 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         _refused(cluster.url("maintenance"), "UPDATE fanin_batches SET state = 'running'")
         _refused(cluster.url("maintenance"), "SELECT message FROM fanin_children")
         _refused(cluster.url("relay"), "CREATE TABLE fanin_extra (id int)")
+    finally:
+        for app in apps:
+            FanIn.of(app).dispose()
+
+
+@pytest.mark.timeout(120)
+def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
+    """A producer records a saga and starts it; workers record its steps' and compensations' outcomes (as
+    fanin_worker) and run the internal tasks that move it on, as a login role that is a member of fanin_producer
+    and fanin_worker, as database-roles.md says a worker that runs sagas must be."""
+    _migrate(cluster)
+    with psycopg.connect(make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False),
+                         autocommit=True) as admin:  # fmt: skip
+        admin.execute(f'CREATE ROLE "{cluster.role("sagaworker")}" LOGIN')  # generated identifiers, not input
+        admin.execute(
+            f'GRANT "{cluster.role("producer")}", "{cluster.role("worker")}" TO "{cluster.role("sagaworker")}"'
+        )
+    producer = _app(cluster, "producer")
+    worker = _app(cluster, "worker")
+    saga_worker = _app(cluster, "sagaworker")
+    apps = (producer, worker, saga_worker)
+    try:
+        fanin_w = FanIn.of(worker)
+        step_done = saga_worker.tasks[sagas.STEP_DONE_TASK]
+        compensation_done = saga_worker.tasks[sagas.COMPENSATION_DONE_TASK]
+
+        def finish(batch_id: str | None, state: str) -> str:
+            """A worker's hooks record the batch's one child (the step's task, or a stage's compensation)."""
+            assert batch_id is not None
+            with psycopg.connect(cluster.url("worker")) as conn:
+                row = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", (batch_id,))
+                (task_id,) = row.fetchone() or ("",)
+            rec = hooks.record_child(fanin_w, task_id, hooks._Marker(batch_id, 0, None), state,
+                                     value=1, has_value=state == "succeeded",
+                                     exc=RuntimeError("declined") if state == "failed" else None)  # fmt: skip
+            assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
+            return task_id
+
+        # --- the producer records the saga and starts step 1 ---------------------------------------------------
+        sig = producer.signature
+        handle = saga(
+            compensated(sig("roles.child", args=(1,)), sig("roles.child", args=(-1,))),
+            compensated(sig("roles.child", args=(2,)), sig("roles.child", args=(-2,))),
+            sig("roles.child", args=(3,)),
+            app=producer,
+            key=f"order-{cluster.suffix}",
+        ).apply_async()
+        sid = handle.saga_id
+        status = handle.status()
+        assert (status.state, [s.state for s in status.steps]) == ("running", ["running", "pending", "pending"]), (
+            "the producer role recorded the saga and started step 1"
+        )
+
+        # --- workers: steps 1 and 2 succeed, step 3 fails for good, and the rollback runs stage by stage -------
+        for position in (1, 2):
+            finish(handle.status().step(position).batch_id, "succeeded")
+            step_done({"succeeded": 1, "failed": 0}, sid, position)
+        finish(handle.status().step(3).batch_id, "failed")
+        step_done({"succeeded": 0, "failed": 1}, sid, 3)
+        status = handle.status()
+        assert (status.state, status.failed_step, status.exc_type) == ("compensating", 3, "RuntimeError")
+        assert [(c.stage, c.position, c.state) for c in status.compensations] == [(0, 2, "running"), (1, 1, "pending")]
+        for stage in (0, 1):
+            comp = handle.status().compensations[stage]
+            finish(comp.batch_id, "succeeded")
+            compensation_done({"batch_id": comp.batch_id, "succeeded": 1, "failed": 0})
+        status = handle.status()
+        assert status.state == "compensated", status
+        assert [s.state for s in status.steps] == ["compensated", "compensated", "failed"]
+        assert [c.state for c in status.compensations] == ["succeeded", "succeeded"]
+
+        # --- and what no runtime role may do with a saga -------------------------------------------------------
+        for role in ("producer", "sagaworker"):  # what a worker will run is written once
+            _refused(cluster.url(role), "UPDATE fanin_saga_steps SET definition = ''")
+            _refused(cluster.url(role), "UPDATE fanin_saga_compensations SET message = ''")  # only `saga resume`
+            _refused(cluster.url(role), "UPDATE fanin_saga_compensations SET acked_by = 'x'")  # only `saga ack`
+            _refused(cluster.url(role), "DELETE FROM fanin_sagas")
+        _refused(
+            cluster.url("worker"), "INSERT INTO fanin_sagas (id, app_name, steps) VALUES (gen_random_uuid(), 'x', 1)"
+        )
+        _refused(
+            cluster.url("relay"), "INSERT INTO fanin_sagas (id, app_name, steps) VALUES (gen_random_uuid(), 'x', 1)"
+        )
+        _refused(cluster.url("relay"), "UPDATE fanin_saga_steps SET state = 'pending'")
+        _refused(cluster.url("maintenance"), "UPDATE fanin_sagas SET state = 'running'")
+        _refused(cluster.url("maintenance"), "DELETE FROM fanin_saga_compensations")
     finally:
         for app in apps:
             FanIn.of(app).dispose()

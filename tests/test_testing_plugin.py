@@ -81,9 +81,9 @@ def fanin_celery_config():
     return {"broker_url": "memory://", "task_always_eager": True, "task_eager_propagates": True}
 
 
-def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fanin_app):
-    from celery_fanin.eager import run_eagerly
-    from celery_fanin import FanIn
+@pytest.fixture
+def eager_tasks(fanin_app):
+    from celery_fanin import BatchOutcome
 
     @fanin_app.task
     def double(i):
@@ -95,16 +95,38 @@ def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fa
 
     @fanin_app.task
     def total(outcome):
-        return outcome["succeeded"], outcome["failed"]
+        result = BatchOutcome.from_message(outcome, app=fanin_app)
+        return [result.succeeded, result.failed, list(result.values())]
 
+    return double, fails, total
+
+
+def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fanin_app, eager_tasks):
+    from celery_fanin.eager import run_eagerly
+    from celery_fanin import FanIn
+
+    double, fails, total = eager_tasks
     handle = fan_in_group([double.s(1), fails.s(2), double.s(3)], then=total.s()).apply_async()
     # Under task_always_eager apply_async ran the children and then the successor inline.
     status = handle.status()
     assert (status.succeeded, status.failed, status.successor_state) == (2, 1, "succeeded")
-    assert handle.successor().result == (2, 1)
+    assert handle.successor().result == [2, 1, [2, 6]]
     # Running it again is harmless: the successor's run guard refuses a second run.
     again = run_eagerly(FanIn.of(fanin_app), handle.batch_id)
     assert again.status().successor_runs == 1
+
+
+def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks):
+    double, fails, total = eager_tasks
+    # A child that is a fan-in counts when its inner successor finishes, with that successor's value.
+    inner = fan_in_group([double.s(1), fails.s(2), double.s(3)], then=total.s())
+    handle = fan_in_group([inner, double.s(4)], then=total.s()).apply_async()
+    status = handle.status()
+    assert (status.state, status.succeeded, status.failed, status.successor_state) == ("complete", 2, 0, "succeeded")
+    assert handle.successor().result == [2, 0, [[2, 1, [2, 6]], 8]]
+    # A pipeline: the next stage starts from the first one's successor, keyed by it; final() follows it.
+    first = fan_in_group([double.s(1)], then=fan_in_group([double.s(5), double.s(6)], then=total.s()))
+    assert first.apply_async().final(timeout=10) == [2, 0, [10, 12]]
 """
 
 
@@ -130,7 +152,7 @@ def test_enabled_with_dash_p_and_eager_apply_async(pytester: pytest.Pytester, da
     _ini(pytester, database_url, enable=False)
     pytester.makepyfile(test_eager=EAGER_TESTS)
     result = pytester.runpytest_subprocess("-q", "-p", "celery_fanin.testing")
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)
 
 
 @pytest.mark.timeout(180)

@@ -54,6 +54,22 @@ GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, t
                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
                           fanin_settle(uuid, integer, integer), fanin_seal(uuid) TO fanin_relay;
 
+-- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
+-- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the
+-- internal tasks `celery_fanin.saga_step_done` and `compensation_done` on workers. Each of those may create a
+-- fan-in batch (the next step's, a compensation stage's), which only the producer role may, so these rights go to
+-- fanin_producer, and a worker that runs sagas logs in as a member of fanin_producer and fanin_worker. The steps'
+-- definitions and undos are written once; a compensation's signature (`message`, `task_id`, `attempt`) is only
+-- rewritten by `saga resume`, and `acked_*` only by `saga ack`: those are operator commands, run as fanin_owner.
+GRANT SELECT, INSERT ON fanin_sagas, fanin_saga_steps, fanin_saga_compensations TO fanin_producer;
+GRANT UPDATE (state, current_step, failed_step, exc_type, exc_message, current_stage, failed_compensation, state_at,
+              finished_at)
+    ON fanin_sagas TO fanin_producer;
+GRANT UPDATE (state, batch_id, exc_type, exc_message, started_at, finished_at) ON fanin_saga_steps TO fanin_producer;
+GRANT UPDATE (state, batch_id, exc_type, exc_message, finished_at) ON fanin_saga_compensations TO fanin_producer;
+-- Workers record the outcomes of saga steps and compensations like any child's (above). The relay and retention
+-- never touch the saga tables: they reference no batch, so pruning a batch deletes no saga row.
+
 -- Retention: find finished batches and delete them; ON DELETE CASCADE removes the rest (as the owner).
 GRANT SELECT, DELETE ON fanin_batches TO fanin_maintenance;
 GRANT SELECT ON fanin_successors TO fanin_maintenance;
