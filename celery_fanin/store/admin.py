@@ -301,8 +301,9 @@ def highest_round(conn: Connection, original_id: uuid.UUID) -> int:
 # --- retention --------------------------------------------------------------------------------------------------
 
 # A root batch retention may delete: finished, with its successor finished too (an expired batch may have none),
-# finished before the cut-off, and with no retry round still running. `created_at < cut-off` is implied by the
-# completion time and lets the planner walk the creation index instead of the whole table.
+# finished before the cut-off, with no retry round still running, and not a step or compensation of a saga that
+# may still roll back (its rollback reads which of the batch's children succeeded). `created_at < cut-off` is
+# implied by the completion time and lets the planner walk the creation index instead of the whole table.
 _PRUNABLE = """
       FROM fanin_batches b
      WHERE b.parent_id IS NULL
@@ -314,6 +315,10 @@ _PRUNABLE = """
             OR (b.state = 'expired' AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
        AND NOT EXISTS (SELECT 1 FROM fanin_batches r
                         WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
+       AND NOT EXISTS (SELECT 1 FROM fanin_saga_steps st JOIN fanin_sagas g ON g.id = st.saga_id
+                        WHERE st.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
+       AND NOT EXISTS (SELECT 1 FROM fanin_saga_compensations c JOIN fanin_sagas g ON g.id = c.saga_id
+                        WHERE c.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
 """
 
 

@@ -12,5 +12,11 @@ DELETE FROM fanin_batches
                            WHERE s.batch_id = b.id AND s.state NOT IN ('succeeded', 'failed', 'revoked'))
           AND NOT EXISTS (SELECT 1 FROM fanin_batches r     -- and no retry round of it is still running
                            WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
+          AND NOT EXISTS (SELECT 1 FROM fanin_saga_steps st -- nor a saga that may still roll it back
+                            JOIN fanin_sagas g ON g.id = st.saga_id
+                           WHERE st.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
+          AND NOT EXISTS (SELECT 1 FROM fanin_saga_compensations c
+                            JOIN fanin_sagas g ON g.id = c.saga_id
+                           WHERE c.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
         ORDER BY b.created_at
         LIMIT 1000);

@@ -75,6 +75,51 @@ def test_only_finished_batches_with_finished_successors_are_pruned(app: Celery, 
     assert row_counts(engine)["fanin_outbox"] == 4  # successor_running, with_running_round, the round, `running`
 
 
+def _saga(engine: Engine, state: str, step_batch: uuid.UUID, compensation_batch: uuid.UUID | None = None) -> uuid.UUID:
+    """A saga in `state` whose step 1 ran as `step_batch` (and whose rollback ran as `compensation_batch`)."""
+    saga_id = uuid.uuid4()
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO fanin_sagas (id, app_name, state, steps) VALUES (:id, 'tests', :s, 2)"),
+                     {"id": saga_id, "s": state})  # fmt: skip
+        conn.execute(
+            text("INSERT INTO fanin_saga_steps (saga_id, position, kind, name, definition, content_type, "
+                 "content_encoding, state, batch_id) VALUES (:id, 1, 'task', 't', '\\x00', 'json', 'utf-8', "
+                 "'succeeded', :b)"),
+            {"id": saga_id, "b": step_batch},
+        )  # fmt: skip
+        if compensation_batch is not None:
+            conn.execute(
+                text("INSERT INTO fanin_saga_compensations (saga_id, undo_of, position, stage, ordinal, kind, "
+                     "state, batch_id) VALUES (:id, 'x', 1, 0, 0, 'child', 'succeeded', :b)"),
+                {"id": saga_id, "b": compensation_batch},
+            )  # fmt: skip
+    return saga_id
+
+
+def test_batches_a_saga_may_still_roll_back_are_kept_until_it_finishes(app: Celery, engine: Engine) -> None:
+    fanin = FanIn.of(app)
+    kept = {state: (_finished(engine, 1), _finished(engine, 1))
+            for state in ("running", "compensating", "compensation_failed")}  # fmt: skip
+    sagas = {state: _saga(engine, state, step, undo) for state, (step, undo) in kept.items()}
+    gone = []
+    for state in ("succeeded", "compensated", "manual_action_required"):  # nothing left to undo
+        step, undo = _finished(engine, 1), _finished(engine, 1)
+        _saga(engine, state, step, undo)
+        gone += [step, undo]
+
+    assert retention.prune(fanin, "30d", dry_run=True).batches == len(gone)
+    assert retention.prune(fanin, "30d").batches == len(gone)
+    assert not any(_exists(engine, b) for b in gone)
+    assert all(_exists(engine, b) for pair in kept.values() for b in pair)
+
+    with engine.begin() as conn:  # the running saga finishes: its step and compensation batches may go
+        conn.execute(text("UPDATE fanin_sagas SET state = 'succeeded' WHERE id = :id"), {"id": sagas["running"]})
+    assert retention.prune(fanin, "30d").batches == 2
+    assert not any(_exists(engine, b) for b in kept["running"])
+    with engine.connect() as conn:  # the saga's own rows stay: retention prunes batches only
+        assert conn.execute(text("SELECT count(*) FROM fanin_sagas")).scalar_one() == 6
+
+
 def test_chunks_and_limit(app: Celery, engine: Engine) -> None:
     fanin = FanIn.of(app)
     for _ in range(5):
