@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import uuid
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -14,7 +15,7 @@ from amqp.method_framing import frame_writer
 from amqp.serialization import dumps
 from celery import Celery
 
-from celery_fanin import amqp_frames, publish
+from celery_fanin import amqp_frames, amqp_properties, publish
 
 
 class _Transport:
@@ -140,3 +141,68 @@ def test_cleared_frames_are_never_written_and_a_closed_connection_raises() -> No
     channel.connection = None  # type: ignore[assignment]
     with pytest.raises(RecoverableConnectionError):
         buffer.flush()
+
+
+# --- a stream of messages: what is reused from one message to the next must never change the bytes ----------------
+
+
+class _Text(str):
+    pass
+
+
+def _tripwires() -> list[dict[str, Any]]:
+    """Header tables that differ from the one before in ways equality alone would miss."""
+    base = {"lang": "py", "task": "t", "id": "1", "n": 1, "flag": True, "timelimit": [None, None], "stamps": {},
+            "f": 0.0, "big": 2**31 - 1}  # fmt: skip
+    steps: list[dict[str, Any]] = [{}, {"id": "2"}, {"id": "3"}, {"n": True}, {"n": 1, "flag": 1},
+                                   {"flag": True, "timelimit": [None, 0]}, {"timelimit": [None, False]},
+                                   {"timelimit": (None, False)}, {"stamps": {"k": 1}}, {"stamps": {"k": True}},
+                                   {"stamps": {"k": True, "j": "x"}}, {"stamps": {"j": "x", "k": True}},
+                                   {"f": -0.0}, {"f": float("nan")}, {"big": 2**31}, {"big": -(2**31)},
+                                   {"task": "é"}, {"task": _Text("é")}, {"lang": b"py"}, {"id": None},
+                                   {"id": "4", "extra": "added"}, {"id": "5"}]  # fmt: skip
+    tables, current = [], dict(base)
+    for change in steps:
+        current = {**current, **change}
+        tables.append(dict(current))
+    tables.append(dict(reversed(list(current.items()))))  # the same items in another order
+    tables.append({k: v for k, v in current.items() if k != "extra"})
+    return tables
+
+
+def test_a_stream_of_tripwires_encodes_as_py_amqp() -> None:
+    encoder = amqp_properties.PropertiesEncoder()
+    for i, table in enumerate(_tripwires()):
+        msg = Message(b"x", content_type="application/json", application_headers=table, correlation_id=str(i),
+                      delivery_mode=2 if i % 3 else 1, priority=i % 2 or None)  # fmt: skip
+        assert encoder.encode(msg) == msg._serialize_properties(), (i, table)
+
+
+def test_a_random_stream_encodes_as_py_amqp() -> None:
+    """Seeded: headers drawn from pools of values of look-alike types, most repeated, some changing each time."""
+    rng = random.Random(20261130)
+    pools: list[list[Any]] = [["a", "é", _Text("a")], [0, 1, True, False, None, 2**40], [[None, None], [0, None],
+                              [False, None], (0, None)], [{}, {"x": 1}, {"x": True}], [1.0, -0.0, 0.0]]  # fmt: skip
+    keys = [f"k{i}" for i in range(12)]
+    encoder = amqp_properties.PropertiesEncoder()
+    table = {k: rng.choice(rng.choice(pools)) for k in keys}
+    for i in range(3000):
+        if rng.random() < 0.3:  # most messages repeat most headers, as a batch's children do
+            key = rng.choice(keys)
+            table[key] = rng.choice(rng.choice(pools))
+        table["id"] = str(uuid.uuid4())
+        if rng.random() < 0.02:
+            table = dict(rng.sample(list(table.items()), len(table)))  # a new key order
+        msg = Message(b"", application_headers=dict(table), correlation_id=table["id"],
+                      content_type=rng.choice(["application/json", "text/plain"]))  # fmt: skip
+        assert encoder.encode(msg) == msg._serialize_properties(), (i, table)
+
+
+def test_properties_py_amqp_would_refuse_are_refused_alike() -> None:
+    for properties in ({"priority": 300}, {"correlation_id": 5}, {"application_headers": {"k": object()}},
+                       {"application_headers": {"x" * 256: 1}}):  # fmt: skip
+        msg = Message(b"", **properties)
+        with pytest.raises(Exception) as theirs:
+            msg._serialize_properties()
+        with pytest.raises(type(theirs.value)):
+            amqp_properties.PropertiesEncoder().encode(msg)
