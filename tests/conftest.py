@@ -51,7 +51,8 @@ ADMIN_URL = _admin_url()
 # A Redis server; each test session claims a database number of its own on it (see `redis_url`).
 REDIS_SERVER = os.environ.get("FANIN_TEST_REDIS_SERVER", "redis://127.0.0.1:6379")
 REDIS_CLAIM_KEY = "fanin-test-session"
-TABLES = ("fanin_outbox", "fanin_successors", "fanin_children", "fanin_batches")
+# Emptied before each test that asks for a clean database (saga steps and compensations go with their saga).
+TABLES = ("fanin_outbox", "fanin_successors", "fanin_children", "fanin_batches", "fanin_sagas")
 
 
 def _admin() -> psycopg.Connection:
