@@ -398,9 +398,9 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
 @_errors_as_exit
 def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, limit: int | None, dry_run: bool,
           as_json: bool) -> None:  # fmt: skip
-    """Delete finished batches (and their children, successors and outbox rows) that finished longer ago than
-    --older-than, in short transactions. Open and running batches, and batches whose successor has not finished,
-    are never deleted."""
+    """Delete finished batches (and their children, successors and outbox rows) and finished sagas that finished
+    longer ago than --older-than, in short transactions. Open and running batches, batches whose successor has
+    not finished, and sagas that are running or wait for an operator are never deleted."""
     from .retention import prune as run_prune
 
     report = run_prune(_fanin(ctx), older_than, chunk=chunk, max_children=max_children, dry_run=dry_run,
@@ -410,11 +410,13 @@ def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, 
         return
     age = _ago(older_than)
     if dry_run:
-        click.echo(f"would delete {report.batches} batches ({report.children} children) finished more than {age} ago")
+        click.echo(f"would delete {report.batches} batches ({report.children} children) and {report.sagas} sagas "
+                   f"finished more than {age} ago")  # fmt: skip
         return
     more = "" if report.complete else " (stopped at --limit: more remain)"
     click.echo(f"deleted {report.batches} batches ({report.leaves} leaf counters, {report.children} children) "
-               f"finished more than {age} ago, in {report.transactions} transactions{more}")  # fmt: skip
+               f"and {report.sagas} sagas finished more than {age} ago, in {report.transactions} transactions"
+               f"{more}")  # fmt: skip
 
 
 @fanin.command()

@@ -2,7 +2,10 @@
 
 A batch is deleted once it is finished (complete, partial, failed_threshold or expired), its successor has
 finished too (an expired batch may have none), it finished before the cut-off, and no retry round of it is still
-running. Its leaves, children, successor and outbox rows go with it (ON DELETE CASCADE).
+running. Its leaves, children, successor and outbox rows go with it (ON DELETE CASCADE). Once no batch is left to
+delete, sagas that finished for good (succeeded, or compensated) before the cut-off are deleted too, with their
+steps and compensations; a saga waiting for an operator is kept, whatever its age. A deleted saga's or batch's
+idempotency key can be used again.
 
 Each transaction locks at most `chunk` root batches (`FOR UPDATE SKIP LOCKED`: rows another session holds are left
 for the next run) and deletes batches holding at most about `max_children` children: a tree's leaves are deleted
@@ -47,6 +50,7 @@ class PruneReport:
     batches: int = 0  # root batches deleted (or, with dry_run, that would be)
     leaves: int = 0  # leaf counters of trees deleted before their roots
     children: int = 0  # child rows deleted with them
+    sagas: int = 0  # finished sagas deleted (their steps and compensations with them)
     transactions: int = 0
     dry_run: bool = False
     complete: bool = True  # False if `limit` or `max_seconds` stopped it with more left to delete
@@ -67,9 +71,10 @@ def prune(
 ) -> PruneReport:
     """Delete finished batches that finished more than `older_than` ago (seconds, or `30d`, `12h`, ...).
 
-    `chunk`: root batches locked per transaction; `max_children`: children deleted per transaction (a batch
-    larger than that is deleted alone, a tree leaf by leaf); `limit`: root batches deleted by this call at most;
-    `max_seconds`: stop starting transactions after this long (a periodic task that must not overrun).
+    `chunk`: root batches locked (or sagas deleted) per transaction; `max_children`: children deleted per
+    transaction (a batch larger than that is deleted alone, a tree leaf by leaf); `limit`: root batches deleted by
+    this call at most; `max_seconds`: stop starting transactions after this long (a periodic task that must not
+    overrun). Sagas are deleted only by a call that left no prunable batch behind (`report.complete`).
     """
     age = parse_duration(older_than)
     if chunk < 1 or max_children < 1:
@@ -79,6 +84,7 @@ def prune(
         if dry_run:
             with fanin.engine.connect() as conn:
                 report.batches, report.children = admin.prunable_totals(conn, age)
+                report.sagas = admin.prunable_sagas(conn, age)
             return report
         started = time.monotonic()
         while True:
@@ -96,11 +102,21 @@ def prune(
             report.leaves += deleted.leaves
             report.children += deleted.children
             report.transactions += 1
+        while report.complete:  # the sagas, once every batch that could go has gone
+            if max_seconds is not None and time.monotonic() - started >= max_seconds:
+                report.complete = False
+                break
+            sagas = _with_retries(functools.partial(_delete_sagas, fanin, age, chunk))
+            if not sagas:
+                break
+            report.sagas += sagas.sagas
+            report.transactions += 1
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not prune: {summarise(exc)}") from exc
-    if report.batches or report.leaves:
-        logger.info("pruned %d batches (%d leaf counters, %d children) finished over %ss ago in %d transactions",
-                    report.batches, report.leaves, report.children, age, report.transactions)  # fmt: skip
+    if report.batches or report.leaves or report.sagas:
+        logger.info("pruned %d batches (%d leaf counters, %d children) and %d sagas finished over %ss ago in %d "
+                    "transactions", report.batches, report.leaves, report.children, report.sagas, age,
+                    report.transactions)  # fmt: skip
     return report
 
 
@@ -109,6 +125,7 @@ class _Deleted:
     batches: int = 0
     leaves: int = 0
     children: int = 0
+    sagas: int = 0
 
 
 # A late report of a child (a failed_threshold batch's straggler) locks the child row, then its batch row; a delete
@@ -158,6 +175,13 @@ def _one_transaction(fanin: FanIn, age: float, room: int, max_children: int) -> 
             return None
         children = admin.child_rows(conn, chosen)
         return _Deleted(batches=admin.delete_batches(conn, chosen), children=children)
+
+
+def _delete_sagas(fanin: FanIn, age: float, room: int) -> _Deleted | None:
+    """Delete up to `room` finished sagas in one transaction; None when there was none (left)."""
+    with fanin.engine.begin() as conn:
+        deleted = admin.delete_sagas(conn, age, room)
+    return _Deleted(sagas=deleted) if deleted else None
 
 
 _REGISTERED: weakref.WeakSet[Celery] = weakref.WeakSet()

@@ -283,6 +283,20 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
         _refused(cluster.url("relay"), "UPDATE fanin_saga_steps SET state = 'pending'")
         _refused(cluster.url("maintenance"), "UPDATE fanin_sagas SET state = 'running'")
         _refused(cluster.url("maintenance"), "DELETE FROM fanin_saga_compensations")
+
+        # --- retention deletes the finished saga as the maintenance role, steps and compensations with it ---------
+        maintenance = _app(cluster, "maintenance")
+        apps = (*apps, maintenance)
+        assert retention.prune(FanIn.of(maintenance), 0).sagas == 1
+        with pytest.raises(sagas.SagaNotFound):
+            handle.status()
+        statement = (DOCS / "retention-sagas.sql").read_text().replace("interval '30 days'", "interval '0 seconds'")
+        with psycopg.connect(cluster.url("maintenance"), autocommit=True) as conn:
+            assert conn.execute(statement).rowcount == 0, "the documented SQL runs with the same role (none left)"
+        with psycopg.connect(cluster.url("owner")) as conn:
+            for table in ("fanin_saga_steps", "fanin_saga_compensations"):
+                left = conn.execute(f"SELECT count(*) FROM {table} WHERE saga_id = %s", (sid,)).fetchone()
+                assert left == (0,), table
     finally:
         for app in apps:
             FanIn.of(app).dispose()

@@ -369,6 +369,36 @@ def child_rows(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
     )
 
 
+# A saga retention may delete: finished for good (succeeded, or compensated with every manual action acknowledged)
+# before the cut-off. Its steps and compensations go with it (ON DELETE CASCADE); its batches are batches like any
+# other (no foreign key), pruned by the rules above. A saga waiting for an operator (`manual_action_required`,
+# `compensation_failed`) is never deleted, whatever its age.
+_PRUNABLE_SAGAS = """
+      FROM fanin_sagas
+     WHERE state IN ('succeeded', 'compensated')
+       AND finished_at < now() - make_interval(secs => :age)
+"""
+
+
+def prunable_sagas(conn: Connection, age_seconds: float) -> int:
+    """Sagas retention would delete now."""
+    return int(conn.execute(text("SELECT count(*)" + _PRUNABLE_SAGAS), {"age": age_seconds}).scalar_one())
+
+
+def delete_sagas(conn: Connection, age_seconds: float, limit: int) -> int:
+    """Delete up to `limit` prunable sagas, oldest first. The outer conditions are checked again on a row another
+    session changed meanwhile (READ COMMITTED), so a saga that stopped being finished is not deleted; a row
+    another prune deleted first is simply not counted."""
+    result = conn.execute(
+        text(
+            "DELETE FROM fanin_sagas WHERE id IN (SELECT id" + _PRUNABLE_SAGAS + " ORDER BY finished_at, id LIMIT :n)"
+            " AND state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age)"
+        ),
+        {"age": age_seconds, "n": limit},
+    )
+    return int(result.rowcount)
+
+
 def delete_batches(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
     """Delete batch rows; their children, leaves, successors and outbox rows go with them (ON DELETE CASCADE)."""
     if not ids:

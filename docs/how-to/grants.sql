@@ -68,15 +68,16 @@ GRANT UPDATE (state, current_step, failed_step, exc_type, exc_message, current_s
 GRANT UPDATE (state, batch_id, exc_type, exc_message, started_at, finished_at) ON fanin_saga_steps TO fanin_producer;
 GRANT UPDATE (state, batch_id, exc_type, exc_message, finished_at) ON fanin_saga_compensations TO fanin_producer;
 -- Workers record the outcomes of saga steps and compensations like any child's (above). The relay never touches
--- the saga tables, and retention only reads which batches a saga may still need (below); the saga tables have no
--- foreign key to fanin_batches, so pruning a batch deletes no saga row.
+-- the saga tables; retention reads which batches a saga may still need and deletes finished sagas (below). The
+-- saga tables have no foreign key to fanin_batches, so pruning a batch deletes no saga row.
 
 -- Retention: find finished batches and delete them; ON DELETE CASCADE removes the rest (as the owner).
 GRANT SELECT, DELETE ON fanin_batches TO fanin_maintenance;
 GRANT SELECT ON fanin_successors TO fanin_maintenance;
 GRANT SELECT (batch_id) ON fanin_children TO fanin_maintenance;  -- to size its transactions, not to read them
--- To skip the batches of sagas that may still roll back (their rollback reads those batches' children).
-GRANT SELECT (id, state) ON fanin_sagas TO fanin_maintenance;
+-- To skip the batches of sagas that may still roll back (their rollback reads those batches' children), and to
+-- delete sagas that finished for good (their steps and compensations go by ON DELETE CASCADE, as the owner).
+GRANT SELECT (id, state, finished_at), DELETE ON fanin_sagas TO fanin_maintenance;
 GRANT SELECT (saga_id, batch_id) ON fanin_saga_steps, fanin_saga_compensations TO fanin_maintenance;
 -- `fanin prune` locks the batches it deletes (FOR UPDATE SKIP LOCKED), which PostgreSQL allows only with an
 -- UPDATE privilege. This one adds nothing to what DELETE already allows.

@@ -313,7 +313,7 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
     assert (dry["batches"], dry["children"], dry["dry_run"]) == (2, 7, True)
     assert rows(old_ids) == (5, 7, 2, 2)
     shown = celery(e2e_env, "prune", "--older-than", "30d", "--dry-run")
-    assert "would delete 2 batches (7 children) finished more than 30d ago" in shown.stdout
+    assert "would delete 2 batches (7 children) and 0 sagas finished more than 30d ago" in shown.stdout
 
     report = _json(e2e_env, "prune", "--older-than", "30d", "--chunk", "1", "--max-children", "2")
     assert (report["batches"], report["leaves"], report["children"], report["complete"]) == (2, 3, 7, True)

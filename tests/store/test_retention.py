@@ -75,12 +75,17 @@ def test_only_finished_batches_with_finished_successors_are_pruned(app: Celery, 
     assert row_counts(engine)["fanin_outbox"] == 4  # successor_running, with_running_round, the round, `running`
 
 
-def _saga(engine: Engine, state: str, step_batch: uuid.UUID, compensation_batch: uuid.UUID | None = None) -> uuid.UUID:
-    """A saga in `state` whose step 1 ran as `step_batch` (and whose rollback ran as `compensation_batch`)."""
+def _saga(engine: Engine, state: str, step_batch: uuid.UUID, compensation_batch: uuid.UUID | None = None, *,
+          finished_days: float | None = None) -> uuid.UUID:  # fmt: skip
+    """A saga in `state` whose step 1 ran as `step_batch` (and whose rollback ran as `compensation_batch`), that
+    finished `finished_days` ago (None: not finished)."""
     saga_id = uuid.uuid4()
     with engine.begin() as conn:
-        conn.execute(text("INSERT INTO fanin_sagas (id, app_name, state, steps) VALUES (:id, 'tests', :s, 2)"),
-                     {"id": saga_id, "s": state})  # fmt: skip
+        conn.execute(
+            text("INSERT INTO fanin_sagas (id, app_name, state, steps, finished_at) VALUES (:id, 'tests', :s, 2, "
+                 "now() - make_interval(days => :d))"),
+            {"id": saga_id, "s": state, "d": finished_days},
+        )  # fmt: skip
         conn.execute(
             text("INSERT INTO fanin_saga_steps (saga_id, position, kind, name, definition, content_type, "
                  "content_encoding, state, batch_id) VALUES (:id, 1, 'task', 't', '\\x00', 'json', 'utf-8', "
@@ -116,10 +121,50 @@ def test_batches_a_saga_may_still_roll_back_are_kept_until_it_finishes(app: Cele
         conn.execute(text("UPDATE fanin_sagas SET state = 'succeeded' WHERE id = :id"), {"id": sagas["running"]})
     assert retention.prune(fanin, "30d").batches == 2
     assert not any(_exists(engine, b) for b in kept["running"])
-    with engine.connect() as conn:  # the sagas' own rows stay: retention prunes batches only
+    with engine.connect() as conn:  # the sagas' own rows stay: none of them finished before the cut-off
         ids = list(sagas.values())
         left = conn.execute(text("SELECT count(*) FROM fanin_sagas WHERE id = ANY(:ids)"), {"ids": ids})
         assert left.scalar_one() == 3
+
+
+_SAGA_TABLES = (("fanin_sagas", "id"), ("fanin_saga_steps", "saga_id"), ("fanin_saga_compensations", "saga_id"))
+
+
+def _saga_rows(engine: Engine, saga_id: uuid.UUID) -> tuple[int, ...]:
+    """(saga, steps, compensations) rows of one saga."""
+    with engine.connect() as conn:  # test-chosen table names only
+        return tuple(
+            conn.execute(text(f"SELECT count(*) FROM {table} WHERE {key} = :id"), {"id": saga_id}).scalar_one()
+            for table, key in _SAGA_TABLES
+        )
+
+
+def test_sagas_finished_for_good_are_pruned_after_the_batches(app: Celery, engine: Engine) -> None:
+    fanin = FanIn.of(app)
+    old = {state: _saga(engine, state, uuid.uuid4(), uuid.uuid4(), finished_days=40)
+           for state in ("succeeded", "compensated", "manual_action_required", "compensation_failed")}  # fmt: skip
+    unfinished = [_saga(engine, state, uuid.uuid4()) for state in ("running", "compensating")]
+    recent = _saga(engine, "succeeded", uuid.uuid4(), finished_days=10)
+    first, second = _finished(engine, 1), _finished(engine, 1)
+
+    dry = retention.prune(fanin, "30d", dry_run=True)
+    assert (dry.batches, dry.sagas) == (2, 2)
+    # A call stopped by its limit leaves the sagas for a call that got through the batches.
+    stopped = retention.prune(fanin, "30d", limit=1)
+    assert (stopped.batches, stopped.sagas, stopped.complete) == (1, 0, False)
+    assert all(_saga_rows(engine, saga_id)[0] == 1 for saga_id in old.values())
+
+    report = retention.prune(fanin, "30d", chunk=1)
+    assert (report.batches, report.sagas, report.complete) == (1, 2, True)
+    assert report.transactions == 3  # one batch, then one saga per transaction
+    assert not _exists(engine, first) and not _exists(engine, second)
+    for state in ("succeeded", "compensated"):
+        assert _saga_rows(engine, old[state]) == (0, 0, 0), state  # its steps and compensations went with it
+    for state in ("manual_action_required", "compensation_failed"):  # an operator still has to act
+        assert _saga_rows(engine, old[state]) == (1, 1, 1), state
+    for saga_id in (*unfinished, recent):
+        assert _saga_rows(engine, saga_id)[0] == 1
+    assert retention.prune(fanin, "5d").sagas == 1  # `recent`
 
 
 def test_chunks_and_limit(app: Celery, engine: Engine) -> None:
