@@ -409,7 +409,7 @@ def record_terminal(
 ) -> TerminalRecord:
     """Count one child's terminal outcome, at most once however often it is reported: one round trip.
 
-    Invariant (see `fanin_record_terminal` and `fanin_settle` in migrations/0003_scale.sql): a child row moves
+    Invariant (see `fanin_record_terminal` in migrations/0006 and `fanin_settle` in 0009): a child row moves
     from pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is
     recorded as late and changes no counter); only the report that made that move decrements its batch, never
     below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its

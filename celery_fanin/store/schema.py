@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Double,
@@ -63,6 +64,8 @@ batches = Table(
     Column("max_failures_ratio", Double),
     Column("round", Integer, nullable=False),
     Column("retry_of", Uuid),
+    # Written by every settle: whether that settle moved the batch out of `running` (migration 0009).
+    Column("last_settle_moved", Boolean, nullable=False),
 )
 
 children = Table(

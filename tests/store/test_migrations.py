@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import Counter
 
 from sqlalchemy import Engine, MetaData, inspect, text
@@ -149,4 +150,40 @@ def test_migrated_schema_matches_schema_py(database_url: str) -> None:
             assert [c.name for c in got.primary_key.columns] == [c.name for c in want.primary_key.columns], name
             assert _foreign_keys(got) == _foreign_keys(want), name
     finally:
+        engine.dispose()
+
+
+def test_0009_lets_every_role_that_settled_before_settle_after(fresh_db_url: str) -> None:
+    """fanin_settle runs with its caller's privileges and 0009 makes it write a new column: a role granted the
+    counters before the upgrade (grants.sql of an older release) may write that column after it."""
+    role = f"fanin_upgrade_{uuid.uuid4().hex[:8]}"
+    engine = make_engine(fresh_db_url)
+    try:
+        with engine.begin() as conn:  # a database migrated by a release that stopped at 0008, its grants run
+            conn.execute(
+                text(
+                    "CREATE TABLE fanin_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+            )
+            for m in migrate.available():
+                if m.version > 8:
+                    break
+                with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+                    cursor.execute(m.sql)  # no parameters: `%ROWTYPE` is not a placeholder
+                conn.execute(text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"),
+                             {"v": m.version, "n": m.name})  # fmt: skip
+            conn.exec_driver_sql(f'CREATE ROLE "{role}"')  # a generated identifier
+            conn.exec_driver_sql(f'GRANT UPDATE (remaining, succeeded, failed, state) ON fanin_batches TO "{role}"')
+        assert [m.version for m in migrate.migrate(engine)] == [v for v in EXPECTED_VERSIONS if v > 8]
+        with engine.connect() as conn:
+            allowed = conn.execute(
+                text("SELECT has_column_privilege(:r, 'fanin_batches', 'last_settle_moved', 'UPDATE')"), {"r": role}
+            ).scalar_one()
+        assert allowed
+    finally:
+        with engine.begin() as conn:
+            if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
+                conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+                conn.exec_driver_sql(f'DROP ROLE "{role}"')
         engine.dispose()

@@ -6,6 +6,7 @@ their own, released together by a barrier so the duplicate reports of one child 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import uuid
 from collections import Counter
@@ -25,6 +26,7 @@ from .helpers import (
     fetch_all,
     fetch_one,
     json_encoded,
+    new_batch,
     notifications_until_sentinel,
     process_reporter,
     race_threads,
@@ -317,3 +319,73 @@ def test_every_racing_duplicate_is_recorded_as_late(store_engine: Engine) -> Non
             text("SELECT sum(late_reports) FROM fanin_children WHERE batch_id = :id"), {"id": batch.id}
         ).scalar_one()
     assert late == len(reports) - planned, f"{len(reports) - planned} duplicate reports, {late} recorded as late"
+
+
+def _settle_state(engine: Engine, batch_id: uuid.UUID) -> dict[str, object]:
+    with engine.connect() as conn:
+        return fetch_one(
+            conn,
+            "SELECT b.state, b.remaining, b.succeeded, b.failed, b.completed_at,"
+            " (SELECT array_agg(kind) FROM fanin_successors s WHERE s.batch_id = b.id) AS successors,"
+            " (SELECT count(*) FROM fanin_outbox o WHERE o.batch_id = b.id) AS outbox"
+            " FROM fanin_batches b WHERE b.id = :id",
+            id=batch_id,
+        )
+
+
+@pytest.mark.parametrize("on_failure", [False, True])
+def test_failure_threshold_moves_the_batch_once_and_later_reports_only_count(
+    store_engine: Engine, on_failure: bool
+) -> None:
+    """The report that passes max_failures moves the batch out of `running` and creates its successor (the
+    on_failure one if there is one); the reports after it count, and create and move nothing."""
+    batch, children = new_batch(5)
+    batch = dataclasses.replace(batch, max_failures=1, on_failure=json_encoded("undo") if on_failure else None)
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children)
+    reports = [(children[0].task_id, "failed"), (children[1].task_id, "succeeded")]
+    with store_engine.connect() as conn:
+        report_all(conn, reports)
+    assert _settle_state(store_engine, batch.id)["state"] == "running"  # one failure is allowed
+
+    with store_engine.begin() as conn:
+        moved = batches.record_terminal(conn, children[2].task_id, "failed", exc_type="E", exc_message="x")
+    assert (moved.counted, moved.remaining, moved.successor_created) == (True, 2, True)
+    after_move = _settle_state(store_engine, batch.id)
+    kind = "on_failure" if on_failure else "then"
+    assert after_move["state"] == "failed_threshold" and after_move["completed_at"] is not None
+    assert (after_move["successors"], after_move["outbox"]) == ([kind], 1)
+
+    for task_id, state in ((children[3].task_id, "failed"), (children[4].task_id, "succeeded")):
+        with store_engine.begin() as conn:
+            rec = batches.record_terminal(conn, task_id, state, exc_type="E" if state == "failed" else None)
+        assert rec.counted and not rec.successor_created
+    final = _settle_state(store_engine, batch.id)
+    assert (final["state"], final["remaining"], final["succeeded"], final["failed"]) == ("failed_threshold", 0, 2, 3)
+    assert final["completed_at"] == after_move["completed_at"]  # the move's time, not a later report's
+    assert (final["successors"], final["outbox"]) == ([kind], 1)
+
+
+def test_a_tree_settles_its_root_once_per_leaf_and_the_last_leaf_creates_the_successor(
+    store_engine: Engine,
+) -> None:
+    batch, children = new_batch(6)
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children, leaves=3)
+    created = []
+    for i, child in enumerate(children):  # child i is on leaf i % 3: leaves finish at reports 3, 4 and 5 (0-based)
+        with store_engine.begin() as conn:
+            rec = batches.record_terminal(conn, child.task_id, "failed" if i == 1 else "succeeded", exc_type="E")
+        assert rec.counted
+        created.append(rec.successor_created)
+        root = _settle_state(store_engine, batch.id)
+        assert root["remaining"] == 3 - max(0, i - 2), (i, root)  # the root counts leaves, each once
+    assert created == [False] * 5 + [True]
+    root = _settle_state(store_engine, batch.id)
+    finished = (root["state"], root["succeeded"], root["failed"], root["successors"], root["outbox"])
+    assert finished == ("complete", 5, 1, ["then"], 1)
+    with store_engine.connect() as conn:
+        leaves = fetch_all(conn, "SELECT state, remaining, completed_at FROM fanin_batches WHERE parent_id = :id",
+                           id=batch.id)  # fmt: skip
+    assert [(leaf["state"], leaf["remaining"]) for leaf in leaves] == [("complete", 0)] * 3
+    assert all(leaf["completed_at"] is not None for leaf in leaves)
