@@ -23,6 +23,7 @@ that lock is how a resumer, and the relay, know whether a producer is alive.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -65,6 +66,9 @@ def digest_step(digest: bytes, child: batches.NewChild) -> bytes:
 
 
 EMPTY_DIGEST = hashlib.sha256(b"celery-fanin").digest()
+# RabbitMQ: chunks written but not yet confirmed while the next is built. The broker confirms persistent messages
+# after it syncs them to disk, in bursts; with a single chunk in flight the producer waited for most bursts.
+CHUNKS_IN_FLIGHT = 4
 
 
 def _connect(fanin: FanIn) -> Connection:
@@ -285,10 +289,10 @@ class _ChunkPublisher:
 
     It stops at the first chunk that does not reach the broker: `published_upto` then stays at that chunk's start
     and the relay publishes from there once this producer's lock is gone (a later chunk must never mark an earlier,
-    refused one as published). On RabbitMQ one chunk stays in flight: chunk k's confirms are waited for after
-    chunk k+1 is written (and, streaming, after its rows are committed), so the broker stores one chunk while
-    the next is built; a crash republishes at most those two chunks (duplicates are counted once). The producer is
-    held from the first chunk to `close`.
+    refused one as published). On RabbitMQ up to `CHUNKS_IN_FLIGHT` chunks stay in flight: chunk k's confirms are
+    waited for once chunk k + CHUNKS_IN_FLIGHT is written (and, streaming, its rows committed), so the broker
+    stores earlier chunks while the next are built; a crash republishes at most the chunks in flight (duplicates
+    are counted once). The producer is held from the first chunk to `close`.
     """
 
     def __init__(self, fanin: FanIn, conn: Connection, root_id: uuid.UUID) -> None:
@@ -298,7 +302,7 @@ class _ChunkPublisher:
         self.ok = True  # False from the first chunk that did not reach the broker
         self._stack = contextlib.ExitStack()
         self._producer: Any = None
-        self._in_flight: tuple[int, int, publish.Unconfirmed] | None = None  # (start, end, confirms)
+        self._in_flight: collections.deque[tuple[int, int, publish.Unconfirmed]] = collections.deque()
 
     def send(self, start: int, part: Sequence[tuple[batches.NewChild, Signature]]) -> None:
         """Publish children `start`.. (already committed), then record the chunk before them as published."""
@@ -313,32 +317,28 @@ class _ChunkPublisher:
                 ((start + i, child.task_id, sig) for i, (child, sig) in enumerate(part)), wait=False,
             )  # fmt: skip
         except Exception:
-            self._finish()  # the chunk before may still have reached the broker
+            self._finish()  # the chunks before may still have reached the broker
             if self.ok:
                 self._failed(start)
             return
-        self._finish()
-        if self.ok:
-            self._in_flight = (start, start + len(part), unconfirmed)
-            if not unconfirmed.pending:  # on the broker already (Redis): recorded now, not with the next chunk
-                self._finish()
+        self._in_flight.append((start, start + len(part), unconfirmed))
+        self._finish(keep=CHUNKS_IN_FLIGHT if unconfirmed.pending else 0)  # Redis: on the broker already
 
-    def _finish(self) -> None:
-        """Wait for the chunk in flight to be confirmed and record it as published."""
-        if self._in_flight is None:
-            return
-        start, end, unconfirmed = self._in_flight
-        self._in_flight = None
-        try:
-            unconfirmed.wait()
-            batches.mark_published(self.conn, self.root_id, end)
-            self.conn.commit()
-        except Exception:
-            self._failed(start)
+    def _finish(self, keep: int = 0) -> None:
+        """Wait for the oldest chunks in flight to be confirmed, oldest first, until `keep` are left, and record
+        each as published."""
+        while len(self._in_flight) > keep and self.ok:
+            start, end, unconfirmed = self._in_flight.popleft()
+            try:
+                unconfirmed.wait()
+                batches.mark_published(self.conn, self.root_id, end)
+                self.conn.commit()
+            except Exception:
+                self._failed(start)
 
     def _failed(self, start: int) -> None:
         self.ok = False
-        self._in_flight = None  # a later chunk's confirms are not waited for: the relay republishes from `start`
+        self._in_flight.clear()  # later chunks' confirms are not waited for: the relay republishes from `start`
         self.conn.rollback()
         logger.warning(
             "batch_id=%s is recorded but children %d.. were not published; the relay will publish them",
@@ -346,7 +346,7 @@ class _ChunkPublisher:
         )  # fmt: skip
 
     def close(self) -> bool:
-        """Finish the chunk in flight and release the producer; True if every chunk reached the broker."""
+        """Finish the chunks in flight and release the producer; True if every chunk reached the broker."""
         try:
             self._finish()
         finally:

@@ -57,9 +57,11 @@ HEADER_INDEX = "fanin_index"
 HEADER_SUCCESSOR = "fanin_successor"
 HEADER_STEP = "fanin_step"
 
-# Redis commands buffered per pipeline round trip, and AMQP messages written before waiting for their confirms.
+# Redis commands buffered per pipeline round trip. RabbitMQ: at MAX_UNCONFIRMED messages written and not yet
+# confirmed, one call waits until CONFIRM_WINDOW fewer are (room for the producer's chunks in flight).
 BATCH_SIZE = 1000
 CONFIRM_WINDOW = 1000
+MAX_UNCONFIRMED = 8000
 # Seconds to wait for RabbitMQ's confirms of one window before giving up (the caller then leaves the chunk to the
 # relay, which republishes it: a child published twice is counted once).
 CONFIRM_TIMEOUT = 30.0
@@ -447,8 +449,8 @@ def publish_children(
                 _send(builder, prod, target, sig.task, route, headers, body, properties)
                 if confirms is not None:
                     confirms.sent += 1
-                    if confirms.sent - confirms.floor >= 2 * CONFIRM_WINDOW:
-                        confirms.wait(upto=confirms.sent - CONFIRM_WINDOW)  # a window stays in flight
+                    if confirms.sent - confirms.floor >= MAX_UNCONFIRMED:
+                        confirms.wait(upto=confirms.sent - MAX_UNCONFIRMED + CONFIRM_WINDOW)
             if confirms is None:
                 return Unconfirmed()
             if wait:

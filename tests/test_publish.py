@@ -322,7 +322,7 @@ def test_unmodelled_options_go_through_celery(monkeypatch: pytest.MonkeyPatch) -
         queue.close()
 
 
-# --- RabbitMQ: one chunk in flight while the next is written, and a chunk the broker does not confirm ------------
+# --- RabbitMQ: chunks in flight while the next is written, and a chunk the broker does not confirm ------------
 
 
 def _queued_indexes(queue: str) -> list[int]:

@@ -4,8 +4,8 @@ Each report is one statement, a whole transaction by itself (`fanin_record_termi
 migrations/0006_batched_starts.sql, `fanin_settle` in 0009), so they run in autocommit: one round trip, no
 BEGIN/COMMIT, no liveness ping. They are sent on a plain psycopg connection rather than through SQLAlchemy because
 they sit on every child's path: SQLAlchemy's pool checkout, statement compilation and result wrapping cost about
-as much CPU as the round trip itself. psycopg prepares them server-side after a few uses (its `prepare_threshold`), so a report is a
-Bind/Execute of a prepared plan.
+as much CPU as the round trip itself. psycopg prepares them server-side after a few uses (its
+`prepare_threshold`), so a report is a Bind/Execute of a prepared plan.
 
 One connection per thread and process: created lazily, created again after a fork (a pool process never uses the
 connection it inherited), dropped after an error so that the next attempt reconnects.
