@@ -373,11 +373,8 @@ def child_rows(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
 # before the cut-off. Its steps and compensations go with it (ON DELETE CASCADE); its batches are batches like any
 # other (no foreign key), pruned by the rules above. A saga waiting for an operator (`manual_action_required`,
 # `compensation_failed`) is never deleted, whatever its age.
-_PRUNABLE_SAGAS = """
-      FROM fanin_sagas
-     WHERE state IN ('succeeded', 'compensated')
-       AND finished_at < now() - make_interval(secs => :age)
-"""
+_SAGA_PRUNABLE = "state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age)"
+_PRUNABLE_SAGAS = f" FROM fanin_sagas WHERE {_SAGA_PRUNABLE}"  # a constant: no input in the SQL
 
 
 def prunable_sagas(conn: Connection, age_seconds: float) -> int:
@@ -391,8 +388,8 @@ def delete_sagas(conn: Connection, age_seconds: float, limit: int) -> int:
     another prune deleted first is simply not counted."""
     result = conn.execute(
         text(
-            "DELETE FROM fanin_sagas WHERE id IN (SELECT id" + _PRUNABLE_SAGAS + " ORDER BY finished_at, id LIMIT :n)"
-            " AND state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age)"
+            f"DELETE FROM fanin_sagas WHERE id IN (SELECT id{_PRUNABLE_SAGAS} ORDER BY finished_at, id LIMIT :n)"
+            f" AND {_SAGA_PRUNABLE}"
         ),
         {"age": age_seconds, "n": limit},
     )

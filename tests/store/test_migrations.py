@@ -56,19 +56,28 @@ def test_fresh_database_gets_0001_then_nothing(fresh_db_url: str) -> None:
         engine.dispose()
 
 
+def _migrated_by_an_older_release(engine: Engine, upto: int) -> None:
+    """The database an older release left: versions 1..`upto` and their bookkeeping only."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE fanin_migrations (version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+        )
+        for m in migrate.available():
+            if m.version > upto:
+                break
+            with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+                cursor.execute(m.sql)  # no parameters: `%ROWTYPE` is not a placeholder
+            conn.execute(text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"),
+                         {"v": m.version, "n": m.name})  # fmt: skip
+
+
 def test_database_at_0001_is_upgraded_with_the_later_versions_only(fresh_db_url: str) -> None:
-    first = migrate.available()[0]
     engine = make_engine(fresh_db_url)
     try:
-        with engine.begin() as conn:  # a database an older release migrated: 0001 and its bookkeeping only
-            conn.execute(
-                text(
-                    "CREATE TABLE fanin_migrations (version integer PRIMARY KEY, name text NOT NULL,"
-                    " applied_at timestamptz NOT NULL DEFAULT now())"
-                )
-            )
-            conn.exec_driver_sql(first.sql)
-            conn.execute(text("INSERT INTO fanin_migrations (version, name) VALUES (1, 'initial')"))
+        _migrated_by_an_older_release(engine, 1)
         assert [(m.version, m.name) for m in migrate.migrate(engine)] == SHIPPED[1:]
         assert _versions(engine) == SHIPPED
     finally:
@@ -159,20 +168,8 @@ def test_0009_lets_every_role_that_settled_before_settle_after(fresh_db_url: str
     role = f"fanin_upgrade_{uuid.uuid4().hex[:8]}"
     engine = make_engine(fresh_db_url)
     try:
-        with engine.begin() as conn:  # a database migrated by a release that stopped at 0008, its grants run
-            conn.execute(
-                text(
-                    "CREATE TABLE fanin_migrations (version integer PRIMARY KEY, name text NOT NULL,"
-                    " applied_at timestamptz NOT NULL DEFAULT now())"
-                )
-            )
-            for m in migrate.available():
-                if m.version > 8:
-                    break
-                with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
-                    cursor.execute(m.sql)  # no parameters: `%ROWTYPE` is not a placeholder
-                conn.execute(text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"),
-                             {"v": m.version, "n": m.name})  # fmt: skip
+        _migrated_by_an_older_release(engine, 8)
+        with engine.begin() as conn:  # and its grants run
             conn.exec_driver_sql(f'CREATE ROLE "{role}"')  # a generated identifier
             conn.exec_driver_sql(f'GRANT UPDATE (remaining, succeeded, failed, state) ON fanin_batches TO "{role}"')
         assert [m.version for m in migrate.migrate(engine)] == [v for v in EXPECTED_VERSIONS if v > 8]
