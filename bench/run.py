@@ -310,24 +310,43 @@ class Bench:
         with psycopg.connect(url, autocommit=True) as db:
             db.execute("CREATE TABLE IF NOT EXISTS bench_hot (id int PRIMARY KEY, n bigint NOT NULL)")
             db.execute("INSERT INTO bench_hot VALUES (1, 1000000000) ON CONFLICT (id) DO NOTHING")
-        flat, slices = parked_batch()
-        bare, bare_slices = parked_batch()
-        # The same children as a tree: max_width n/16 gives 16 leaf counters, filled round robin.
-        tree, tree_slices = parked_batch(max_width=max(1, n // 16))
-        result: dict[str, Any] = {"reporters": reporters, "events": n, "batch_id": flat}
-        for label, kind, batch_id, work in (
-            ("fanin_events_per_s", "fanin", flat, slices),
-            # The same server-side function called bare from psycopg: what the database alone allows.
-            ("fanin_sql_events_per_s", "fanin_sql", bare, bare_slices),
-            ("fanin_tree_events_per_s", "fanin", tree, tree_slices),
-            ("raw_update_per_s", "raw", flat, [[""] * len(s) for s in slices]),
-            ("raw_update_engine_per_s", "raw_engine", flat, [[""] * len(s) for s in slices]),
+        labels = ("fanin_events_per_s", "fanin_sql_events_per_s", "fanin_tree_events_per_s", "raw_update_per_s",
+                  "raw_update_engine_per_s")  # fmt: skip
+        rounds: list[dict[str, float]] = []
+        for rnd in range(self.args.throughput_rounds):
+            # Fresh batches each round; the order of the five rotates, so that none is always measured right after
+            # the same neighbour (the server's background work and the page cache carry over between phases).
+            flat, slices = parked_batch()
+            bare, bare_slices = parked_batch()
+            # The same children as a tree: max_width n/16 gives 16 leaf counters, filled round robin.
+            tree, tree_slices = parked_batch(max_width=max(1, n // 16))
+            phases = [
+                ("fanin_events_per_s", "fanin", flat, slices),
+                # The same server-side function called bare from psycopg: what the database alone allows.
+                ("fanin_sql_events_per_s", "fanin_sql", bare, bare_slices),
+                ("fanin_tree_events_per_s", "fanin", tree, tree_slices),
+                ("raw_update_per_s", "raw", flat, [[""] * len(s) for s in slices]),
+                ("raw_update_engine_per_s", "raw_engine", flat, [[""] * len(s) for s in slices]),
+            ]
+            shift = rnd % len(phases)
+            figures: dict[str, float] = {}
+            for label, kind, batch_id, work in phases[shift:] + phases[:shift]:
+                figures[label] = _concurrent(url, batch_id, kind, work)
+                progress(f"throughput round {rnd + 1} {label}: {figures[label]:.0f}/s")
+            rounds.append(figures)
+        result: dict[str, Any] = {"reporters": reporters, "events": n, "rounds": rounds}
+        for label in labels:
+            result[label] = statistics.median(r[label] for r in rounds)
+        # Each ratio is taken within a round (both figures under the same background load), then the median.
+        for key, label in (
+            ("ratio", "fanin_events_per_s"),
+            ("tree_ratio", "fanin_tree_events_per_s"),
+            ("sql_ratio", "fanin_sql_events_per_s"),
+            ("engine_ratio", "raw_update_engine_per_s"),
         ):
-            result[label] = _concurrent(url, batch_id, kind, work)
-            progress(f"throughput {label}: {result[label]:.0f}/s")
-        result["ratio"] = result["fanin_events_per_s"] / result["raw_update_per_s"]
-        result["tree_ratio"] = result["fanin_tree_events_per_s"] / result["raw_update_per_s"]
-        result["sql_ratio"] = result["fanin_sql_events_per_s"] / result["raw_update_per_s"]
+            per_round = [r[label] / r["raw_update_per_s"] for r in rounds]
+            result[key] = statistics.median(per_round)
+            result[f"{key}_min"], result[f"{key}_max"] = min(per_round), max(per_round)
         return result
 
 
@@ -522,19 +541,27 @@ def table(report: dict[str, Any]) -> str:
                  f"{db['all_statements_per_child']:.2f} statements, "
                  f"{db['all_roundtrips_per_child']:.2f} round trips")  # fmt: skip
     t = report["throughput"]
-    lines.append(f"terminal events, one batch, {t['reporters']} reporters: {t['fanin_events_per_s']:.0f}/s; raw "
-                 f"single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio {t['ratio']:.2f}); same UPDATE through "
-                 f"SQLAlchemy engine.begin() {t['raw_update_engine_per_s']:.0f}/s")  # fmt: skip
+    lines.append(f"terminal events, one batch, {t['reporters']} reporters, medians of {len(t['rounds'])} rounds: "
+                 f"{t['fanin_events_per_s']:.0f}/s; raw single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio "
+                 f"{_ratio(t, 'ratio')}); same UPDATE through SQLAlchemy engine.begin() "
+                 f"{t['raw_update_engine_per_s']:.0f}/s")  # fmt: skip
     lines.append(f"the same function called bare from psycopg (no worker hook): {t['fanin_sql_events_per_s']:.0f}/s "
-                 f"(ratio {t['sql_ratio']:.2f})")  # fmt: skip
+                 f"(ratio {_ratio(t, 'sql_ratio')})")  # fmt: skip
     lines.append(f"the same {t['events']} events on a tree of 16 leaf counters: {t['fanin_tree_events_per_s']:.0f}/s "
-                 f"(ratio {t['tree_ratio']:.2f} of the raw single-row UPDATE)")  # fmt: skip
+                 f"(ratio {_ratio(t, 'tree_ratio')} of the raw single-row UPDATE)")  # fmt: skip
     for name, target in report["targets"].items():
         if isinstance(target, dict):
             value = target["value"]
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
             lines.append(f"target {name}: {shown} (want {target['target']}): {'MET' if target['met'] else 'MISSED'}")
     return "\n".join(lines)
+
+
+def _ratio(t: dict[str, Any], key: str) -> str:
+    """A throughput ratio: the median of the rounds' ratios, and their range when there was more than one round."""
+    if t[f"{key}_min"] == t[f"{key}_max"]:
+        return f"{t[key]:.2f}"
+    return f"{t[key]:.2f} ({t[f'{key}_min']:.2f}–{t[f'{key}_max']:.2f})"
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
@@ -575,17 +602,17 @@ def markdown(report: dict[str, Any], command: str) -> str:
             f"{db['start_statements_per_child'] or 0:.2f} | {db['start_roundtrips_per_child'] or 0:.2f} |",
             f"| all fan-in work per child | {db['all_statements_per_child']:.2f} | "
             f"{db['all_roundtrips_per_child']:.2f} |",
-            "", f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes | events/s |"
-            " ratio to raw |", "|---|---:|---:|",
+            "", f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes, "
+            f"{len(t['rounds'])} rounds | events/s, median | ratio to raw, median (min–max) |", "|---|---:|---:|",
             f"| one flat batch, the workers' own path (`hooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
-            f"{t['ratio']:.2f} |",
+            f"{_ratio(t, 'ratio')} |",
             f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
-            f"{t['sql_ratio']:.2f} |",
+            f"{_ratio(t, 'sql_ratio')} |",
             f"| a tree of 16 leaf counters (`max_width={max(1, t['events'] // 16)}`) | "
-            f"{t['fanin_tree_events_per_s']:.0f} | {t['tree_ratio']:.2f} |",
+            f"{t['fanin_tree_events_per_s']:.0f} | {_ratio(t, 'tree_ratio')} |",
             f"| raw single-row `UPDATE`, one round trip | {t['raw_update_per_s']:.0f} | 1.00 |",
             f"| the same `UPDATE` through SQLAlchemy `engine.begin()` + pre-ping | "
-            f"{t['raw_update_engine_per_s']:.0f} | {t['raw_update_engine_per_s'] / t['raw_update_per_s']:.2f} |",
+            f"{t['raw_update_engine_per_s']:.0f} | {_ratio(t, 'engine_ratio')} |",
             "", f"| target (at N = {report['targets']['at_n']:,}, this run) | result | |",
             "|---|---:|---|"]  # fmt: skip
     for name, target in report["targets"].items():
@@ -651,6 +678,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--count-children", type=int, default=200)
     p.add_argument("--throughput-children", type=int, default=8000)
     p.add_argument("--reporters", type=int, default=16)
+    p.add_argument("--throughput-rounds", type=int, default=3,
+                   help="rounds of the throughput phase, each on fresh batches (default 3)")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--smoke", action="store_true", help="tiny N, one repeat: checks the harness, measures nothing")
     p.add_argument(
@@ -662,7 +691,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.n, args.repeats, args.latency_batches, args.latency_size = [20], 1, 4, 3
-        args.count_children, args.throughput_children = 10, 16 * 5
+        args.count_children, args.throughput_children, args.throughput_rounds = 10, 16 * 5, 1
     return args
 
 

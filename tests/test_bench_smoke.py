@@ -18,7 +18,8 @@ CONTENDER_KEYS = ("dispatch_s", "e2e_s", "rss_peak_mb")
 LATENCY_KEYS = ("p50_ms", "p99_ms", "max_ms", "batches", "batch_size")
 DB_KEYS = ("terminal_statements_per_event", "terminal_roundtrips_per_event", "start_statements_per_child",
            "all_statements_per_child", "all_roundtrips_per_child", "pg_stat_statements", "method")  # fmt: skip
-THROUGHPUT_KEYS = ("fanin_events_per_s", "raw_update_per_s", "raw_update_engine_per_s", "ratio", "reporters")
+THROUGHPUT_KEYS = ("fanin_events_per_s", "raw_update_per_s", "raw_update_engine_per_s", "ratio", "ratio_min",
+                   "ratio_max", "rounds", "reporters")  # fmt: skip
 TARGET_KEYS = ("dispatch_speedup_vs_group", "e2e_ratio_vs_group", "e2e_ratio_vs_chord", "successor_p50_ms",
                "successor_p99_ms", "roundtrips_per_terminal_event", "throughput_ratio_vs_raw_update")  # fmt: skip
 
@@ -48,6 +49,8 @@ def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
     assert report["db"]["terminal_statements_per_event"] >= 1
     assert set(THROUGHPUT_KEYS) <= report["throughput"].keys()
     assert report["throughput"]["fanin_events_per_s"] > 0
+    assert len(report["throughput"]["rounds"]) == 1  # the smoke run's one round: its median is that round
+    assert report["throughput"]["ratio"] == report["throughput"]["ratio_min"] == report["throughput"]["ratio_max"]
     assert set(TARGET_KEYS) <= report["targets"].keys()
     assert "bench-" in (report["plot"] or "bench-")  # the plot needs matplotlib (the dev extra)
     text = doc.read_text()
