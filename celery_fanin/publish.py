@@ -387,8 +387,9 @@ class Unconfirmed:
     `wait` returns (the confirms arrive on its connection).
     """
 
-    def __init__(self, confirms: ConfirmChannel | None = None, upto: int = 0) -> None:
+    def __init__(self, confirms: ConfirmChannel | None = None, since: int = 1, upto: int = 0) -> None:
         self._confirms = confirms
+        self._since = since
         self._upto = upto
 
     @property
@@ -401,7 +402,7 @@ class Unconfirmed:
         if confirms is None:
             return
         try:
-            confirms.wait(upto=self._upto)
+            confirms.wait(upto=self._upto, since=self._since)
         except BaseException:
             confirms.discard()
             raise
@@ -434,6 +435,7 @@ def publish_children(
     quorum = _has_quorum_queues(app, driver)
     confirms = _confirm_channel(prod) if mode == "confirm" else None
     target = confirms.producer if confirms is not None else prod
+    first = confirms.sent + 1 if confirms is not None else 1  # this call's delivery tags: first..confirms.sent
     # Nested in the `producer` context's batch when there is one (flushed when it exits), else flushed here.
     batch = prod.batch(BATCH_SIZE) if mode == "pipeline" else contextlib.nullcontext()
     try:
@@ -450,14 +452,14 @@ def publish_children(
                 if confirms is not None:
                     confirms.sent += 1
                     if confirms.sent - confirms.floor >= MAX_UNCONFIRMED:
-                        confirms.wait(upto=confirms.sent - MAX_UNCONFIRMED + CONFIRM_WINDOW)
+                        confirms.wait(upto=confirms.sent - MAX_UNCONFIRMED + CONFIRM_WINDOW, since=first)
             if confirms is None:
                 return Unconfirmed()
             if wait:
-                confirms.wait()
+                confirms.wait(since=first)
                 return Unconfirmed()
             confirms.frames.flush()
-            return Unconfirmed(confirms, confirms.sent)
+            return Unconfirmed(confirms, first, confirms.sent)
     except BaseException:
         if confirms is not None:
             confirms.discard()
@@ -539,6 +541,10 @@ class ConfirmChannel:
     Delivery tags count from 1 on a channel put in confirm mode; the broker acks them (possibly several at once)
     as it takes responsibility for the messages. `wait` drains the connection until every message sent so far is
     acked, and raises if one was nacked, the channel was closed by the broker, or `CONFIRM_TIMEOUT` passed.
+
+    Several calls' messages can be in flight on the channel at once (the producer's chunks), and the confirms of a
+    later call's messages can arrive while an earlier call waits: a nack is therefore kept by delivery tag and
+    raised by the wait whose range holds it, so that a refused message fails its own chunk and no other.
     """
 
     def __init__(self, prod: Producer) -> None:
@@ -556,7 +562,7 @@ class ConfirmChannel:
         self.sent = 0
         self.floor = 0  # every tag <= floor is acked
         self._acked: set[int] = set()
-        self._nacked = 0
+        self._nacked: set[int] = set()  # tags refused and not yet raised by the wait whose range holds them
         self._discarded = False
 
     @property
@@ -577,12 +583,18 @@ class ConfirmChannel:
             self._acked = {t for t in self._acked if t > self.floor}
 
     def _on_nack(self, tag: int, multiple: bool) -> None:
-        self._nacked += 1
+        # `multiple`: every tag up to this one that was not confirmed yet (the rare case: nacks are broker errors).
+        first = self.floor + 1 if multiple else tag
+        self._nacked.update(t for t in range(first, tag + 1) if t not in self._acked)
         self._on_ack(tag, multiple)
 
-    def wait(self, upto: int | None = None, timeout: float = CONFIRM_TIMEOUT) -> None:
-        """Drain acks until every message up to `upto` (default: all sent) is confirmed."""
+    def wait(self, upto: int | None = None, since: int = 1, timeout: float = CONFIRM_TIMEOUT) -> None:
+        """Drain acks until every message up to `upto` (default: all sent) is confirmed; raise if one from `since`
+        to `upto` was refused."""
         target = self.sent if upto is None else upto
+        if self._discarded and self.floor < target:
+            # Closed after an earlier failure: these confirms will never come (the channel's count is lost).
+            raise OperationalError("the confirm channel was closed after an earlier failure; messages unconfirmed")
         self.frames.flush()
         deadline = time.monotonic() + timeout
         connection = self.channel.connection
@@ -594,9 +606,10 @@ class ConfirmChannel:
                 connection.drain_events(timeout=min(left, 1.0))
             except TimeoutError:
                 continue
-        if self._nacked:
-            nacked, self._nacked = self._nacked, 0
-            raise OperationalError(f"RabbitMQ refused {nacked} of the messages published (basic.nack)")
+        refused = {t for t in self._nacked if since <= t <= target}
+        if refused:
+            self._nacked -= refused
+            raise OperationalError(f"RabbitMQ refused {len(refused)} of the messages published (basic.nack)")
 
     def discard(self) -> None:
         """After a failure the channel's count is unknown: close it; the next call opens a fresh one."""
