@@ -9,7 +9,8 @@ pool processes' reports then rarely queue on one counter row's lock) and, on req
 database's `synchronous_commit` off while it drains: not something celery-fanin offers, since a terminal outcome
 must survive a crash of the database; it shows what waiting for the WAL flush costs the worker). This isolates
 the worker's cost per child from dispatch, which the main benchmark mixes in. Prints the rate of each kind per
-round and their medians.
+round and their medians, with the CPU time per child that the worker's main process, its pool processes
+(together), PostgreSQL and Redis spent over the middle 80% of each drain.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -29,7 +31,49 @@ KINDS = ("plain", "result", "fanin", "fanin-nostart", "fanin-tree")
 EXTRA_KINDS = ("fanin-nosync",)
 
 
-def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: Path) -> float:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pids(*pgrep_args: str) -> list[int]:
+    out = subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+class CpuMeter:
+    """CPU time, by process role, that the machine spends between two points of a drain.
+
+    The worker's main process, its pool processes, the PostgreSQL backends serving the drain's database and the
+    Redis server: per child, these say where a child's cost lands, which wall time alone cannot.
+    """
+
+    ROLES = ("main", "pool", "postgres", "redis")
+
+    def __init__(self, worker_pid: int, database: str) -> None:
+        self.roles = {
+            "main": [worker_pid],
+            "pool": _pids("-P", str(worker_pid)),
+            "postgres": _pids("-f", f"postgres: .* {database} "),
+            "redis": _pids("-x", "redis-server"),
+        }
+
+    def read(self) -> dict[str, float]:
+        totals = {}
+        for role, pids in self.roles.items():
+            total = 0.0
+            for pid in pids:
+                try:
+                    total += _cpu_seconds(pid)
+                except (FileNotFoundError, ProcessLookupError):  # a backend that closed meanwhile
+                    continue
+            totals[role] = total
+        return totals
+
+
+def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: Path) -> dict[str, float]:
+    """Drain n children of one kind: their rate, and the CPU per child (µs) of each role over the middle 80%."""
     from celery import group
 
     from bench.tasks import app, child, mark
@@ -53,14 +97,26 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
     key = f"bench:done:{run}"
     first = None
     deadline = time.monotonic() + 120 + n / 50
+    meter: CpuMeter | None = None
+    window: list[tuple[int, dict[str, float]]] = []  # (children done, CPU by role) at 10% and 90%
+    database = env["FANIN_DATABASE_URL"].rsplit("/", 1)[1]
     try:
         while True:
             done = int(marks.get(key) or 0)
             if done >= 1 and first is None:
                 first = time.monotonic()
+            if meter is None and done >= n // 10:  # the pool processes and connections all exist by now
+                meter = CpuMeter(worker.proc.pid, database)
+                window.append((done, meter.read()))
+            elif meter is not None and len(window) == 1 and done >= n - n // 10:
+                window.append((done, meter.read()))
             if done >= n:
                 assert first is not None
-                return n / (time.monotonic() - first)
+                figures = {"rate": n / (time.monotonic() - first)}
+                if len(window) == 2:
+                    (d0, c0), (d1, c1) = window
+                    figures.update({role: 1e6 * (c1[role] - c0[role]) / max(1, d1 - d0) for role in CpuMeter.ROLES})
+                return figures
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{kind}: {done} of {n} children done")
             time.sleep(0.005)
@@ -105,18 +161,23 @@ def main(argv: list[str] | None = None) -> int:
 
         FanIn(app).migrate()
         marks = redis.Redis.from_url(redis_url)
-        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
         try:
             for r in range(args.rounds):
                 for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                    rates[kind].append(drain(kind, args.n, env, marks, log_dir))
-                    print(f"round {r}: {kind:<14} {rates[kind][-1]:7.0f} children/s", flush=True)
+                    runs[kind].append(drain(kind, args.n, env, marks, log_dir))
+                    print(f"round {r}: {kind:<14} {runs[kind][-1]['rate']:7.0f} children/s", flush=True)
         finally:
             purge_queue(redis_url, queue)
             FanIn(app).dispose()
+    print(f"{'kind':<14} {'children/s, median (min-max)':<30} CPU per child (µs, median): "
+          + " ".join(f"{role:>8}" for role in CpuMeter.ROLES))  # fmt: skip
     for kind in kinds:
-        print(f"{kind:<14} median {statistics.median(rates[kind]):6.0f} children/s "
-              f"(min {min(rates[kind]):.0f}, max {max(rates[kind]):.0f})")  # fmt: skip
+        rates = [f["rate"] for f in runs[kind]]
+        cpu = [statistics.median(f[role] for f in runs[kind] if role in f) if any(role in f for f in runs[kind])
+               else float("nan") for role in CpuMeter.ROLES]  # fmt: skip
+        rate = f"{statistics.median(rates):.0f} ({min(rates):.0f}-{max(rates):.0f})"
+        print(f"{kind:<14} {rate:<30} {'':<27} " + " ".join(f"{c:8.0f}" for c in cpu))
     return 0
 
 
