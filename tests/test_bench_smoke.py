@@ -56,3 +56,22 @@ def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old figures" not in text
     assert "| 20 | fan_in_group |" in text and "| 20 | chord |" in text and "successor latency" in text
+
+
+@pytest.mark.timeout(240)
+def test_drain_smoke_prints_a_rate_and_cpu_per_child_for_each_kind(tmp_path: Path) -> None:
+    """`python -m bench.drain` (the worker's cost per child, BENCHMARKS.md) at a small N, so that it cannot rot.
+
+    400 children: enough that each role's CPU, read from /proc in 10 ms ticks, is above zero where it is spent."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.drain", "--n", "400", "--rounds", "1", "--kinds", "plain,fanin",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(("plain ", "fanin "))}
+    assert rows.keys() == {"plain", "fanin"}, out.stdout
+    for kind, row in rows.items():
+        rate, main, pool, postgres = float(row[1]), float(row[-4]), float(row[-3]), float(row[-2])
+        assert rate > 0 and main > 0 and pool > 0, (kind, row)
+        assert (postgres > 0) == (kind == "fanin"), (kind, row)  # only the fan-in's children report to PostgreSQL
