@@ -51,6 +51,7 @@ class StartRecorder:
         self._pending: deque[Start] = deque()
         self._cond = threading.Condition()
         self._writing = 0
+        self._idle = False  # the writer waits for a stretch's first start: only then must `add` wake it
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
 
@@ -60,12 +61,16 @@ class StartRecorder:
                 # First start in this process (or a forked copy, whose parent's thread does not exist here).
                 self._pending.clear()
                 self._writing = 0
+                self._idle = False
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._run, name="celery-fanin-starts", daemon=True)
                 self._thread.start()
             self._pending.append(start)
-            if len(self._pending) == 1 or len(self._pending) >= MAX_PER_WRITE:
-                self._cond.notify()  # the first start of a stretch, or a full one; else the writer is waiting anyway
+            if self._idle or len(self._pending) >= MAX_PER_WRITE:
+                # The first start of a stretch, or a full one. Otherwise the writer is already timing its stretch:
+                # waking it for every start (short children add and take back one each) cost a pool process a
+                # thread switch per child.
+                self._cond.notify()
 
     def take(self, task_id: str) -> Start | None:
         """Remove and return this child's start if it is still queued: its terminal report carries it instead."""
@@ -99,7 +104,9 @@ class StartRecorder:
         while True:
             with self._cond:
                 while not self._pending:
+                    self._idle = True
                     self._cond.wait()
+                self._idle = False
                 due = time.monotonic() + self._interval
                 while len(self._pending) < MAX_PER_WRITE and not self._flushing:
                     left = due - time.monotonic()
@@ -108,6 +115,9 @@ class StartRecorder:
                     self._cond.wait(left)
                 batch = [self._pending.popleft() for _ in range(min(len(self._pending), MAX_PER_WRITE))]
                 self._writing = len(batch)
+                if not batch:  # every start of the stretch was taken back by its terminal report: nothing to write
+                    self._cond.notify_all()  # a `flush` may be waiting for the queue to empty
+                    continue
             try:
                 self._write(batch)
             finally:

@@ -4,7 +4,9 @@ child's path (many starts per statement), flushes on demand, and survives a brok
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -75,6 +77,54 @@ def test_recorder_writes_many_starts_per_statement(app: Celery, engine: Engine) 
     assert recorder.flush(timeout=10)
     assert sum(writes) == 50 and len(writes) <= 2, writes  # one stretch, one statement (two if split mid-burst)
     assert {r["state"] for r in _children(engine, batch.id)} == {"started"}
+
+
+class _CountingCondition(threading.Condition):
+    def __init__(self) -> None:
+        super().__init__()
+        self.notifies = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notifies += 1
+        super().notify(n)
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_short_children_wake_the_writer_once_per_stretch_and_write_nothing(app: Celery, engine: Engine) -> None:
+    """Children that end before their start is written each add a start and take it back: the writer, already
+    timing its stretch, is not woken for each of them, and a stretch left empty costs no statement."""
+    batch, children, _ = create(engine, 60)
+    fanin = FanIn.of(app)
+    writes: list[int] = []
+    recorder = StartRecorder(fanin, interval=0.3)
+    cond = recorder._cond = _CountingCondition()
+    original = recorder._write
+    recorder._write = lambda batch_: (writes.append(len(batch_)), original(batch_))[1]  # type: ignore[method-assign]
+    now = datetime.now(timezone.utc)
+
+    def short_child(task_id: str) -> None:
+        recorder.add(batches.Start(task_id, 0, "w@host", now))
+        assert recorder.take(task_id) is not None
+
+    short_child(children[0].task_id)  # starts the writer thread
+    _wait_until(lambda: recorder._idle)  # its stretch found nothing to write: it waits for the next start
+    recorder.add(batches.Start(children[1].task_id, 0, "w@host", now))  # the first start of a stretch wakes it...
+    assert cond.notifies == 1
+    _wait_until(lambda: not recorder._idle)
+    assert recorder.take(children[1].task_id) is not None
+    for c in children[2:]:  # ...and the rest of the stretch does not
+        short_child(c.task_id)
+    assert cond.notifies == 1
+    _wait_until(lambda: recorder._idle)  # the stretch ended, every start taken back
+    assert writes == []
+    assert recorder.flush(timeout=10)
+    assert {r["state"] for r in _children(engine, batch.id)} == {"pending"}
 
 
 def test_recorder_waits_for_its_interval_unless_flushed(app: Celery, engine: Engine) -> None:
