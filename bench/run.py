@@ -310,8 +310,6 @@ class Bench:
         with psycopg.connect(url, autocommit=True) as db:
             db.execute("CREATE TABLE IF NOT EXISTS bench_hot (id int PRIMARY KEY, n bigint NOT NULL)")
             db.execute("INSERT INTO bench_hot VALUES (1, 1000000000) ON CONFLICT (id) DO NOTHING")
-        labels = ("fanin_events_per_s", "fanin_sql_events_per_s", "fanin_tree_events_per_s", "raw_update_per_s",
-                  "raw_update_engine_per_s")  # fmt: skip
         rounds: list[dict[str, float]] = []
         for rnd in range(self.args.throughput_rounds):
             # Fresh batches each round; the order of the five rotates, so that none is always measured right after
@@ -335,7 +333,7 @@ class Bench:
                 progress(f"throughput round {rnd + 1} {label}: {figures[label]:.0f}/s")
             rounds.append(figures)
         result: dict[str, Any] = {"reporters": reporters, "events": n, "rounds": rounds}
-        for label in labels:
+        for label in rounds[0]:
             result[label] = statistics.median(r[label] for r in rounds)
         # Each ratio is taken within a round (both figures under the same background load), then the median.
         for key, label in (

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -18,7 +17,7 @@ from celery_fanin.starts import StartRecorder
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection
 
-from .helpers import create, fetch_all, json_encoded
+from .helpers import create, fetch_all, json_encoded, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,13 +88,6 @@ class _CountingCondition(threading.Condition):
         super().notify(n)
 
 
-def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
 def test_short_children_wake_the_writer_once_per_stretch_and_write_nothing(app: Celery, engine: Engine) -> None:
     """Children that end before their start is written each add a start and take it back: the writer, already
     timing its stretch, is not woken for each of them, and a stretch left empty costs no statement."""
@@ -113,15 +105,15 @@ def test_short_children_wake_the_writer_once_per_stretch_and_write_nothing(app: 
         assert recorder.take(task_id) is not None
 
     short_child(children[0].task_id)  # starts the writer thread
-    _wait_until(lambda: recorder._idle)  # its stretch found nothing to write: it waits for the next start
+    wait_for(lambda: recorder._idle, 10, "the writer to wait for a start", interval=0.005)  # nothing to write
     recorder.add(batches.Start(children[1].task_id, 0, "w@host", now))  # the first start of a stretch wakes it...
     assert cond.notifies == 1
-    _wait_until(lambda: not recorder._idle)
+    wait_for(lambda: not recorder._idle, 10, "the writer to time its stretch", interval=0.005)
     assert recorder.take(children[1].task_id) is not None
     for c in children[2:]:  # ...and the rest of the stretch does not
         short_child(c.task_id)
     assert cond.notifies == 1
-    _wait_until(lambda: recorder._idle)  # the stretch ended, every start taken back
+    wait_for(lambda: recorder._idle, 10, "the stretch to end", interval=0.005)  # every start taken back
     assert writes == []
     assert recorder.flush(timeout=10)
     assert {r["state"] for r in _children(engine, batch.id)} == {"pending"}
