@@ -69,12 +69,9 @@ class _RequestView:
 
     def __init__(self, request: Any) -> None:
         self._request = request
-        self._headers = getattr(request, "headers", None) or {}
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key in self._headers:
-            return self._headers[key]
-        return getattr(self._request, key, default)
+        return publish.request_header(self._request, key, default)
 
     def __getattr__(self, key: str) -> Any:
         return self.get(key)

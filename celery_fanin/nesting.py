@@ -107,32 +107,23 @@ def as_signature(app: Celery, group: FanInGroup, what: str) -> Signature:
     return app.signature(TASK_NAME, args=(to_spec(group, what),))
 
 
-def _header(request: Any, name: str) -> Any:
-    """A fan-in header of the running task: an attribute of a worker's request; under `task_always_eager`,
-    where Celery leaves custom headers in ``request.headers``, an entry there."""
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    return value
-
-
 def register(app: Celery) -> None:
     """Define `celery_fanin.run_group` on the app; `FanIn(app)` calls this once. Lazy, like any `@app.task`:
     it does not finalize the app."""
 
     @app.task(name=TASK_NAME, bind=True, shared=False)
     def run_group(self: Any, *args: Any) -> dict[str, Any]:
-        from .publish import HEADER_BATCH, HEADER_SUCCESSOR
+        from .publish import HEADER_BATCH, HEADER_SUCCESSOR, request_header
 
         spec = args[-1]
         group = from_spec(self.app, spec)
-        if _header(self.request, HEADER_SUCCESSOR):
+        if request_header(self.request, HEADER_SUCCESSOR):
             # A pipeline stage: the batch that just finished (its outcome is args[0]) starts the next one.
             outcome = args[0]
             group.key = f"then:{outcome['batch_id']}:{outcome['step']}"
             handle = group.apply_async()
             return {"batch_id": handle.batch_id}
-        if _header(self.request, HEADER_BATCH):
+        if request_header(self.request, HEADER_BATCH):
             # A child: the inner batch's successor will report this child; until then it is not finished.
             group.key = f"nested:{self.request.id}"
             group.parent_task_id = self.request.id

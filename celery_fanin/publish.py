@@ -76,6 +76,15 @@ _ROUTE_OPTIONS = frozenset(
 _FAST_OPTIONS = _PER_MESSAGE_OPTIONS | _ROUTE_OPTIONS
 
 
+def request_header(request: Any, name: str, default: Any = None) -> Any:
+    """A header of the running task's message. A worker lifts custom headers onto the request as attributes;
+    under `task_always_eager` Celery leaves them in ``request.headers``. The attribute wins when both are set."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return default if value is None else value
+
+
 def encode_signature(app: Celery, sig: Signature) -> Encoded:
     """Encode a signature with the serializer its messages will use, so a value it cannot carry fails now."""
     serializer = sig.options.get("serializer") or app.conf.task_serializer

@@ -116,7 +116,11 @@ def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fa
     assert again.status().successor_runs == 1
 
 
-def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks):
+def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks, fanin_database):
+    import uuid
+
+    import psycopg
+
     double, fails, total = eager_tasks
     # A child that is a fan-in counts when its inner successor finishes, with that successor's value.
     inner = fan_in_group([double.s(1), fails.s(2), double.s(3)], then=total.s())
@@ -124,6 +128,12 @@ def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks):
     status = handle.status()
     assert (status.state, status.succeeded, status.failed, status.successor_state) == ("complete", 2, 0, "succeeded")
     assert handle.successor().result == [2, 0, [[2, 1, [2, 6]], 8]]
+    # The inner batch was created inside a child of the outer one: one level down, as on a worker (the depth
+    # bound counts it), though eager requests keep the fan-in headers in request.headers.
+    url = fanin_database.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT depth, lineage FROM fanin_batches WHERE parent_task_id IS NOT NULL").fetchall()
+    assert rows == [(1, uuid.UUID(handle.batch_id))]
     # A pipeline: the next stage starts from the first one's successor, keyed by it; final() follows it.
     first = fan_in_group([double.s(1)], then=fan_in_group([double.s(5), double.s(6)], then=total.s()))
     assert first.apply_async().final(timeout=10) == [2, 0, [10, 12]]
