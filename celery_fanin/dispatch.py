@@ -15,7 +15,7 @@ from sqlalchemy import Connection
 from . import publish
 from .extension import FanIn
 from .outcome import build_outcome
-from .store import batches, outbox, queries, recovery
+from .store import batches, outbox, recovery
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -78,10 +78,9 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
 
 def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow, limit: int) -> bool:
     """Publish one outbox row's successor; True if its batch finished early on its failure threshold."""
-    batch = queries.batch(conn, row.batch_id)
+    batch, succ = row.batch, row.successor  # read by the claim
     if batch is None:  # cascade-deleted rows cannot be claimed; this guards a hand-edited database
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
-    succ = queries.successor(conn, row.batch_id, row.step)
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
     sig = publish.decode_signature(fanin.app, batch.message_for(kind))

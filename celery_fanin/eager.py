@@ -207,8 +207,7 @@ def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
         ids = outbox.pending_ids(conn, batch_id)
         rows = outbox.claim(conn, len(ids), ids) if ids else []
         for row in rows:
-            batch = queries.batch(conn, row.batch_id)
-            succ = queries.successor(conn, row.batch_id, row.step)
+            batch, succ = row.batch, row.successor
             if batch is None or succ is None:
                 continue
             sig = publish.decode_signature(app, batch.message_for(succ.kind))

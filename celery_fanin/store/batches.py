@@ -501,31 +501,42 @@ def claim_successor_run(conn: Connection, batch_id: uuid.UUID, step: str, retrie
     run. One that can take it runs if the successor was never started, is due for this Celery retry, or was left
     `running` by a process that died (its lock died with it). Anything else (finished, or an older retry's copy)
     is refused. Returns True with the lock held, or False with it released.
+
+    The lock and the move to `running` are one statement in autocommit: one round trip before the body starts
+    (the lock is the session's, so it outlives the statement's transaction). `conn` is back in its transactional
+    mode on return, for `record_successor_state`.
     """
-    locked = conn.execute(text("SELECT pg_try_advisory_lock(:cls, hashtext(:key))"), _run_lock_key(batch_id, step))
-    if locked.scalar_one():
-        row = conn.execute(
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    try:
+        got, runs = conn.execute(
             text(
                 """
-                UPDATE fanin_successors
-                   SET state = 'running', runs = runs + 1, started_at = coalesce(started_at, now()), state_at = now()
-                 WHERE batch_id = :id AND step = :step
-                   AND (state IN ('pending', 'sent', 'running') OR (state = 'retrying' AND runs <= :retries))
-             RETURNING runs
+                WITH lock AS MATERIALIZED (SELECT pg_try_advisory_lock(:cls, hashtext(:key)) AS got),
+                run AS (
+                    UPDATE fanin_successors
+                       SET state = 'running', runs = runs + 1, started_at = coalesce(started_at, now()),
+                           state_at = now()
+                     WHERE batch_id = :id AND step = :step AND (SELECT got FROM lock)
+                       AND (state IN ('pending', 'sent', 'running') OR (state = 'retrying' AND runs <= :retries))
+                 RETURNING runs
+                )
+                SELECT (SELECT got FROM lock), (SELECT runs FROM run)
                 """
             ),
-            {"id": batch_id, "step": step, "retries": retries},
-        ).first()
-        conn.commit()
-        if row is not None:
+            {**_run_lock_key(batch_id, step), "id": batch_id, "step": step, "retries": retries},
+        ).one()
+        if runs is not None:
             return True
-        release_successor_run(conn, batch_id, step)
-    conn.execute(
-        text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
-        {"id": batch_id, "step": step},
-    )
-    conn.commit()
-    return False
+        if got:  # not this delivery's to run: let the lock go before counting it
+            conn.execute(text("SELECT pg_advisory_unlock(:cls, hashtext(:key))"), _run_lock_key(batch_id, step))
+        conn.execute(
+            text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
+            {"id": batch_id, "step": step},
+        )
+        return False
+    finally:
+        conn.commit()  # ends SQLAlchemy's own transaction; each statement above committed by itself
+        conn.execution_options(isolation_level=conn.default_isolation_level)
 
 
 def release_successor_run(conn: Connection, batch_id: uuid.UUID, step: str) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, text
+
+from .queries import BATCH_COLUMNS, SUCCESSOR_COLUMNS, BatchRow, SuccessorRow, batch_row, successor_row
 
 
 @dataclass(frozen=True)
@@ -21,41 +23,58 @@ class OutboxRow:
     batch_id: uuid.UUID
     step: str
     attempts: int
+    # The batch's and the successor's rows, read by the claim itself (None only if a hand-edited database lost them).
+    batch: BatchRow | None = field(default=None, compare=False, repr=False)
+    successor: SuccessorRow | None = field(default=None, compare=False, repr=False)
 
 
 def claim(conn: Connection, limit: int, ids: Sequence[int] | None = None) -> list[OutboxRow]:
-    """Lock up to `limit` due, unsent rows that no other transaction holds (only `ids`, when given)."""
+    """Lock up to `limit` due, unsent rows that no other transaction holds (only `ids`, when given).
+
+    Each row comes with its batch's and its successor's rows, read by the same statement: the relay needs both to
+    publish, and on the successor's path every round trip counts. Only the outbox rows are locked (`FOR UPDATE OF
+    o`); the batch and successor rows are read as of the statement's snapshot, which holds everything the outbox
+    row's own transaction wrote with it.
+    """
     rows = conn.execute(
         text(
-            """
-            SELECT id, batch_id, step, attempts FROM fanin_outbox
-             WHERE sent_at IS NULL AND available_at <= now()
-               AND (CAST(:ids AS bigint[]) IS NULL OR id = ANY(CAST(:ids AS bigint[])))
-             ORDER BY available_at, id
+            f"""
+            SELECT o.id AS outbox_id, o.batch_id AS outbox_batch_id, o.step AS outbox_step,
+                   o.attempts AS outbox_attempts, {BATCH_COLUMNS}, {SUCCESSOR_COLUMNS}
+              FROM fanin_outbox o
+              LEFT JOIN fanin_batches b ON b.id = o.batch_id
+              LEFT JOIN fanin_successors s ON s.batch_id = o.batch_id AND s.step = o.step
+             WHERE o.sent_at IS NULL AND o.available_at <= now()
+               AND (CAST(:ids AS bigint[]) IS NULL OR o.id = ANY(CAST(:ids AS bigint[])))
+             ORDER BY o.available_at, o.id
              LIMIT :n
-               FOR UPDATE SKIP LOCKED
+               FOR UPDATE OF o SKIP LOCKED
             """
         ),
         {"n": limit, "ids": list(ids) if ids is not None else None},
     )
-    return [OutboxRow(r.id, r.batch_id, r.step, r.attempts) for r in rows]
+    return [
+        OutboxRow(r.outbox_id, r.outbox_batch_id, r.outbox_step, r.outbox_attempts, batch_row(r), successor_row(r))
+        for r in rows
+    ]
 
 
 def mark_sent(conn: Connection, rows: Sequence[OutboxRow]) -> None:
+    """Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state)."""
     if not rows:
         return
-    conn.execute(
-        text("UPDATE fanin_outbox SET sent_at = now(), attempts = attempts + 1 WHERE id = ANY(CAST(:ids AS bigint[]))"),
-        {"ids": [r.id for r in rows]},
-    )
-    # A successor that already started (the worker was faster than this commit) keeps its later state.
+    # The worker's start guard waits on the successor's row until this commits: one round trip, not two.
     conn.execute(
         text(
             """
+            WITH sent AS (
+                UPDATE fanin_outbox SET sent_at = now(), attempts = attempts + 1
+                 WHERE id = ANY(CAST(:ids AS bigint[]))
+             RETURNING batch_id, step
+            )
             UPDATE fanin_successors s SET state = 'sent', state_at = now()
-              FROM fanin_outbox o
-             WHERE o.id = ANY(CAST(:ids AS bigint[])) AND s.batch_id = o.batch_id AND s.step = o.step
-               AND s.state = 'pending'
+              FROM sent
+             WHERE s.batch_id = sent.batch_id AND s.step = sent.step AND s.state = 'pending'
             """
         ),
         {"ids": [r.id for r in rows]},

@@ -63,22 +63,26 @@ def _encoded(body: bytes | None, content_type: str | None, content_encoding: str
     return Encoded(content_type or "", content_encoding or "", bytes(body))
 
 
-def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
-    r = conn.execute(
-        text(
-            """
-            SELECT id, step, state, planned, remaining, succeeded, failed, published_upto, successor_task_id,
-                   successor_name, successor_message, successor_content_type, successor_content_encoding,
-                   created_at, completed_at, deadline_at, on_expire_message, on_expire_content_type,
-                   on_expire_content_encoding, on_failure_message, on_failure_content_type,
-                   on_failure_content_encoding, extract(epoch FROM child_timeout) AS child_timeout_seconds,
-                   round, retry_of
-              FROM fanin_batches WHERE id = :id
-            """
-        ),
-        {"id": batch_id},
-    ).first()
-    if r is None:
+# A batch's row and its successor's, as `BatchRow` and `SuccessorRow` are built from them: shared by the reads
+# below and by the relay's claim (store/outbox.py), which reads both in the statement that locks the outbox row.
+BATCH_COLUMNS = """
+    b.id, b.step, b.state, b.planned, b.remaining, b.succeeded, b.failed, b.published_upto, b.successor_task_id,
+    b.successor_name, b.successor_message, b.successor_content_type, b.successor_content_encoding,
+    b.created_at, b.completed_at, b.deadline_at, b.on_expire_message, b.on_expire_content_type,
+    b.on_expire_content_encoding, b.on_failure_message, b.on_failure_content_type,
+    b.on_failure_content_encoding, extract(epoch FROM b.child_timeout) AS child_timeout_seconds,
+    b.round, b.retry_of
+"""
+SUCCESSOR_COLUMNS = """
+    s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
+    s.exc_type AS s_exc_type, s.exc_message AS s_exc_message, s.started_at AS s_started_at,
+    s.finished_at AS s_finished_at, s.kind AS s_kind
+"""
+
+
+def batch_row(r: Any) -> BatchRow | None:
+    """The `BatchRow` of a result row holding `BATCH_COLUMNS` (None where an outer join found no batch)."""
+    if r is None or r.id is None:
         return None
     return BatchRow(
         r.id, r.step, r.state, r.planned, r.remaining, r.succeeded, r.failed, r.published_upto,
@@ -91,20 +95,25 @@ def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
     )  # fmt: skip
 
 
+def successor_row(r: Any) -> SuccessorRow | None:
+    """The `SuccessorRow` of a result row holding `SUCCESSOR_COLUMNS` (None where an outer join found none)."""
+    if r is None or r.s_task_id is None:
+        return None
+    return SuccessorRow(r.s_task_id, r.s_state, r.s_runs, r.s_duplicates, r.s_exc_type, r.s_exc_message,
+                        r.s_started_at, r.s_finished_at, r.s_kind)  # fmt: skip
+
+
+def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
+    r = conn.execute(text(f"SELECT {BATCH_COLUMNS} FROM fanin_batches b WHERE b.id = :id"), {"id": batch_id})
+    return batch_row(r.first())
+
+
 def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow | None:
     r = conn.execute(
-        text(
-            """
-            SELECT task_id, state, runs, duplicates, exc_type, exc_message, started_at, finished_at, kind
-              FROM fanin_successors WHERE batch_id = :id AND step = :step
-            """
-        ),
+        text(f"SELECT {SUCCESSOR_COLUMNS} FROM fanin_successors s WHERE s.batch_id = :id AND s.step = :step"),
         {"id": batch_id, "step": step},
-    ).first()
-    if r is None:
-        return None
-    return SuccessorRow(r.task_id, r.state, r.runs, r.duplicates, r.exc_type, r.exc_message, r.started_at,
-                        r.finished_at, r.kind)  # fmt: skip
+    )
+    return successor_row(r.first())
 
 
 def unfinished_leaves(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int, int]:

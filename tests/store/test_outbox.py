@@ -19,7 +19,7 @@ from celery import Celery
 from sqlalchemy import Connection, Engine, text
 
 from celery_fanin import FanIn, dispatch, publish
-from celery_fanin.store import batches, outbox
+from celery_fanin.store import batches, outbox, queries
 
 from .helpers import QUEUE, Tasks, create, fetch_all, fetch_one, queued_messages
 
@@ -117,6 +117,32 @@ def test_concurrent_claimers_never_get_the_same_row(
     first, second = claimed
     assert set(first).isdisjoint(second), f"both claimed {sorted(set(first) & set(second))}"
     assert sorted(first + second) == ids  # and between them they took every due row
+
+
+def test_claim_reads_each_rows_batch_and_successor_as_the_separate_reads_do(
+    store_engine: Engine, make_outbox_rows: MakeRows
+) -> None:
+    ids = make_outbox_rows(3)
+    with store_engine.begin() as conn:
+        rows = outbox.claim(conn, 10)
+        assert [r.id for r in rows] == ids
+        for row in rows:
+            assert row.batch is not None and row.batch.id == row.batch_id and row.batch.state == "complete"
+            assert row.batch == queries.batch(conn, row.batch_id)
+            assert row.successor is not None and row.successor.state == "pending"
+            assert row.successor == queries.successor(conn, row.batch_id, row.step)
+
+
+def test_claim_locks_the_outbox_rows_and_not_their_batches_or_successors(
+    store_engine: Engine, make_outbox_rows: MakeRows
+) -> None:
+    """A worker may hold the successor's row (its start guard) or a batch's row while the relay claims."""
+    [outbox_id] = make_outbox_rows(1)
+    with store_engine.connect() as other, other.begin():
+        other.execute(text("SELECT 1 FROM fanin_batches b JOIN fanin_successors s ON s.batch_id = b.id FOR UPDATE"))
+        with store_engine.begin() as conn:
+            conn.execute(text("SET LOCAL lock_timeout = '2s'"))
+            assert [r.id for r in outbox.claim(conn, 10)] == [outbox_id]
 
 
 # --- mark_sent / mark_failed -----------------------------------------------------------------------------------------
