@@ -535,7 +535,9 @@ def claim_successor_run(conn: Connection, batch_id: uuid.UUID, step: str, retrie
         )
         return False
     finally:
-        conn.commit()  # ends SQLAlchemy's own transaction; each statement above committed by itself
+        # Each statement above committed by itself: this only ends SQLAlchemy's own transaction (no round trip),
+        # and after an error it lets the error through rather than a pending-rollback one.
+        conn.rollback()
         conn.execution_options(isolation_level=conn.default_isolation_level)
 
 

@@ -11,7 +11,9 @@ import uuid
 from typing import Any
 
 import psycopg.pq
+import pytest
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import OperationalError
 
 from celery_fanin.store import batches
 
@@ -117,3 +119,18 @@ def test_a_missing_successor_is_refused_and_leaves_no_lock(store_engine: Engine)
         assert batches.claim_successor_run(conn, uuid.uuid4(), "merge", 0) is False
         assert _run_locks(conn) == 0
         conn.rollback()
+
+
+def test_a_guard_that_cannot_get_the_row_raises_the_stores_error(store_engine: Engine) -> None:
+    """The hooks retry on the store's errors (on a fresh connection: the failed one may hold the run lock)."""
+    batch, _, _ = create(store_engine, 0)
+    with store_engine.connect() as holder, holder.begin():
+        holder.execute(text("SELECT 1 FROM fanin_successors WHERE batch_id = :id FOR UPDATE"), {"id": batch.id})
+        with store_engine.connect() as conn:
+            conn.execute(text("SET lock_timeout = '200ms'"))
+            conn.commit()
+            with pytest.raises(OperationalError, match="lock timeout"):
+                batches.claim_successor_run(conn, batch.id, batch.step, 0)
+            assert not conn.in_transaction() and not _in_transaction(conn)
+            conn.invalidate()
+    assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 0}
