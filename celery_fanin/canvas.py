@@ -476,9 +476,8 @@ def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:
     request = getattr(current_task, "request", None) if current_task else None
     if request is None or getattr(request, "called_directly", True):
         return 0, None
-    parent = publish.request_header(request, publish.HEADER_BATCH) or publish.request_header(
-        request, publish.HEADER_SUCCESSOR
-    )
+    header = publish.request_header
+    parent = header(request, publish.HEADER_BATCH) or header(request, publish.HEADER_SUCCESSOR)
     if not parent:
         return 0, None
     parent_id = _parse_batch_id(str(parent))

@@ -528,7 +528,7 @@ def claim_successor_run(conn: Connection, batch_id: uuid.UUID, step: str, retrie
         if runs is not None:
             return True
         if got:  # not this delivery's to run: let the lock go before counting it
-            conn.execute(text("SELECT pg_advisory_unlock(:cls, hashtext(:key))"), _run_lock_key(batch_id, step))
+            release_successor_run(conn, batch_id, step)
         conn.execute(
             text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
             {"id": batch_id, "step": step},
