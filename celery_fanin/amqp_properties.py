@@ -161,7 +161,10 @@ class PropertiesEncoder:
                     continue
                 if (kind == "s" and type(value) not in (str, bytes)) or (kind == "o" and type(value) is not int):
                     return bytes(msg._serialize_properties())  # py-amqp's encoding, or its error
-                encoded = dumps(kind, [value])
+                # A shortstr as py-amqp writes it, without its general writer (correlation_id changes per message).
+                data = value.encode("utf-8", "surrogatepass") if type(value) is str else b""
+                short = type(value) is str and len(data) <= 255
+                encoded = _OCTET(len(data)) + data if short else dumps(kind, [value])
                 self._last[name] = (value, encoded)
                 values.append(encoded)
             elif kind == "L" and type(value) is int:

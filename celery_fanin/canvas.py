@@ -438,13 +438,15 @@ class FanInGroup:
             retry_of=self.retry_of,
         )
 
+        serializer = app.conf.task_serializer  # read once: the configuration's lookup costs a child's JSON
+
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
                 sig = nesting.as_signature(app, item, f"child {index}")
             else:
                 sig = _check_plain_signature(item, f"child {index}")
             child = batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task,
-                                     _encode(app, sig, f"child {index}"))  # fmt: skip
+                                     _encode(app, sig, f"child {index}", serializer))  # fmt: skip
             return child, sig
 
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
@@ -486,9 +488,9 @@ def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:
     return (0 if depth is None else depth + 1), parent_id
 
 
-def _encode(app: Celery, sig: Signature, what: str) -> batches.Encoded:
+def _encode(app: Celery, sig: Signature, what: str, serializer: str | None = None) -> batches.Encoded:
     try:
-        return publish.encode_signature(app, sig)
+        return publish.encode_signature(app, sig, serializer)
     except EncodeError as exc:
         raise InvalidFanIn(f"{what}: its arguments cannot be encoded with the app's serializer: {exc}") from exc
 

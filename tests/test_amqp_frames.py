@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import struct
 import uuid
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -14,6 +15,10 @@ from amqp.exceptions import RecoverableConnectionError
 from amqp.method_framing import frame_writer
 from amqp.serialization import dumps
 from celery import Celery
+from kombu import Producer
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps as kombu_dumps
+from kombu.transport.pyamqp import Channel as PyAmqpChannel
 
 from celery_fanin import amqp_frames, amqp_properties, publish
 
@@ -206,3 +211,80 @@ def test_properties_py_amqp_would_refuse_are_refused_alike() -> None:
             msg._serialize_properties()
         with pytest.raises(type(theirs.value)):
             amqp_properties.PropertiesEncoder().encode(msg)
+
+
+@pytest.mark.parametrize("value", ["", "4", "é" * 127, "x" * 255, "\ud800", b"raw"], ids=repr)
+def test_shortstr_properties_encode_as_py_amqp(value: str | bytes) -> None:
+    """A changing shortstr (correlation_id) is written directly: the same bytes as py-amqp, one message after
+    another (the second repeats it, the third changes it back)."""
+    encoder = amqp_properties.PropertiesEncoder()
+    for correlation_id in ("first", value, value, "last"):
+        msg = Message(b"x", content_type="application/json", correlation_id=correlation_id, reply_to=value)
+        assert encoder.encode(msg) == msg._serialize_properties(), correlation_id
+
+
+def test_a_shortstr_too_long_is_refused_as_py_amqp_refuses_it() -> None:
+    msg = Message(b"x", correlation_id="x" * 256)
+    with pytest.raises(struct.error):
+        msg._serialize_properties()
+    with pytest.raises(struct.error):
+        amqp_properties.PropertiesEncoder().encode(msg)
+
+
+class _KombuChannel(_Channel):
+    """Enough of a kombu py-amqp channel for `kombu.Producer.publish`: its `prepare_message`, our frames."""
+
+    prepare_message = PyAmqpChannel.prepare_message
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.basic_publish = amqp_frames.FrameBuffer(self).publish  # type: ignore[arg-type]
+
+
+def _wire(app: Celery, sig: Any, serialized: bool) -> bytes:
+    channel = _KombuChannel()
+    producer = Producer(channel, auto_declare=False)
+    builder = publish._Builder(app, "batch")
+    route, headers, body, properties = builder.build(5, "0c1f7a52-7d0e-4a55-9d1e-3f2d1c0b9a87", sig)
+    builder.declared.update(id(entity) for entity in route.declare)  # nothing to declare on this stand-in
+    headers.pop("eta"), headers.pop("expires")  # computed from "now"
+    publish._send(builder, producer, producer, sig.task, route, headers, body, properties, serialized=serialized)
+    channel.basic_publish.__self__.flush()
+    return b"".join(channel.connection.transport.writes)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"compression": "zlib"}, {"serializer": "pickle"}, {"priority": 3, "delivery_mode": 1}],
+    ids=["json", "json+zlib", "pickle", "priority"],
+)
+def test_a_body_serialized_by_the_fast_path_is_sent_as_kombu_sends_its_own(options: dict[str, Any]) -> None:
+    """On RabbitMQ the fast path encodes a child's body itself (`publish.serialize`) and hands kombu the text:
+    the frames on the wire are the ones kombu writes when it serializes the same body."""
+    app = Celery("tests.frames", broker="memory://", set_as_current=False)
+    app.conf.accept_content = ["json", "pickle"]
+    when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    sig = app.signature("some.task", args=(1, "ünïcode", when, uuid.UUID(int=5), Decimal("1.5"), b"\x00\xff"),
+                        kwargs={"nested": {"k": [None, True, 2.5]}}, **options)  # fmt: skip
+    ours = _wire(app, sig, serialized=True)
+    assert ours == _wire(app, sig, serialized=False)
+    assert b"\\u00fcn\\u00efcode" in ours or options.get("serializer") or options.get("compression")
+
+
+def test_serialize_is_kombus_dumps() -> None:
+    """The same content type, encoding and text as kombu's `dumps` for what a task's arguments hold; a value JSON
+    cannot carry raises kombu's EncodeError; a serializer other than JSON is kombu's own."""
+    when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    values: list[Any] = [
+        [[1, "é", None, True, 1.5, -0.0], {"k": {"n": [1, 2]}}, {"callbacks": None}],
+        {"when": when, "id": uuid.UUID(int=1), "d": Decimal("0.1"), "raw": b"\xff\x00", "text": b"ascii"},
+        "a string",
+        [float("nan"), 2**70],
+    ]
+    for value in values:
+        for serializer in ("json", "pickle"):
+            assert publish.serialize(value, serializer) == kombu_dumps(value, serializer=serializer), value
+    with pytest.raises(EncodeError):
+        publish.serialize([object()], "json")
+    with pytest.raises(EncodeError):
+        kombu_dumps([object()], serializer="json")
