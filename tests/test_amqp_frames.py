@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import struct
 import uuid
@@ -241,34 +242,48 @@ class _KombuChannel(_Channel):
         self.basic_publish = amqp_frames.FrameBuffer(self).publish  # type: ignore[arg-type]
 
 
-def _wire(app: Celery, sig: Any, serialized: bool) -> bytes:
+def _wire(built: tuple[Any, ...], direct: bool, name: str = "some.task") -> bytes:
+    """The bytes one built message becomes: through kombu's `Producer.publish`, or straight to the frames."""
+    route, headers, body, properties = copy.deepcopy(built)
     channel = _KombuChannel()
     producer = Producer(channel, auto_declare=False)
-    builder = publish._Builder(app, "batch")
-    route, headers, body, properties = builder.build(5, "0c1f7a52-7d0e-4a55-9d1e-3f2d1c0b9a87", sig)
+    frames = channel.basic_publish.__self__
+    builder = publish._Builder(Celery("tests.frames", broker="memory://", set_as_current=False), "batch")
     builder.declared.update(id(entity) for entity in route.declare)  # nothing to declare on this stand-in
-    headers.pop("eta"), headers.pop("expires")  # computed from "now"
-    publish._send(builder, producer, producer, sig.task, route, headers, body, properties, serialized=serialized)
-    channel.basic_publish.__self__.flush()
+    publish._send(
+        builder, producer, producer, name, route, headers, body, properties, frames=frames if direct else None
+    )
+    frames.flush()
     return b"".join(channel.connection.transport.writes)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"compression": "zlib"}, {"serializer": "pickle"}, {"priority": 3, "delivery_mode": 1}],
-    ids=["json", "json+zlib", "pickle", "priority"],
-)
-def test_a_body_serialized_by_the_fast_path_is_sent_as_kombu_sends_its_own(options: dict[str, Any]) -> None:
-    """On RabbitMQ the fast path encodes a child's body itself (`publish.serialize`) and hands kombu the text:
-    the frames on the wire are the ones kombu writes when it serializes the same body."""
+OPTIONS = [{}, {"compression": "zlib"}, {"serializer": "pickle"}, {"priority": 3, "delivery_mode": 1},
+           {"delivery_mode": "transient"}, {"expires": 600}, {"exchange": "ex", "routing_key": "rk"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(sorted(o)) or "json")
+def test_a_message_sent_straight_to_the_frames_is_what_kombu_sends(options: dict[str, Any]) -> None:
+    """On RabbitMQ the fast path does kombu's `Producer.publish` itself (`publish._publish_frames`), encoding the
+    body with `publish.serialize`: the frames on the wire are the ones kombu writes for the same message."""
     app = Celery("tests.frames", broker="memory://", set_as_current=False)
     app.conf.accept_content = ["json", "pickle"]
     when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
     sig = app.signature("some.task", args=(1, "ünïcode", when, uuid.UUID(int=5), Decimal("1.5"), b"\x00\xff"),
                         kwargs={"nested": {"k": [None, True, 2.5]}}, **options)  # fmt: skip
-    ours = _wire(app, sig, serialized=True)
-    assert ours == _wire(app, sig, serialized=False)
-    assert b"\\u00fcn\\u00efcode" in ours or options.get("serializer") or options.get("compression")
+    built = publish._Builder(app, "batch").build(5, "0c1f7a52-7d0e-4a55-9d1e-3f2d1c0b9a87", sig)
+    ours = _wire(built, direct=True)
+    assert ours == _wire(built, direct=False)
+    assert b"some.task" in ours
+
+
+def test_a_property_kombu_takes_as_an_argument_goes_through_kombu() -> None:
+    """A property the direct path does not model (here `mandatory`, which a route may add) is left to kombu."""
+    app = Celery("tests.frames", broker="memory://", set_as_current=False)
+    route, headers, body, properties = publish._Builder(app, "batch").build(1, "t-1", app.signature("some.task"))
+    properties = {**properties, "mandatory": True}
+    frames = _KombuChannel().basic_publish.__self__
+    assert not publish._publish_frames(frames, Producer(_KombuChannel()), route, headers, body, properties)
+    assert _wire((route, headers, body, properties), direct=True) == _wire((route, headers, body, properties), False)
 
 
 def test_serialize_is_kombus_dumps() -> None:
