@@ -13,8 +13,9 @@ the broker writes are pipelined:
 
 - Redis: kombu's ``Producer.batch`` (one pipeline per ``BATCH_SIZE`` commands, flushed when the `producer`
   context exits);
-- RabbitMQ: a channel of the producer's connection in publisher-confirm mode; messages are written many per
-  socket write (`amqp_frames`), and `publish_children` returns only once the broker has confirmed all of them
+- RabbitMQ: a channel of the producer's connection in publisher-confirm mode; messages are built as kombu's
+  ``Producer.publish`` builds them, without its per-message bookkeeping (`_publish_frames`), and written many
+  per socket write (`amqp_frames`), and `publish_children` returns only once the broker has confirmed all of them
   (a nack or a channel error raises), so a caller that records "published" afterwards records the truth; or,
   with ``wait=False``, hands back the confirms to wait for before recording it (`Unconfirmed`);
 - any other transport, or a Redis connection configured to retry commands (where kombu refuses pipelines):
