@@ -162,9 +162,8 @@ class PropertiesEncoder:
                 if (kind == "s" and type(value) not in (str, bytes)) or (kind == "o" and type(value) is not int):
                     return bytes(msg._serialize_properties())  # py-amqp's encoding, or its error
                 # A shortstr as py-amqp writes it, without its general writer (correlation_id changes per message).
-                data = value.encode("utf-8", "surrogatepass") if type(value) is str else b""
-                short = type(value) is str and len(data) <= 255
-                encoded = _OCTET(len(data)) + data if short else dumps(kind, [value])
+                data = value.encode("utf-8", "surrogatepass") if type(value) is str else None
+                encoded = _OCTET(len(data)) + data if data is not None and len(data) <= 255 else dumps(kind, [value])
                 self._last[name] = (value, encoded)
                 values.append(encoded)
             elif kind == "L" and type(value) is int:

@@ -476,6 +476,7 @@ def publish_children(
     quorum = _has_quorum_queues(app, driver)
     confirms = _confirm_channel(prod) if mode == "confirm" else None
     target = confirms.producer if confirms is not None else prod
+    frames = confirms.frames if confirms is not None else None
     first = confirms.sent + 1 if confirms is not None else 1  # this call's delivery tags: first..confirms.sent
     # Nested in the `producer` context's batch when there is one (flushed when it exits), else flushed here.
     batch = prod.batch(BATCH_SIZE) if mode == "pipeline" else contextlib.nullcontext()
@@ -489,7 +490,6 @@ def publish_children(
                 except _Unsupported:
                     _publish_with_celery(prod, bid, idx, task_id, sig)
                     continue
-                frames = confirms.frames if confirms is not None else None
                 _send(builder, prod, target, sig.task, route, headers, body, properties, frames=frames)
                 if confirms is not None:
                     confirms.sent += 1
