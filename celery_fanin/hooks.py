@@ -17,9 +17,9 @@ message that cannot be decoded                    main            ``task_rejecte
 A child's start is only queued by ``task_prerun`` (a thread writes starts in batches: `celery_fanin.starts`); its
 terminal outcome is one statement on the process's report connection (`store.reports`), the only round trip on the
 child's own path. Tasks without the fan-in headers return from every hook before any database work. The main
-process learns a child's headers from ``task_received`` (a bounded in-memory map), since celery 5.5/5.6 give
-``task_failure`` no request there. Duplicate reports (5.7 sends ``task_failure`` twice for a hard time limit) are
-harmless: the store counts a child once.
+process learns a child's headers from ``task_received`` (an in-memory map with an entry per live request), since
+celery 5.5/5.6 give ``task_failure`` no request there. Duplicate reports (5.7 sends ``task_failure`` twice for a
+hard time limit) are harmless: the store counts a child once.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -85,22 +86,40 @@ class _Marker:
 
 
 class _ReceivedMarkers:
-    """task id -> marker for fan-in messages the main process received; bounded, oldest dropped first."""
+    """task id -> marker for the fan-in messages the main process holds a request for.
+
+    An entry lives as long as Celery's `Request` for the message: the main process needs the marker only while
+    that request can still end in a main-process failure (hard time limit, lost pool process), and no signal
+    fires in the main process when a child succeeds. A weak reference's callback drops the entry when Celery
+    lets the request go, so the map holds the worker's reserved and running fan-in requests, not its history.
+    The bound is a safety net for requests kept alive elsewhere; the oldest entry goes first.
+    """
 
     def __init__(self, limit: int = 100_000) -> None:
-        self._data: OrderedDict[str, _Marker] = OrderedDict()
+        self._data: OrderedDict[str, tuple[_Marker, weakref.ref[Any]]] = OrderedDict()
         self._limit = limit
-        self._lock = threading.Lock()
+        # Reentrant: a request released while the lock is held (a decref inside `add`) runs its callback here.
+        self._lock = threading.RLock()
 
-    def add(self, task_id: str, marker: _Marker) -> None:
+    def add(self, task_id: str, marker: _Marker, request: Any) -> None:
+        def release(ref: weakref.ref[Any]) -> None:
+            with self._lock:
+                entry = self._data.get(task_id)
+                if entry is not None and entry[1] is ref:  # a redelivery under the same id keeps its own entry
+                    del self._data[task_id]
+
         with self._lock:
-            self._data[task_id] = marker
+            self._data[task_id] = (marker, weakref.ref(request, release))
             if len(self._data) > self._limit:
                 self._data.popitem(last=False)
 
     def pop(self, task_id: str) -> _Marker | None:
         with self._lock:
-            return self._data.pop(task_id, None)
+            entry = self._data.pop(task_id, None)
+        return entry[0] if entry is not None else None
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 _received = _ReceivedMarkers()
@@ -349,7 +368,7 @@ def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         return
     marker = _Marker.from_mapping(getattr(request, "request_dict", None))
     if marker is not None:
-        _received.add(request.id, marker)
+        _received.add(request.id, marker, request)
 
 
 def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
