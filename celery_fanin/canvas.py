@@ -28,6 +28,7 @@ from . import dispatch, nesting, producer, publish
 from .exceptions import BatchNotFound, FanInDatabaseError, FanInDepthExceeded, InvalidFanIn, summarise
 from .extension import FanIn
 from .store import batches, queries
+from .task_ids import random_ids
 
 logger = logging.getLogger("celery_fanin.canvas")
 
@@ -439,13 +440,14 @@ class FanInGroup:
         )
 
         serializer = app.conf.task_serializer  # read once: the configuration's lookup costs a child's JSON
+        ids = random_ids()
 
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
                 sig = nesting.as_signature(app, item, f"child {index}")
             else:
                 sig = _check_plain_signature(item, f"child {index}")
-            child = batches.NewChild(sig.options.get("task_id") or new_task_id(), sig.task,
+            child = batches.NewChild(sig.options.get("task_id") or next(ids), sig.task,
                                      _encode(app, sig, f"child {index}", serializer))  # fmt: skip
             return child, sig
 
