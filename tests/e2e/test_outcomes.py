@@ -109,6 +109,24 @@ def test_pool_process_killed_counts_as_worker_lost(producer: Any, processes: Any
     assert outcome["failures"][0]["exc_type"] == "WorkerLostError"
 
 
+def test_main_process_forgets_each_child_once_celery_lets_its_request_go(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    """The main process keeps a child's headers only for a main-process failure: a child that succeeded leaves none."""
+    processes.worker()
+    processes.relay()
+    handle = fan_in_group([tasks.ok.s(i) for i in range(200)], then=tasks.record_run.s("forget")).apply_async()
+    _finish(handle, successor_runs)
+
+    def markers() -> int:
+        replies = producer.control.broadcast("fanin_received_markers", reply=True, timeout=5)
+        assert len(replies) == 1, replies
+        return int(next(iter(replies[0].values()))["markers"])
+
+    # 201 while the children and the successor were in flight; none once Celery released their requests.
+    wait_for(lambda: markers() == 0, timeout=30, interval=0.5, message="the worker to forget its finished requests")
+
+
 def test_pool_process_killed_with_acks_late_is_requeued_not_counted(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
