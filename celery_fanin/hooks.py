@@ -98,7 +98,8 @@ class _ReceivedMarkers:
     def __init__(self, limit: int = 100_000) -> None:
         self._data: OrderedDict[str, tuple[_Marker, weakref.ref[Any]]] = OrderedDict()
         self._limit = limit
-        # Reentrant: a request released while the lock is held (a decref inside `add`) runs its callback here.
+        # Reentrant: a garbage collection can start at any allocation inside `add` and release a request whose
+        # callback then runs on this thread, with the lock held.
         self._lock = threading.RLock()
 
     def add(self, task_id: str, marker: _Marker, request: Any) -> None:
