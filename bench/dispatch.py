@@ -38,9 +38,7 @@ def main(contender: str, n: int, run: str) -> dict[str, float]:
         # The fan-in keeps children's results in Postgres: no result backend per child.
         sigs = [child.s(i, run, n).set(ignore_result=True) for i in range(n)]
         fanin_job = fan_in_group(sigs, then=mark.s(run), app=app)
-        fanin = FanIn.find(app)
-        assert fanin is not None
-        fanin.engine.connect().close()  # the pool keeps the connection
+        FanIn.of(app).engine.connect().close()  # the pool keeps the connection
         start = time.time()
         fanin_job.apply_async()
     else:
