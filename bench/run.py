@@ -18,7 +18,6 @@ Prints a table, writes JSON (and a PNG plot of end-to-end time against N) under 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import multiprocessing
 import os
@@ -229,6 +228,10 @@ class Bench:
                         started = self.wait_mark(f"bench:start:{run}", 60)
                         done = [r.date_done for r in result.parent.results]
                         last = max(_epoch(d) for d in done)
+                        # The chord's GroupResult registered its children as pending results, and without a
+                        # drainer nothing releases them until `__del__` runs at interpreter exit, when redis-py can
+                        # no longer reconnect to unsubscribe. Forgetting releases them now (and their keys).
+                        result.forget()
                     else:
                         sigs = [child.s(i, run, size).set(ignore_result=True) for i in range(size)]
                         handle = fan_in_group(sigs, then=mark.s(run), app=app).apply_async()
@@ -241,8 +244,6 @@ class Bench:
                         last = float(row[0])
                     lat[contender].append((started - last) * 1000)
                     self.marks.delete(f"bench:done:{run}")
-                    result = None  # chord results unsubscribe when collected: while the app is alive
-            gc.collect()
             progress(f"latency: {len(lat['fanin'])} batches of {size} each")
         return {
             c: {"p50_ms": percentile(v, 0.5), "p99_ms": percentile(v, 0.99), "max_ms": max(v), "batches": len(v),
