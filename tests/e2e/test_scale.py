@@ -54,9 +54,11 @@ def test_generator_of_100k_children_streams_and_counts_exactly(producer: Any, cl
     created = []
 
     def report(part: list[str]) -> None:
-        for tid in part:
-            with engine.begin() as conn:
-                rec = batches.record_terminal(conn, tid, states[tid])
+        # A connection per reporter, as a worker process keeps one; each report is its own transaction.
+        with engine.connect() as conn:
+            for tid in part:
+                with conn.begin():
+                    rec = batches.record_terminal(conn, tid, states[tid])
                 if rec.successor_created:
                     created.append(tid)
 
