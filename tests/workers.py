@@ -36,6 +36,7 @@ class CeleryProcess:
         self.ready_marker = ready_marker
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self._log_file = log.open("w")
+        self._terminated = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.app", *args],
             cwd=ROOT,
@@ -65,9 +66,15 @@ class CeleryProcess:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
+    def terminate(self) -> None:
+        """Ask for a warm shutdown (SIGTERM) without waiting; `stop` then waits for it."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True  # once: Celery may take a second SIGTERM as a cold shutdown
+
     def stop(self, timeout: float = 15) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

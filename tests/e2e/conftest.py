@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,13 @@ class _Processes:
         return proc
 
     def stop_all(self, dump: bool = False) -> None:
+        # All asked at once, then one shared grace period: the test is over, so a worker still running a long
+        # task (a hang, a 60 s sleep) is killed rather than waited for by its warm shutdown.
         for proc in self.started:
-            proc.stop()
+            proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in self.started:
+            proc.stop(timeout=max(0.1, deadline - time.monotonic()))
             if dump:
                 print(f"===== {proc.log.name} =====\n{proc.output()[-6000:]}")
 
