@@ -87,7 +87,7 @@ def _install_sql_counters() -> None:
     import psycopg
     from psycopg.pq import TransactionStatus
 
-    from celery_fanin import hooks
+    from celery_fanin import hooks, successor_runs
 
     idle = TransactionStatus.IDLE
     execute, commit, rollback = psycopg.Cursor.execute, psycopg.Connection.commit, psycopg.Connection.rollback
@@ -127,8 +127,8 @@ def _install_sql_counters() -> None:
 
         return wrapper
 
-    # Every store call a hook makes goes through one of these two (transactions; one-statement reports).
-    hooks._with_retries = phased(hooks._with_retries)
+    # Every store call a hook makes goes through one of these two (a successor's run; one-statement reports).
+    successor_runs._store = phased(successor_runs._store)
     hooks._report_with_retries = phased(hooks._report_with_retries)
 
     # Starts are written by a thread of the worker's main process, many per statement: count each child's start

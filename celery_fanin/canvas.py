@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import dispatch, nesting, producer, publish
 from .exceptions import BatchNotFound, FanInDatabaseError, FanInDepthExceeded, InvalidFanIn, summarise
 from .extension import FanIn
-from .store import batches, queries
+from .store import batches, queries, successors
 from .task_ids import random_ids
 
 logger = logging.getLogger("celery_fanin.canvas")
@@ -58,7 +58,7 @@ class BatchStatus:
     @property
     def finished(self) -> bool:
         """True once the successor has run to a final state."""
-        return self.successor_state in batches.SUCCESSOR_FINAL_STATES
+        return self.successor_state in successors.FINAL_STATES
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -107,10 +107,10 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         return
     view, marker = found
     if marker.is_successor:
-        # What the start guard does on a worker: take the run lock and move the successor to `running`. An eager
-        # run cannot be refused from here; a refusal (it ran already) is logged.
+        # What the run guard does on a worker: start a run and move the successor to `running`. An eager run
+        # cannot be refused from here; a refusal (it ran already) is logged.
         fanin = FanIn.of(task.app)
-        if not hooks._claim_run(fanin, task_id, marker, int(getattr(task.request, "retries", 0) or 0)):
+        if hooks.admit_successor(fanin, task.request, task_id, marker) is None:
             logger.warning("eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
                            marker.batch_id, marker.step, task_id)  # fmt: skip
         return

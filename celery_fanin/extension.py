@@ -46,8 +46,18 @@ class Settings:
     child_timeout: float | None = 6 * 3600.0
     on_lost: str = "fail"
     max_redrives: int = 3
-    # Seconds a successor may stay sent (or retrying) without starting before it is published again.
+    # Seconds a successor may stay sent (or retrying past its due time) without starting before it is published
+    # again.
     successor_timeout: float = 600.0
+    # A successor's run holds a lease on its row, renewed every successor_lease / 4 seconds while its body runs.
+    # A run whose lease lapsed more than successor_lease_grace seconds ago is dead (its worker died, or lost the
+    # database for that long): another delivery may then run the successor. A database outage shorter than
+    # successor_lease + successor_lease_grace never lets a second run start beside a live one.
+    successor_lease: float = 60.0
+    successor_lease_grace: float = 60.0
+    # Refuse to start a worker or relay whose database URL goes through a transaction-mode pooler (see
+    # celery_fanin.store.pooler): session pooling or a direct connection is required.
+    check_pooler: bool = True
     # How often the relay looks for lost children and passed deadlines, and reconciles counters.
     reaper_interval: float = 10.0
     reconcile_interval: float = 300.0
@@ -190,6 +200,33 @@ class FanIn:
             self._engine = None
             self._reports = None
             self._engine_pid = None
+
+    def check_session_pooling(self) -> None:
+        """Raise `FanInNotConfigured` if the database URL reaches PostgreSQL through a transaction-mode pooler.
+
+        Run when a worker or relay starts (unless `fanin_check_pooler` is off). A database that cannot be reached
+        now is not an error here: the processes wait for it as they always do.
+        """
+        import logging
+
+        import psycopg
+
+        from .store.pooler import transaction_pooled
+
+        if not self.settings.check_pooler:
+            return
+        try:
+            pooled = transaction_pooled(self.database_url)
+        except psycopg.OperationalError as exc:
+            logging.getLogger("celery_fanin").warning("could not check for a connection pooler: %s", exc)
+            return
+        if pooled:
+            raise FanInNotConfigured(
+                "fanin_database_url reaches PostgreSQL through a pooler in transaction (or statement) mode: "
+                "celery-fanin needs each connection to keep its session (advisory locks, LISTEN, prepared "
+                "statements). Use session mode (PgBouncer pool_mode = session) or a direct connection "
+                "(set fanin_check_pooler = False to skip this check)."
+            )
 
     def migrate(self) -> list[str]:
         """Create or upgrade the schema; returns the names of the migrations applied."""

@@ -27,21 +27,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
-from celery import Celery, signals
-from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+from celery import Celery, chord, signals
+from celery.canvas import _chain
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from kombu.exceptions import EncodeError
-from sqlalchemy import Connection
-from sqlalchemy.exc import SQLAlchemyError
 
-from . import starts
+from . import starts, successor_runs
+from .exceptions import FanInNotConfigured
 from .extension import FanIn
 from .publish import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
 from .store import batches
@@ -69,6 +70,12 @@ class _Marker:
     @property
     def is_successor(self) -> bool:
         return self.step is not None
+
+    def headers(self) -> dict[str, Any]:
+        """The message headers that carry this marker (what a replacement task must be given)."""
+        if self.is_successor:
+            return {HEADER_SUCCESSOR: self.batch_id, HEADER_STEP: self.step}
+        return {HEADER_BATCH: self.batch_id, HEADER_INDEX: self.index}
 
     @classmethod
     def from_mapping(cls, data: Any) -> _Marker | None:
@@ -128,21 +135,6 @@ _received = _ReceivedMarkers()
 
 def _fanin_for(app: Celery | None) -> FanIn | None:
     return FanIn.find(app) if app is not None else None
-
-
-def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any]) -> Any:
-    """Run a store transaction, retrying connection errors with backoff; gives up to reconciliation after the last."""
-    attempts = max(1, int(fanin.setting("record_attempts")))
-    for attempt in range(1, attempts + 1):
-        try:
-            with fanin.engine.begin() as conn:
-                return fn(conn)
-        except SQLAlchemyError:
-            if attempt == attempts:
-                logger.exception("gave up recording %s after %d attempts", what, attempts)
-                return None
-            time.sleep(min(5.0, 0.2 * 2**attempt))
-    return None
 
 
 def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
@@ -214,8 +206,14 @@ def record_child(
 
 
 def record_successor(
-    fanin: FanIn, marker: _Marker, state: str, exc: BaseException | None = None, value: Any = None
-) -> None:
+    fanin: FanIn,
+    marker: _Marker,
+    state: str,
+    exc: BaseException | None = None,
+    value: Any = None,
+    live: successor_runs.LiveRun | None = None,
+) -> bool:
+    """Record a successor's final state: fenced to `live`'s run, or unfenced from the main process."""
     exc_type, exc_message = _exc_fields(exc)
     result = None
     if state == "succeeded":
@@ -223,91 +221,161 @@ def record_successor(
             result = encode_result(fanin.app, value)
         except EncodeError as err:
             logger.warning("result of the successor of batch_id=%s cannot be encoded: %s", marker.batch_id, err)
-    _with_retries(
+    return successor_runs.finish(
+        live,
         fanin,
-        f"successor state of batch {marker.batch_id}",
-        lambda conn: batches.record_successor_state(
-            conn, uuid.UUID(marker.batch_id), marker.step or "", state, result=result, exc_type=exc_type,
-            exc_message=exc_message,
-        ),
-    )  # fmt: skip
+        marker.batch_id,
+        marker.step or "",
+        state,
+        result=result,
+        exc_type=exc_type,
+        exc_message=exc_message,
+    )
 
 
-# Successor runs under way in this process: task id -> (the connection holding the run lock, its marker).
-_running: dict[str, tuple[Connection, _Marker]] = {}
+def admit_successor(fanin: FanIn, request: Any, task_id: str, marker: _Marker) -> successor_runs.LiveRun | None:
+    """Start a run of the successor for this execution (attached to its request), or None for a duplicate.
+
+    A copy the relay republished starts at Celery retry count 0: the run resumes the successor's own count, so
+    that `max_retries` bounds the retries of the successor, not of each copy.
+    """
+    retries = int(getattr(request, "retries", 0) or 0)
+    live = successor_runs.admit(fanin, marker.batch_id, marker.step or "", task_id, retries)
+    if live is None:
+        return None
+    successor_runs.attach(request, live)
+    if live.run.attempt > retries:
+        request.retries = live.run.attempt
+    return live
 
 
 def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a task's `before_start` so that a successor's body runs once per (batch, step) and attempt.
+    """Wrap a task's `before_start` so that a successor's body runs in one execution at a time, never after it
+    ended for good (see `store.successors`).
 
     `before_start` runs inside the trace's exception handling, so the `Ignore` raised for a duplicate delivery
-    ends the task as IGNORED without running its body (and without touching the first run's stored result).
-    The run lock stays held on its own connection until `task_postrun` (or the process's death) releases it.
+    ends that execution as IGNORED without running its body (and without touching the live run's state).
     """
 
     def before_start_guarded(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
         marker = _Marker.from_mapping(self.request)
         fanin = _fanin_for(self.app) if marker is not None and marker.is_successor else None
-        if fanin is not None and marker is not None:
-            retries = int(getattr(self.request, "retries", 0) or 0)
-            if not _claim_run(fanin, task_id, marker, retries):
-                logger.warning(
-                    "duplicate delivery of successor batch_id=%s step=%s task_id=%s: body not run",
-                    marker.batch_id, marker.step, task_id,
-                    extra={"batch_id": marker.batch_id, "step": marker.step, "task_id": task_id},
-                )  # fmt: skip
-                raise Ignore()
+        if (
+            fanin is not None
+            and marker is not None
+            and successor_runs.request_run(self.request) is None
+            and admit_successor(fanin, self.request, task_id, marker) is None
+        ):
+            logger.warning(
+                "duplicate delivery of successor batch_id=%s step=%s task_id=%s: body not run",
+                marker.batch_id,
+                marker.step,
+                task_id,
+                extra={"batch_id": marker.batch_id, "step": marker.step, "task_id": task_id},
+            )
+            raise Ignore()
         return before_start(self, task_id, args, kwargs)
 
     before_start_guarded._fanin_guard = True  # type: ignore[attr-defined]
     return before_start_guarded
 
 
-def _claim_run(fanin: FanIn, task_id: str, marker: _Marker, retries: int) -> bool:
-    attempts = max(1, int(fanin.setting("record_attempts")))
-    for attempt in range(1, attempts + 1):
-        conn = None
-        try:
-            conn = fanin.engine.connect()
-            if batches.claim_successor_run(conn, uuid.UUID(marker.batch_id), marker.step or "", retries):
-                _running[task_id] = (conn, marker)
-                return True
-            conn.close()
-            return False
-        except SQLAlchemyError:
-            if conn is not None:
-                conn.invalidate()
-                conn.close()
-            if attempt == attempts:
-                # Without the store the guard cannot tell a duplicate from a first run: refuse rather than risk
-                # running twice; the message was taken off the queue, so reconciliation reports the successor.
-                logger.exception("cannot reach the store to start successor batch_id=%s", marker.batch_id)
-                return False
-            time.sleep(min(5.0, 0.2 * 2**attempt))
-    return False
+def _due_at(eta: datetime | None, countdown: float | None) -> datetime:
+    if eta is not None:
+        return eta if eta.tzinfo is not None else eta.replace(tzinfo=timezone.utc)
+    return datetime.now(timezone.utc) + timedelta(seconds=float(countdown or 0))
 
 
-def _release_run(task_id: str) -> None:
-    held = _running.pop(task_id, None)
-    if held is None:
-        return
-    conn, marker = held
+@contextmanager
+def _handed_over(
+    live: successor_runs.LiveRun, state: str, ends: type[BaseException], due_at: datetime | None = None
+) -> Iterator[None]:
+    """Hand the run over for the call inside, which publishes the next delivery and ends with `ends`; if it
+    raises anything else, nothing was handed on and the run is taken back."""
+    successor_runs.hand_over(live, state, due_at)
     try:
-        batches.release_successor_run(conn, uuid.UUID(marker.batch_id), marker.step or "")
-        conn.close()
-    except SQLAlchemyError:
-        conn.invalidate()  # closing the session releases the lock
-        conn.close()
+        yield
+    except ends:
+        raise
+    except BaseException:
+        successor_runs.take_back(live)
+        raise
+
+
+def _retry_guard(retry: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `Task.retry` so that a successor's run is handed over before Celery publishes the retry.
+
+    Celery publishes the retry message inside `retry()`, before the attempt's `task_postrun`: without this the
+    retry could be delivered while the attempt still holds the run, and be refused as a duplicate. If no retry is
+    published (max_retries exceeded, or publishing failed), the run is taken back and the attempt goes on.
+    """
+
+    def retry_guarded(
+        self: Any,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        live = successor_runs.request_run(self.request)
+        if live is None or live.ended or self.request.is_eager:
+            return retry(self, args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
+        with _handed_over(live, "retrying", Retry, _due_at(eta, delay)):
+            return retry(self, args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+    retry_guarded._fanin_guard = True  # type: ignore[attr-defined]
+    return retry_guarded
+
+
+def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `Task.on_replace` (called by `Task.replace`) so that the replacement carries the fan-in on.
+
+    The replacement has the replaced task's id but none of its custom headers: it gets the fan-in headers, so a
+    child is counted when its replacement ends, and a successor ends when its replacement does. A successor's run
+    is handed over (`replaced`) before the replacement is published, so the replacement's delivery is admitted.
+    """
+
+    def on_replace_guarded(self: Any, sig: Any) -> Any:
+        marker = _Marker.from_mapping(self.request)
+        if marker is None or self.request.is_eager:
+            return on_replace(self, sig)
+        carrier = _carrier(sig)
+        carrier.options["headers"] = {**(carrier.options.get("headers") or {}), **marker.headers()}
+        live = successor_runs.request_run(self.request) if marker.is_successor else None
+        if live is None or live.ended:
+            return on_replace(self, sig)
+        with _handed_over(live, "replaced", Ignore):
+            return on_replace(self, sig)
+
+    on_replace_guarded._fanin_guard = True  # type: ignore[attr-defined]
+    return on_replace_guarded
+
+
+def _carrier(sig: Any) -> Any:
+    """The task of a replacement that takes the replaced task's id, and so its place (`Task.replace` freezes the
+    replacement with that id: a chain's last task, a chord's body)."""
+    if isinstance(sig, _chain) and sig.tasks:
+        return _carrier(sig.tasks[-1])
+    if isinstance(sig, chord):
+        return _carrier(sig.body)
+    return sig
 
 
 def guard_tasks(app: Celery) -> bool:
-    """Give every task of `app` the successor start guard; True if any task was changed."""
+    """Give every task of `app` the successor run guard and the retry and replace hand-overs; True if any task
+    was changed."""
     changed = False
     for task in app.tasks.values():
         cls = type(task)
-        if not getattr(cls.before_start, "_fanin_guard", False):
-            cls.add_around("before_start", _guard)  # Celery's own mechanism for wrapping task methods
-            changed = True
+        for method, around in (("before_start", _guard), ("retry", _retry_guard), ("on_replace", _replace_guard)):
+            if not getattr(getattr(cls, method), "_fanin_guard", False):
+                cls.add_around(method, around)  # Celery's own mechanism for wrapping task methods
+                changed = True
     return changed
 
 
@@ -326,17 +394,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     if fanin is None:
         return
     if marker.is_successor:
-        if task_id not in _running:
-            return  # a duplicate delivery the guard refused: the run that holds the lock reports
-        if state == "SUCCESS":
-            record_successor(fanin, marker, "succeeded", value=retval)
-        elif state == "FAILURE":
-            record_successor(fanin, marker, "failed", retval if isinstance(retval, BaseException) else None)
-        elif state == "RETRY":
-            record_successor(fanin, marker, "retrying")
-        elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
-            record_successor(fanin, marker, "failed", retval)
-        _release_run(task_id)  # after the state is recorded, so no duplicate can slip in between
+        _successor_postrun(fanin, marker, successor_runs.request_run(task.request), state, retval)
         return
     if state == "SUCCESS":
         start = starts.take_start(fanin, task_id)
@@ -348,6 +406,31 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
         record_child(fanin, task_id, marker, "rejected", exc=retval, start=starts.take_start(fanin, task_id))
     # RETRY, IGNORED, REJECTED with requeue: the child is not finished; another attempt reports.
+
+
+def _successor_postrun(
+    fanin: FanIn, marker: _Marker, live: successor_runs.LiveRun | None, state: str | None, retval: Any
+) -> None:
+    """How an execution of a successor ended, as its run records it (see docs/concepts/terminal-outcomes.md)."""
+    if live is None or live.ended:
+        return  # a duplicate the guard refused, or a run already handed over (a retry, a replacement)
+    exc = retval if isinstance(retval, BaseException) else None
+    if state == "SUCCESS":
+        record_successor(fanin, marker, "succeeded", value=retval, live=live)
+    elif state == "FAILURE":
+        record_successor(fanin, marker, "failed", exc, live=live)
+    elif state == "RETRY":  # the retry hand-over was not installed (eager runs): the retry comes after this
+        when = getattr(retval, "when", None)
+        eta = when if isinstance(when, datetime) else None
+        successor_runs.hand_over(live, "retrying", _due_at(eta, None if eta else float(when or 0)))
+    elif state == "REJECTED" and isinstance(retval, Reject) and retval.requeue:
+        successor_runs.hand_over(live, "requeued")  # Celery requeues the message after this returns
+    elif state == "REJECTED":
+        record_successor(fanin, marker, "failed", exc, live=live)
+    elif state == "IGNORED":
+        record_successor(fanin, marker, "ignored", live=live)
+    else:  # no state: the pool process is being stopped; its lease lapses and the relay runs the successor again
+        successor_runs.abandon(live)
 
 
 def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
@@ -434,7 +517,13 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if _fanin_for(app) is not None:
+    fanin = _fanin_for(app)
+    if fanin is not None:
+        try:
+            fanin.check_session_pooling()
+        except FanInNotConfigured as exc:  # Celery logs and ignores a signal handler's Exception: stop the worker
+            logger.critical("%s", exc)
+            raise SystemExit(1) from exc
         guard_tasks(app)  # type: ignore[arg-type]
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from . import publish
 from .dispatch import revoke_children
 from .extension import FanIn
-from .store import recovery
+from .store import recovery, successors
 
 logger = logging.getLogger("celery_fanin.maintenance")
 
@@ -57,18 +57,23 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
 
 
 def restart_stalled_successors(fanin: FanIn, limit: int = 100) -> list[tuple[str, str]]:
-    """Publish again every successor whose message was lost or whose worker died mid-body."""
-    timeout = fanin.settings.successor_timeout
+    """Publish again every successor whose message was lost or whose run died (see `store.successors.stalled`)."""
+    settings = fanin.settings
+    timeout, grace = settings.successor_timeout, settings.successor_lease_grace
     with fanin.engine.connect() as conn:
-        stalled = recovery.stalled_successors(conn, timeout, limit)
+        stalled = successors.stalled(conn, timeout, grace, limit)
         conn.commit()
     done = []
     for batch_id, step in stalled:
         with fanin.engine.begin() as conn:
-            if recovery.republish_successor(conn, batch_id, step):
+            if successors.republish(conn, batch_id, step, timeout, grace):
                 done.append((str(batch_id), step))
-                logger.warning("successor of batch_id=%s step=%s stalled for over %ss: publishing it again",
-                               batch_id, step, timeout, extra={"batch_id": str(batch_id), "step": step})  # fmt: skip
+                logger.warning(
+                    "successor of batch_id=%s step=%s stalled (message lost or run dead): publishing it again",
+                    batch_id,
+                    step,
+                    extra={"batch_id": str(batch_id), "step": step},
+                )
     return done
 
 

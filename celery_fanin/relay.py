@@ -71,6 +71,7 @@ class Relay:
         signal.signal(signal.SIGINT, handler)
 
     def run(self) -> RelayStats:
+        self.fanin.check_session_pooling()
         backoff = 0.5
         logger.info("relay started (poll every %.1fs)", self.poll_interval)
         while not self._stop.is_set():

@@ -29,7 +29,7 @@ from . import publish
 from .canvas import FanInGroup, _parse_batch_id
 from .exceptions import BatchNotFinished, BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
 from .extension import FanIn
-from .store import admin, batches, queries
+from .store import admin, batches, queries, successors
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _check_finished(n: admin.Node) -> None:
         )
     if n.successor_state is None and n.state != "expired":
         raise BatchNotFinished(f"{what} is {n.state} but its successor was not created yet: wait for it")
-    if n.successor_state is not None and n.successor_state not in batches.SUCCESSOR_FINAL_STATES:
+    if n.successor_state is not None and n.successor_state not in successors.FINAL_STATES:
         raise BatchNotFinished(
             f"{what} is {n.state} but its successor is still {n.successor_state}: retry-failed runs it again, so "
             "it waits until this run has finished"

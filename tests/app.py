@@ -30,6 +30,8 @@ app.conf.update(
     fanin_relay_poll_interval=0.2,
     fanin_reaper_interval=float(os.environ.get("FANIN_TEST_REAPER_INTERVAL", "1")),
     fanin_successor_timeout=float(os.environ.get("FANIN_TEST_SUCCESSOR_TIMEOUT", "600")),
+    fanin_successor_lease=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE", "60")),
+    fanin_successor_lease_grace=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE_GRACE", "60")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),
     worker_prefetch_multiplier=1,
@@ -147,6 +149,14 @@ def slow_successor(outcome: dict[str, Any], label: str, seconds: float) -> None:
 
 
 @app.task
+def slow_once_successor(outcome: dict[str, Any], label: str, seconds: float) -> None:
+    """Sleeps `seconds` on its first run only (a run its worker's death interrupts), then records its run."""
+    if _attempt("slow_once_successor", outcome) == 1:
+        sleepy(seconds)
+    record_run(outcome, label)
+
+
+@app.task
 def failing_successor(outcome: dict[str, Any], label: str) -> None:
     with _db() as conn:
         conn.execute(
@@ -154,6 +164,65 @@ def failing_successor(outcome: dict[str, Any], label: str) -> None:
             (outcome["batch_id"], label, json.dumps(outcome)),
         )
     raise RuntimeError("the successor failed on purpose")
+
+
+# --- a successor's lifecycle (tests/e2e/test_successor_lifecycle.py, test_pools.py) ------------------------------
+
+
+def _attempt(kind: str, outcome: dict[str, Any]) -> int:
+    """Counts the executions of a successor's body, per batch (the guard must admit each retry)."""
+    return int(_redis().incr(f"e2e:{kind}:{outcome['batch_id']}"))
+
+
+@app.task(bind=True, max_retries=5)
+def retrying_successor(self: Any, outcome: dict[str, Any], label: str, retries: int) -> int:
+    """Retries itself `retries` times with no delay (the retry can arrive before this attempt's postrun)."""
+    if _attempt("retrying_successor", outcome) <= retries:
+        raise self.retry(countdown=0)
+    record_run(outcome, label)
+    return int(self.request.retries)
+
+
+@app.task(bind=True, autoretry_for=(ConnectionError,), retry_backoff=0.1, retry_jitter=False, max_retries=3)
+def autoretry_successor(self: Any, outcome: dict[str, Any], label: str, failures: int) -> int:
+    """Fails `failures` times with a retryable error (autoretry_for, retry_backoff); past max_retries for good."""
+    if _attempt("autoretry_successor", outcome) <= failures:
+        raise ConnectionError(f"{label}: transient failure")
+    record_run(outcome, label)
+    return int(self.request.retries)
+
+
+@app.task
+def ignoring_successor(outcome: dict[str, Any], label: str) -> None:
+    """Ends its body with Ignore (Celery stores nothing): a final state, never run again."""
+    from celery.exceptions import Ignore
+
+    record_run(outcome, label)
+    raise Ignore()
+
+
+@app.task(bind=True)
+def replacing_successor(self: Any, outcome: dict[str, Any], label: str, as_chain: bool = False) -> Any:
+    """Replaces itself with `record_run` (or a chain ending in it): the replacement's end is the successor's."""
+    _attempt("replacing_successor", outcome)
+    replacement = record_run.si(outcome, f"{label}-replacement")
+    if as_chain:
+        replacement = ok.si(1) | replacement
+    raise self.replace(replacement)
+
+
+@app.task(bind=True)
+def replacing_child(self: Any, i: int) -> Any:
+    """A child that replaces itself with `ok(i)`: counted when the replacement ends, with its value."""
+    raise self.replace(ok.s(i))
+
+
+@app.task(bind=True, acks_late=True)
+def requeueing_successor(self: Any, outcome: dict[str, Any], label: str) -> None:
+    """Rejects its first delivery with requeue=True (acks_late, so the broker redelivers it), then runs."""
+    if _attempt("requeueing_successor", outcome) == 1:
+        raise Reject("not now", requeue=True)
+    record_run(outcome, label)
 
 
 @app.task(bind=True, autoretry_for=(ConnectionError,), max_retries=5, default_retry_delay=0.2, retry_jitter=False)

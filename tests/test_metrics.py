@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from celery_fanin import FanIn, fan_in_group, metrics
 from celery_fanin.relay import Relay
-from celery_fanin.store import batches
+from celery_fanin.store import batches, successors
 
 
 def scrape(server: metrics.MetricsServer) -> dict[str, float]:
@@ -82,9 +82,12 @@ def test_metrics_follow_a_batch(app: Celery, server: metrics.MetricsServer, rela
     assert published["fanin_relay_successors_published_total"] == 1
     assert published["fanin_relay_reconcile_repairs_total"] == 0
 
-    with FanIn.of(app).engine.connect() as conn:  # what a worker's start guard does when the successor starts
-        assert batches.claim_successor_run(conn, uuid.UUID(handle.batch_id), handle.status().step, 0)
-        batches.release_successor_run(conn, uuid.UUID(handle.batch_id), handle.status().step)
+    status = handle.status()
+    with FanIn.of(app).engine.begin() as conn:  # what a worker's run guard does when the successor starts
+        run = successors.claim_run(
+            conn, uuid.UUID(handle.batch_id), status.step, status.successor_task_id, 0, lease=60, grace=60, owner="t"
+        )
+        assert isinstance(run, successors.Run)
     started = scrape(server)
     assert started["fanin_successor_latency_seconds_count"] == 1
     assert 0 <= started["fanin_successor_latency_seconds_sum"] < 60

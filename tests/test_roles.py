@@ -20,7 +20,18 @@ import pytest
 from celery import Celery
 from sqlalchemy.engine import make_url
 
-from celery_fanin import BatchNotFound, BatchOutcome, FanIn, compensated, fan_in_group, hooks, retention, saga, sagas
+from celery_fanin import (
+    BatchNotFound,
+    BatchOutcome,
+    FanIn,
+    compensated,
+    fan_in_group,
+    hooks,
+    retention,
+    saga,
+    sagas,
+    successor_runs,
+)
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from tests.conftest import ADMIN_URL
@@ -159,11 +170,11 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         # The successor of `plain` runs on a worker: start guard, body reading the results, state and result.
         status = plain.status()
         succ_marker = hooks._Marker(plain.batch_id, None, status.step)
-        assert hooks._claim_run(fanin_w, status.successor_task_id, succ_marker, 0)
+        live = successor_runs.admit(fanin_w, plain.batch_id, status.step, status.successor_task_id, 0)
+        assert live is not None
         outcome = BatchOutcome(plain.batch_id, status.step, 3, 2, 1, app=worker)
         assert list(outcome.values()) == [0, 10]
-        hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2)
-        hooks._release_run(status.successor_task_id)
+        assert hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
         assert plain.status().successor_state == "succeeded"
 
         # --- retention ----------------------------------------------------------------------------------------
@@ -177,9 +188,9 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         # `fanin prune` as the same role, once the empty batch's successor has run.
         status = empty.status()
         marker = hooks._Marker(empty.batch_id, None, status.step)
-        assert hooks._claim_run(fanin_w, status.successor_task_id, marker, 0)
-        hooks.record_successor(fanin_w, marker, "succeeded", value=0)
-        hooks._release_run(status.successor_task_id)
+        live = successor_runs.admit(fanin_w, empty.batch_id, status.step, status.successor_task_id, 0)
+        assert live is not None
+        assert hooks.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
         maintenance = _app(cluster, "maintenance")
         apps = (*apps, maintenance)
         assert retention.prune(FanIn.of(maintenance), 0).batches == 1

@@ -90,9 +90,11 @@ class CeleryProcess:
             self.proc.wait(10)
 
 
-def start_worker(env: dict[str, str], log: Path, concurrency: int = 2, extra: list[str] | None = None) -> CeleryProcess:
+def start_worker(
+    env: dict[str, str], log: Path, concurrency: int = 2, extra: list[str] | None = None, pool: str = "prefork"
+) -> CeleryProcess:
     worker = CeleryProcess(
-        ["worker", "-P", "prefork", "-c", str(concurrency), "-l", "INFO", "--without-gossip", "--without-mingle",
+        ["worker", "-P", pool, "-c", str(concurrency), "-l", "INFO", "--without-gossip", "--without-mingle",
          "--without-heartbeat", "-n", f"e2e-{os.getpid()}-{time.monotonic_ns()}@%h", *(extra or [])],
         env, log, ready_marker="ready.",
     )  # fmt: skip

@@ -17,7 +17,6 @@ from sqlalchemy import Connection, text
 # Batch states in which nothing is counted any more (a failed_threshold batch may still record late children).
 FINISHED_STATES = ("complete", "partial", "failed_threshold", "expired")
 BATCH_STATES = ("open", "running", *FINISHED_STATES)
-_SUCCESSOR_FINAL = ("succeeded", "failed", "revoked")
 
 
 @dataclass(frozen=True)
@@ -311,7 +310,8 @@ _PRUNABLE = """
        AND b.created_at < now() - make_interval(secs => :age)
        AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
        AND (EXISTS (SELECT 1 FROM fanin_successors s
-                     WHERE s.batch_id = b.id AND s.step = b.step AND s.state IN ('succeeded', 'failed', 'revoked'))
+                     WHERE s.batch_id = b.id AND s.step = b.step
+                       AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
             OR (b.state = 'expired' AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
        AND NOT EXISTS (SELECT 1 FROM fanin_batches r
                         WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))

@@ -24,14 +24,10 @@ CHILD_TERMINAL_STATES = frozenset(
 )
 # Not yet terminal: published (or about to be), or started by a worker.
 CHILD_OPEN_STATES = ("pending", "started")
-# Successor states after which `wait()` returns.
-SUCCESSOR_FINAL_STATES = frozenset({"succeeded", "failed", "revoked"})
 
 # The namespace of the per-batch advisory lock a producer holds while it publishes its children (two-int form,
 # which does not overlap the single-bigint key space used by migrations).
 _PUBLISH_LOCK_CLASS = 0x66616E69  # "fani"
-# ... and of the lock a pool process holds while it runs a successor's body.
-_RUN_LOCK_CLASS = 0x66616E6A
 
 
 @dataclass(frozen=True)
@@ -488,104 +484,3 @@ def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> l
         {"id": batch_id, "n": limit},
     )
     return [(r.idx, r.task_id, Encoded(r.content_type, r.content_encoding, bytes(r.message))) for r in rows]
-
-
-# --- the successor's own lifecycle -------------------------------------------------------------------------------
-
-
-def claim_successor_run(conn: Connection, batch_id: uuid.UUID, step: str, retries: int) -> bool:
-    """Let one delivery of a successor run its body; refuse (and count) every duplicate.
-
-    The caller keeps `conn` open for as long as the body runs: the session advisory lock taken here is what says
-    "a live process is running this successor". A delivery that cannot take the lock is a duplicate of a live
-    run. One that can take it runs if the successor was never started, is due for this Celery retry, or was left
-    `running` by a process that died (its lock died with it). Anything else (finished, or an older retry's copy)
-    is refused. Returns True with the lock held, or False with it released.
-
-    The lock and the move to `running` are one statement in autocommit: one round trip before the body starts
-    (the lock is the session's, so it outlives the statement's transaction). `conn` is back in its transactional
-    mode on return, for `record_successor_state`.
-    """
-    conn.execution_options(isolation_level="AUTOCOMMIT")
-    try:
-        got, runs = conn.execute(
-            text(
-                """
-                WITH lock AS MATERIALIZED (SELECT pg_try_advisory_lock(:cls, hashtext(:key)) AS got),
-                run AS (
-                    UPDATE fanin_successors
-                       SET state = 'running', runs = runs + 1, started_at = coalesce(started_at, now()),
-                           state_at = now()
-                     WHERE batch_id = :id AND step = :step AND (SELECT got FROM lock)
-                       AND (state IN ('pending', 'sent', 'running') OR (state = 'retrying' AND runs <= :retries))
-                 RETURNING runs
-                )
-                SELECT (SELECT got FROM lock), (SELECT runs FROM run)
-                """
-            ),
-            {**_run_lock_key(batch_id, step), "id": batch_id, "step": step, "retries": retries},
-        ).one()
-        if runs is not None:
-            return True
-        if got:  # not this delivery's to run: let the lock go before counting it
-            release_successor_run(conn, batch_id, step)
-        conn.execute(
-            text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
-            {"id": batch_id, "step": step},
-        )
-        return False
-    finally:
-        # Each statement above committed by itself: this only ends SQLAlchemy's own transaction (no round trip),
-        # and after an error it lets the error through rather than a pending-rollback one.
-        conn.rollback()
-        conn.execution_options(isolation_level=conn.default_isolation_level)
-
-
-def release_successor_run(conn: Connection, batch_id: uuid.UUID, step: str) -> None:
-    conn.execute(text("SELECT pg_advisory_unlock(:cls, hashtext(:key))"), _run_lock_key(batch_id, step))
-    conn.commit()
-
-
-def _run_lock_key(batch_id: uuid.UUID, step: str) -> dict[str, object]:
-    return {"cls": _RUN_LOCK_CLASS, "key": f"{batch_id}:{step}"}
-
-
-RUN_LOCK_CLASS = _RUN_LOCK_CLASS
-
-
-def record_successor_state(
-    conn: Connection,
-    batch_id: uuid.UUID,
-    step: str,
-    state: str,
-    *,
-    result: Encoded | None = None,
-    exc_type: str | None = None,
-    exc_message: str | None = None,
-) -> None:
-    """Move the successor to `retrying` or a final state; a final state is never left again.
-
-    A nested batch (one that stands for a child of an outer batch) reports that child in the same transaction
-    when its successor reaches a final state: its return value is the child's result, its failure the child's.
-    """
-    row = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors s
-               SET state = :state, exc_type = :exc_type, exc_message = :exc_message, state_at = now(),
-                   result = :result, result_content_type = :rct, result_content_encoding = :rce,
-                   finished_at = CASE WHEN :state = 'retrying' THEN NULL ELSE now() END
-              FROM fanin_batches b
-             WHERE s.batch_id = :id AND s.step = :step AND b.id = s.batch_id
-               AND s.state NOT IN ('succeeded', 'failed', 'revoked')
-         RETURNING b.parent_task_id
-            """
-        ),
-        {
-            "id": batch_id, "step": step, "state": state, "exc_type": exc_type, "exc_message": exc_message,
-            "result": result.body if result else None, "rct": result.content_type if result else None,
-            "rce": result.content_encoding if result else None,
-        },
-    ).first()  # fmt: skip
-    if row is not None and row.parent_task_id and state in SUCCESSOR_FINAL_STATES:
-        record_terminal(conn, row.parent_task_id, state, result=result, exc_type=exc_type, exc_message=exc_message)

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .batches import RUN_LOCK_CLASS, Encoded, insert_successor, record_terminal
+from .batches import Encoded, insert_successor, record_terminal
 
 # --- lost children -------------------------------------------------------------------------------------------
 
@@ -87,54 +87,6 @@ def fail_lost(conn: Connection, child: OverdueChild) -> bool:
         exc_message=f"no terminal outcome within child_timeout ({timeout}); redrives: {child.redrives}",
     )  # fmt: skip
     return rec.counted
-
-
-# --- successors whose message went missing -------------------------------------------------------------------
-
-
-def stalled_successors(conn: Connection, timeout_seconds: float, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
-    """Successors that should have run by now: `sent` or `retrying` for longer than the timeout (the message
-    was lost, with a broker restart say), or `running` with no live process holding the run lock (its worker
-    died mid-body and nothing redelivered it)."""
-    rows = conn.execute(
-        text(
-            """
-            SELECT s.batch_id, s.step FROM fanin_successors s
-             WHERE s.state_at < now() - make_interval(secs => :timeout)
-               AND (s.state IN ('sent', 'retrying')
-                    OR (s.state = 'running' AND NOT EXISTS (
-                        SELECT 1 FROM pg_locks l
-                         WHERE l.locktype = 'advisory' AND l.classid = :cls AND l.objsubid = 2
-                           AND l.objid = CAST(hashtext(s.batch_id::text || ':' || s.step) AS oid)
-                           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))))
-             LIMIT :n
-            """
-        ),
-        {"timeout": timeout_seconds, "cls": RUN_LOCK_CLASS, "n": limit},
-    )
-    return [(r[0], r[1]) for r in rows]
-
-
-def republish_successor(conn: Connection, batch_id: uuid.UUID, step: str) -> bool:
-    """Put a stalled successor's outbox row back in line (same task id; the run guard refuses any duplicate)."""
-    row = conn.execute(
-        text(
-            """
-            WITH s AS (
-                UPDATE fanin_successors SET state_at = now()
-                 WHERE batch_id = :id AND step = :step AND state IN ('sent', 'retrying', 'running')
-             RETURNING batch_id, step
-            )
-            UPDATE fanin_outbox o SET sent_at = NULL, available_at = now(), last_error = 'republished: stalled'
-              FROM s WHERE o.batch_id = s.batch_id AND o.step = s.step
-         RETURNING o.id
-            """
-        ),
-        {"id": batch_id, "step": step},
-    ).first()
-    if row is not None:
-        conn.execute(text("SELECT pg_notify('fanin_outbox', :id)"), {"id": str(row[0])})
-    return row is not None
 
 
 # --- deadlines -------------------------------------------------------------------------------------------------

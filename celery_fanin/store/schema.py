@@ -115,6 +115,10 @@ successors = Table(
     Column("result", LargeBinary),
     Column("result_content_type", Text),
     Column("result_content_encoding", Text),
+    # The live run's lease, renewed while its body runs; fenced by `runs` (migration 0010).
+    Column("lease_until", DateTime(timezone=True)),
+    Column("attempt", Integer, nullable=False),
+    Column("run_owner", Text),
 )
 
 outbox = Table(

@@ -30,7 +30,7 @@ GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, r
 GRANT UPDATE (remaining, succeeded, failed, state, completed_at, last_settle_moved) ON fanin_batches TO fanin_worker;
 GRANT INSERT ON fanin_successors, fanin_outbox TO fanin_worker;
 GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_type, exc_message, result,
-              result_content_type, result_content_encoding)
+              result_content_type, result_content_encoding, lease_until, attempt, run_owner)
     ON fanin_successors TO fanin_worker;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
@@ -48,7 +48,7 @@ GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, r
               redriven_at)
     ON fanin_children TO fanin_relay;
 GRANT INSERT ON fanin_successors, fanin_outbox TO fanin_relay;
-GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_relay;
+GRANT UPDATE (state, state_at, lease_until) ON fanin_successors TO fanin_relay;
 GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_relay;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_relay;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),

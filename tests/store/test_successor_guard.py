@@ -1,128 +1,253 @@
-"""The successor's start guard (`batches.claim_successor_run`): one delivery runs the body, every other is refused
-and counted, and the connection it leaves behind holds the run's lock and is transactional again.
+"""The successor's run guard (`store.successors`): one delivery at a time runs the body, never after a final state.
 
 The guard is the exactly-once half of at-least-once publishing: the relay may publish a successor twice and a broker
-may redeliver it, and only the delivery that takes the advisory lock and moves the row to `running` runs.
+may redeliver it. A run is a lease on the successor's row, fenced by its run number: nothing depends on a database
+session staying up, so a restart, a failover or a dropped connection neither frees a live run nor lets a dead one
+write.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import psycopg.pq
 import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
-from celery_fanin.store import batches
+from celery_fanin.store import batches, successors
 
 from .helpers import create, fetch_one
+
+LIVE = {"lease": 60.0, "grace": 60.0, "owner": "test"}
+DEAD = {"lease": 0.0, "grace": 0.0, "owner": "test"}  # a lease that has lapsed as soon as it is taken
 
 
 def _successor(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
     with engine.connect() as conn:
-        return fetch_one(conn, "SELECT state, runs, duplicates FROM fanin_successors WHERE batch_id = :id", id=batch_id)
+        return fetch_one(
+            conn, "SELECT state, runs, duplicates, attempt FROM fanin_successors WHERE batch_id = :id", id=batch_id
+        )
 
 
-def _run_locks(conn: Connection) -> int:
-    """Advisory locks of the run-lock class held by the session of `conn`."""
-    return int(
-        conn.execute(
-            text(
-                "SELECT count(*) FROM pg_locks"
-                " WHERE locktype = 'advisory' AND classid = :cls AND pid = pg_backend_pid()"
-            ),
-            {"cls": batches.RUN_LOCK_CLASS},
-        ).scalar_one()
+def _claim(
+    engine: Engine, batch: batches.NewBatch, retries: int = 0, task_id: str | None = None, **lease: Any
+) -> successors.Run | None:
+    """A delivery as the worker's guard makes it: admitted, or refused and counted."""
+    with engine.begin() as conn:
+        got = successors.claim_run(
+            conn, batch.id, batch.step, task_id or batch.successor_task_id, retries, **{**LIVE, **lease}
+        )
+        if isinstance(got, successors.Refusal):
+            successors.count_duplicate(conn, batch.id, batch.step)
+            return None
+        return got
+
+
+def _in(engine: Engine, fn: Any) -> Any:
+    with engine.begin() as conn:
+        return fn(conn)
+
+
+def test_one_delivery_runs_a_duplicate_is_refused_and_counted_and_nothing_runs_after_the_end(
+    store_engine: Engine,
+) -> None:
+    batch, _, _ = create(store_engine, 0)
+    run = _claim(store_engine, batch)
+    assert run == successors.Run(batch.id, batch.step, 1, 0)
+    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 0, "attempt": 0}
+
+    assert _claim(store_engine, batch) is None  # a second delivery while the first run is alive
+    assert _successor(store_engine, batch.id)["duplicates"] == 1
+
+    assert _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "succeeded", run=run.number))
+    assert _claim(store_engine, batch, **DEAD) is None  # a late copy, even of a dead-looking run: final is final
+    assert _successor(store_engine, batch.id) == {"state": "succeeded", "runs": 1, "duplicates": 2, "attempt": 0}
+    # ... and a final state is never left or overwritten.
+    assert not _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "failed"))
+
+
+def test_a_live_run_does_not_depend_on_the_session_that_started_it(store_engine: Engine) -> None:
+    """The old advisory lock died with its session (restart, failover, dropped TCP): a lease does not."""
+    batch, _, _ = create(store_engine, 0)
+    conn = store_engine.connect()
+    assert isinstance(
+        successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE), successors.Run
     )
+    conn.commit()
+    conn.invalidate()  # the session is gone
+    conn.close()
+    assert _claim(store_engine, batch) is None
+    assert _successor(store_engine, batch.id)["state"] == "running"
 
 
-def _in_transaction(conn: Connection) -> bool:
-    """Whether the server has a transaction open on `conn`'s session (psycopg's view of it)."""
-    raw = conn.connection.dbapi_connection
-    assert raw is not None
-    return raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE  # type: ignore[attr-defined]
-
-
-def test_one_delivery_runs_and_a_concurrent_duplicate_is_refused_and_counted(store_engine: Engine) -> None:
+def test_a_dead_run_is_taken_over_and_fenced_off(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
-    with store_engine.connect() as first, store_engine.connect() as second:
-        assert batches.claim_successor_run(first, batch.id, batch.step, 0) is True
-        assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 0}
-        assert _run_locks(first) == 1
-        first.rollback()
-
-        # A second delivery while the first is alive: the lock is taken, so it never touches the row's state.
-        assert batches.claim_successor_run(second, batch.id, batch.step, 0) is False
-        assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 1}
-        assert _run_locks(second) == 0
-        second.rollback()
-
-        batches.record_successor_state(first, batch.id, batch.step, "succeeded")
-        first.commit()
-        batches.release_successor_run(first, batch.id, batch.step)
-        assert _run_locks(first) == 0
-        first.rollback()
-
-        # After the run finished, a late copy takes the lock but finds nothing to run: refused, lock let go.
-        assert batches.claim_successor_run(second, batch.id, batch.step, 0) is False
-        assert _run_locks(second) == 0
-        second.rollback()
-    assert _successor(store_engine, batch.id) == {"state": "succeeded", "runs": 1, "duplicates": 2}
+    old = _claim(store_engine, batch, **DEAD)
+    assert old is not None
+    new = _claim(store_engine, batch, grace=0.0)
+    assert new is not None and new.number == old.number + 1
+    # The old run (its worker was only cut off from the database) can neither renew nor record anything now.
+    assert _in(store_engine, lambda c: successors.renew_leases(c, [old, new], 60.0)) == {
+        (batch.id, batch.step, new.number)
+    }
+    assert not _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "failed", run=old.number))
+    assert not _in(store_engine, lambda c: successors.hand_over(c, old, "retrying"))
+    assert _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "succeeded", run=new.number))
 
 
-def test_a_run_whose_process_died_is_taken_over(store_engine: Engine) -> None:
+def test_a_run_renewed_in_time_is_not_taken_over(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
-    dead = store_engine.connect()
-    assert batches.claim_successor_run(dead, batch.id, batch.step, 0) is True
-    dead.invalidate()  # the process died: its session, and so its lock, are gone
-    dead.close()
-    with store_engine.connect() as conn:
-        assert batches.claim_successor_run(conn, batch.id, batch.step, 0) is True
-        assert _run_locks(conn) == 1
-        conn.rollback()
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 2, "duplicates": 0}
+    run = _claim(store_engine, batch, lease=0.0, grace=0.0)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.renew_leases(c, [run], 60.0)) == {(batch.id, batch.step, 1)}
+    assert _claim(store_engine, batch, grace=0.0) is None
 
 
-def test_a_retry_runs_only_while_its_retries_allow(store_engine: Engine) -> None:
+def test_a_retry_is_admitted_and_a_republished_copy_resumes_the_retry_count(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
-    with store_engine.connect() as conn:
-        for retries in (0, 1):  # the first run, then Celery's retry number 1
-            assert batches.claim_successor_run(conn, batch.id, batch.step, retries) is True
-            batches.record_successor_state(conn, batch.id, batch.step, "retrying")
-            conn.commit()
-            batches.release_successor_run(conn, batch.id, batch.step)
-        # A stale copy of the first retry's message, delivered after the second run was recorded: refused.
-        assert batches.claim_successor_run(conn, batch.id, batch.step, 1) is False
-        assert _run_locks(conn) == 0
-        conn.rollback()
-    assert _successor(store_engine, batch.id) == {"state": "retrying", "runs": 2, "duplicates": 1}
+    first = _claim(store_engine, batch)
+    assert first is not None
+    due = datetime.now(timezone.utc) + timedelta(seconds=30)
+    assert _in(store_engine, lambda c: successors.hand_over(c, first, "retrying", due))
+    assert _successor(store_engine, batch.id)["attempt"] == 1
+    # Celery's retry message (retries=1), delivered before the first attempt's task_postrun: admitted.
+    second = _claim(store_engine, batch, retries=1)
+    assert second == successors.Run(batch.id, batch.step, 2, 1)
+    assert _in(store_engine, lambda c: successors.hand_over(c, second, "retrying", due))
+    # The relay republished it (a fresh message, retries=0): admitted at the successor's own count.
+    third = _claim(store_engine, batch, retries=0)
+    assert third == successors.Run(batch.id, batch.step, 3, 2)
+    # A stale copy of an earlier retry while the third attempt runs: a duplicate.
+    assert _claim(store_engine, batch, retries=1) is None
 
 
-def test_the_guards_connection_is_transactional_again_for_the_successors_state(store_engine: Engine) -> None:
-    """The guard runs in autocommit; what the hooks write on the same connection afterwards must not."""
+def test_a_hand_over_that_published_nothing_is_taken_back(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
-    with store_engine.connect() as conn:
-        assert batches.claim_successor_run(conn, batch.id, batch.step, 0) is True
-        assert not _in_transaction(conn)  # the guard's own writes are committed
-        batches.record_successor_state(conn, batch.id, batch.step, "failed", exc_type="ValueError", exc_message="x")
-        assert _in_transaction(conn)
-        conn.rollback()  # the hooks' transaction failed: nothing of it stays
-        assert _successor(store_engine, batch.id)["state"] == "running"
-        assert _run_locks(conn) == 1  # the session's lock outlives both transactions
-        conn.rollback()
+    run = _claim(store_engine, batch)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.hand_over(c, run, "retrying"))
+    assert _in(store_engine, lambda c: successors.take_back(c, run, 60.0))
+    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 0, "attempt": 0}
+    assert _claim(store_engine, batch) is None
 
 
-def test_a_missing_successor_is_refused_and_leaves_no_lock(store_engine: Engine) -> None:
-    with store_engine.connect() as conn:
-        assert batches.claim_successor_run(conn, uuid.uuid4(), "merge", 0) is False
-        assert _run_locks(conn) == 0
-        conn.rollback()
+@pytest.mark.parametrize("state", ["requeued", "replaced"])
+def test_a_requeued_or_replaced_successor_admits_its_next_delivery(store_engine: Engine, state: str) -> None:
+    batch, _, _ = create(store_engine, 0)
+    run = _claim(store_engine, batch, retries=2)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.hand_over(c, run, state))
+    nxt = _claim(store_engine, batch)
+    assert nxt is not None and nxt.number == 2
+    # A replacement is a new task: its retries count from zero; a requeued message keeps its count.
+    assert nxt.attempt == (0 if state == "replaced" else 2)
+
+
+@pytest.mark.parametrize("state", sorted(successors.FINAL_STATES))
+def test_every_final_state_is_final(store_engine: Engine, state: str) -> None:
+    batch, _, _ = create(store_engine, 0)
+    run = _claim(store_engine, batch)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, state, run=run.number))
+    assert _claim(store_engine, batch, **DEAD) is None
+    with store_engine.begin() as conn:
+        assert successors.stalled(conn, 0.0, 0.0) == []
+
+
+def test_only_final_and_hand_over_states_are_accepted(store_engine: Engine) -> None:
+    batch, _, _ = create(store_engine, 0)
+    run = _claim(store_engine, batch)
+    assert run is not None
+    with store_engine.begin() as conn, pytest.raises(ValueError):
+        successors.record_state(conn, batch.id, batch.step, "retrying")
+    with store_engine.begin() as conn, pytest.raises(ValueError):
+        successors.hand_over(conn, run, "succeeded")
+
+
+def test_a_delivery_with_another_task_id_or_for_no_successor_is_refused(store_engine: Engine) -> None:
+    batch, _, _ = create(store_engine, 0)
+    assert _claim(store_engine, batch, task_id="forged") is None
+    assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 1, "attempt": 0}
+    with store_engine.begin() as conn:
+        assert successors.claim_run(conn, uuid.uuid4(), "merge", "x", 0, **LIVE) == successors.Refusal(None, None)
+
+
+def test_a_run_whose_holder_is_known_to_be_gone_is_taken_over_at_once(store_engine: Engine) -> None:
+    """The worker's guard sees that the process holding a live-looking lease is gone (a killed pool process)."""
+    batch, _, _ = create(store_engine, 0)
+    assert _claim(store_engine, batch, owner="host:1:42:7") is not None
+    with store_engine.begin() as conn:
+        refused = successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
+        assert refused == successors.Refusal("running", "host:1:42:7")
+        other = successors.claim_run(
+            conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:43:7"
+        )
+        assert isinstance(other, successors.Refusal), "only the holder named gone is taken over"
+        taken = successors.claim_run(
+            conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:42:7"
+        )
+        assert isinstance(taken, successors.Run) and taken.number == 2
+
+
+def test_racing_deliveries_admit_exactly_one(store_engine: Engine) -> None:
+    batch, _, _ = create(store_engine, 0)
+    barrier = threading.Barrier(8)
+    admitted: list[successors.Run] = []
+
+    def deliver() -> None:
+        with store_engine.begin() as conn:
+            barrier.wait()
+            run = successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
+            if isinstance(run, successors.Refusal):
+                successors.count_duplicate(conn, batch.id, batch.step)
+        if isinstance(run, successors.Run):
+            admitted.append(run)
+
+    threads = [threading.Thread(target=deliver) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(admitted) == 1
+    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 7, "attempt": 0}
+
+
+def _stalled(conn: Connection, timeout: float = 0.0, grace: float = 0.0) -> list[tuple[uuid.UUID, str]]:
+    return successors.stalled(conn, timeout, grace)
+
+
+def test_stalled_successors_are_lost_messages_and_dead_runs_only(store_engine: Engine) -> None:
+    sent, _, _ = create(store_engine, 0)
+    with store_engine.begin() as conn:
+        conn.execute(text("UPDATE fanin_successors SET state = 'sent' WHERE batch_id = :id"), {"id": sent.id})
+    live, _, _ = create(store_engine, 0)
+    assert _claim(store_engine, live) is not None
+    dead, _, _ = create(store_engine, 0)
+    assert _claim(store_engine, dead, **DEAD) is not None
+    later, _, _ = create(store_engine, 0)  # a retry due in an hour is not late
+    later_run = _claim(store_engine, later)
+    assert later_run is not None
+    due = datetime.now(timezone.utc) + timedelta(hours=1)
+    assert _in(store_engine, lambda c: successors.hand_over(c, later_run, "retrying", due))
+
+    with store_engine.begin() as conn:
+        found = set(_stalled(conn))
+        assert found == {(sent.id, sent.step), (dead.id, dead.step)}
+        assert _stalled(conn, timeout=3600.0, grace=0.0) == [(dead.id, dead.step)]
+        assert _stalled(conn, timeout=3600.0, grace=3600.0) == []
+        # Republishing a dead run's successor puts it back to `sent`, so one of the copies is admitted.
+        assert successors.republish(conn, dead.id, dead.step, 0.0, 0.0)
+        assert not successors.republish(conn, live.id, live.step, 0.0, 0.0), "a live run is left alone"
+        assert fetch_one(conn, "SELECT sent_at FROM fanin_outbox WHERE batch_id = :id", id=dead.id)["sent_at"] is None
+    assert _successor(store_engine, dead.id)["state"] == "sent"
+    assert _claim(store_engine, dead) is not None
 
 
 def test_a_guard_that_cannot_get_the_row_raises_the_stores_error(store_engine: Engine) -> None:
-    """The hooks retry on the store's errors (on a fresh connection: the failed one may hold the run lock)."""
+    """The hooks retry on the store's errors; a failed claim changes nothing."""
     batch, _, _ = create(store_engine, 0)
     with store_engine.connect() as holder, holder.begin():
         holder.execute(text("SELECT 1 FROM fanin_successors WHERE batch_id = :id FOR UPDATE"), {"id": batch.id})
@@ -130,7 +255,6 @@ def test_a_guard_that_cannot_get_the_row_raises_the_stores_error(store_engine: E
             conn.execute(text("SET lock_timeout = '200ms'"))
             conn.commit()
             with pytest.raises(OperationalError, match="lock timeout"):
-                batches.claim_successor_run(conn, batch.id, batch.step, 0)
-            assert not conn.in_transaction() and not _in_transaction(conn)
-            conn.invalidate()
-    assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 0}
+                successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
+            conn.rollback()
+    assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 0, "attempt": 0}

@@ -1,0 +1,303 @@
+"""A worker's successor runs: admitted by the store's run guard, kept alive by a heartbeat, handed over or finished.
+
+The Celery side (which signal or task method calls what) is in `hooks`; the statements are in `store.successors`.
+A run belongs to one execution of the task (it hangs off that execution's request context), never to a task id or
+a process: with thread-based pools (threads, gevent, eventlet) a duplicate delivery of the same task id runs in
+the same process as the live run, and must neither see nor release it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
+
+from .extension import FanIn
+from .store import successors
+from .store.batches import Encoded
+
+logger = logging.getLogger("celery_fanin.successors")
+
+T = TypeVar("T")
+
+
+class LiveRun:
+    """A run this process admitted and has not ended yet; `ended` once it is finished, handed over or fenced."""
+
+    __slots__ = ("fanin", "run", "ended", "fenced")
+
+    def __init__(self, fanin: FanIn, run: successors.Run) -> None:
+        self.fanin = fanin
+        self.run = run
+        self.ended = False
+        self.fenced = False
+
+    @property
+    def key(self) -> tuple[uuid.UUID, str, int]:
+        return (self.run.batch_id, self.run.step, self.run.number)
+
+
+def _store(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
+    """One store statement in autocommit (one round trip), retried over connection errors with backoff."""
+    attempts = max(1, int(fanin.setting("record_attempts")))
+    for attempt in range(1, attempts + 1):
+        try:
+            with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                return fn(conn)
+        except SQLAlchemyError:
+            if attempt == attempts:
+                logger.exception("gave up %s after %d attempts", what, attempts)
+                raise
+            time.sleep(min(5.0, 0.2 * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""  # no way to tell this machine's processes apart from another's: never judged locally
+
+
+_PIDNS = _pid_namespace()
+
+
+def owner() -> str:
+    """Who holds a run: host, PID namespace, process and thread (also read back by `_gone`)."""
+    return f"{socket.gethostname()}:{_PIDNS}:{os.getpid()}:{threading.get_ident()}"
+
+
+def _gone(holder: str | None) -> bool:
+    """Whether `holder` is a process of this machine (same host and PID namespace) that no longer exists.
+
+    A pool process killed mid-body (OOM, SIGKILL) leaves a live-looking lease; with `acks_late` Celery redelivers
+    its message at once, usually to the same worker. Seeing that the holder is gone lets that delivery run now
+    instead of after the lease lapses. Anything not provably gone is treated as alive.
+    """
+    if not holder or not _PIDNS:
+        return False
+    host, _, rest = holder.rpartition(":")[0].partition(":")
+    pidns, _, pid = rest.partition(":")
+    if host != socket.gethostname() or pidns != _PIDNS or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) -> LiveRun | None:
+    """Start a run for this delivery, or None for a duplicate (or when the store cannot be reached: refusing is
+    safe, since the relay republishes a successor that never starts)."""
+    settings = fanin.settings
+    bid = uuid.UUID(batch_id)
+
+    def claim(conn: Connection) -> successors.Run | None:
+        kwargs: dict[str, Any] = {
+            "lease": settings.successor_lease,
+            "grace": settings.successor_lease_grace,
+            "owner": owner(),
+        }
+        got = successors.claim_run(conn, bid, step, task_id, retries, **kwargs)
+        if isinstance(got, successors.Refusal) and got.state == "running" and _gone(got.owner):
+            got = successors.claim_run(conn, bid, step, task_id, retries, dead_owner=got.owner, **kwargs)
+        if isinstance(got, successors.Refusal):
+            successors.count_duplicate(conn, bid, step)
+            return None
+        return got
+
+    try:
+        run = _store(fanin, f"successor start of batch {batch_id}", claim)
+    except SQLAlchemyError:
+        return None
+    if run is None:
+        return None
+    live = LiveRun(fanin, run)
+    _heartbeat.add(live)
+    return live
+
+
+def hand_over(live: LiveRun, state: str, due_at: datetime | None = None) -> bool:
+    """End the run and leave the successor to its next delivery (see `store.successors.hand_over`)."""
+    _heartbeat.remove(live)
+    try:
+        moved = _store(
+            live.fanin,
+            f"handing over successor of batch {live.run.batch_id}",
+            lambda conn: successors.hand_over(conn, live.run, state, due_at),
+        )
+    except SQLAlchemyError:
+        moved = False  # the run's lease lapses; the relay republishes the successor once it is dead
+    live.ended = True
+    if not moved:
+        _log_fenced(live, state)
+    return moved
+
+
+def take_back(live: LiveRun) -> None:
+    """The retry or replacement was never published: the run goes on, under its lease again."""
+    lease = live.fanin.settings.successor_lease
+    try:
+        back = _store(live.fanin, "successor run taken back", lambda conn: successors.take_back(conn, live.run, lease))
+    except SQLAlchemyError:
+        back = False
+    if back:
+        live.ended = False
+        _heartbeat.add(live)
+
+
+def abandon(live: LiveRun) -> None:
+    """Stop renewing the run's lease without recording anything: the relay republishes it once it is dead."""
+    _heartbeat.remove(live)
+    live.ended = True
+
+
+def finish(
+    live: LiveRun | None,
+    fanin: FanIn,
+    batch_id: str,
+    step: str,
+    state: str,
+    *,
+    result: Encoded | None = None,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> bool:
+    """Record a final state: fenced to `live`'s run when the pool process reports its own body's end, unfenced
+    for the main process's reports (it holds no run: hard time limit, lost process, revoke, unknown task)."""
+    if live is not None:
+        _heartbeat.remove(live)
+        live.ended = True
+    try:
+        moved = _store(
+            fanin,
+            f"recording successor state of batch {batch_id}",
+            lambda conn: successors.record_state(
+                conn,
+                uuid.UUID(batch_id),
+                step,
+                state,
+                run=live.run.number if live is not None else None,
+                result=result,
+                exc_type=exc_type,
+                exc_message=exc_message,
+            ),
+        )
+    except SQLAlchemyError:
+        return False  # logged; the lease lapses and the relay runs the successor again
+    if not moved and live is not None:
+        _log_fenced(live, state)
+    return moved
+
+
+def _log_fenced(live: LiveRun, state: str) -> None:
+    logger.error(
+        "successor batch_id=%s step=%s run %d could not record %s: the successor is final already, or its lease "
+        "lapsed and another run took it over",
+        live.run.batch_id,
+        live.run.step,
+        live.run.number,
+        state,
+        extra={"batch_id": str(live.run.batch_id), "step": live.run.step},
+    )
+
+
+class _Heartbeat:
+    """Renews the leases of this process's live runs, from a thread of its own (a greenlet under gevent/eventlet).
+
+    Renewals are conditional on the run number: a run whose lease was taken over learns it here (`fenced`) and is
+    logged; its body cannot be stopped, but nothing it records later is kept.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[int, LiveRun] = {}
+        self._wake = threading.Event()
+        self._pid: int | None = None
+
+    def add(self, live: LiveRun) -> None:
+        with self._lock:
+            self._runs[id(live)] = live
+            if self._pid != os.getpid():  # first run in this process (or a forked one): the thread is not here
+                self._pid = os.getpid()
+                self._wake = threading.Event()
+                threading.Thread(target=self._loop, name="fanin-successor-heartbeat", daemon=True).start()
+
+    def remove(self, live: LiveRun) -> None:
+        with self._lock:
+            self._runs.pop(id(live), None)
+
+    def live(self) -> list[LiveRun]:
+        with self._lock:
+            return list(self._runs.values())
+
+    def _loop(self) -> None:
+        pid = os.getpid()
+        delay = 0.0
+        while self._pid == pid:
+            self._wake.wait(delay)
+            runs = self.live()
+            if not runs:
+                delay = 1.0
+                continue
+            delay = min(live.fanin.settings.successor_lease for live in runs) / 4
+            by_app: dict[int, list[LiveRun]] = {}
+            for live in runs:
+                by_app.setdefault(id(live.fanin), []).append(live)
+            for group in by_app.values():
+                if not self._renew(group):
+                    delay = min(delay, 1.0)  # the store is unreachable: try again soon, the lease is running out
+
+    def _renew(self, group: list[LiveRun]) -> bool:
+        fanin = group[0].fanin
+        lease = fanin.settings.successor_lease
+        try:
+            with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                held = successors.renew_leases(conn, [live.run for live in group], lease)
+        except SQLAlchemyError as exc:
+            logger.warning("could not renew successor leases (retrying): %s", exc.__class__.__name__)
+            return False
+        for live in group:
+            if live.key not in held and not live.ended:
+                self.remove(live)
+                live.fenced = True
+                logger.error(
+                    "successor batch_id=%s step=%s run %d lost its lease while its body runs (the database was "
+                    "unreachable for longer than fanin_successor_lease + fanin_successor_lease_grace?): its end "
+                    "will not be recorded",
+                    live.run.batch_id,
+                    live.run.step,
+                    live.run.number,
+                    extra={"batch_id": str(live.run.batch_id), "step": live.run.step},
+                )
+        return True
+
+
+_heartbeat = _Heartbeat()
+
+
+def live_runs() -> list[LiveRun]:
+    """The runs this process holds now (for tests and diagnostics)."""
+    return _heartbeat.live()
+
+
+def request_run(request: Any) -> LiveRun | None:
+    """The run of the task execution whose request context this is (a custom `__call__` copies it)."""
+    live = getattr(request, "_fanin_run", None)
+    return live if isinstance(live, LiveRun) else None
+
+
+def attach(request: Any, live: LiveRun) -> None:
+    request._fanin_run = live

@@ -1,0 +1,60 @@
+"""The core guarantees on every pool Celery ships: prefork, threads, solo, gevent and eventlet.
+
+Thread-based pools run a duplicate delivery of a successor in the same process as its live run; a run belongs to
+one execution of the task (its request), so the duplicate is refused without touching the live run. Each test runs
+real `celery worker -P <pool>` subprocesses against Redis and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from celery_fanin import FanIn, fan_in_group
+from celery_fanin.relay import Relay
+from tests import app as tasks
+from tests.workers import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+Runs = Callable[[str], list[dict[str, Any]]]
+POOLS = ["prefork", "threads", "solo", "gevent", "eventlet"]
+CONCURRENCY = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 8, "eventlet": 8}
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_children_of_every_kind_and_a_retrying_successor(
+    producer: Any, processes: Any, successor_runs: Runs, pool: str
+) -> None:
+    processes.worker(pool=pool, concurrency=CONCURRENCY[pool])
+    processes.relay()
+    children = [tasks.ok.s(0), tasks.fail.s(1), tasks.flaky.s(2, 1), tasks.replacing_child.s(3), tasks.reject.s(4)]
+    handle = fan_in_group(children, then=tasks.retrying_successor.s(f"pool-{pool}", 2)).apply_async()
+    status = handle.wait(timeout=60)
+    assert (status.succeeded, status.failed, status.remaining) == (3, 2, 0)
+    assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 3, 0)
+    runs = successor_runs(handle.batch_id)
+    assert len(runs) == 1
+    assert sorted((f["index"], f["state"]) for f in runs[0]["outcome"]["failures"]) == [(1, "failed"), (4, "rejected")]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_duplicate_delivery_of_a_running_successor_is_refused(
+    producer: Any, processes: Any, successor_runs: Runs, pool: str
+) -> None:
+    processes.worker(pool=pool, concurrency=CONCURRENCY[pool])
+    handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s(f"dup-{pool}", 2)).apply_async()
+    relay = Relay(FanIn.of(producer))
+    wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
+    wait_for(lambda: handle.status().successor_state == "running", 20, message="the successor running")
+    # A second copy while the first runs: on a thread-based pool it runs in the same process as the live run.
+    with FanIn.of(producer).engine.begin() as conn:
+        conn.execute(text("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b"), {"b": handle.batch_id})
+    assert relay.run_once() == 1
+    wait_for(lambda: handle.status().successor_duplicates == 1, 30, message="the copy refused")
+    status = handle.wait(timeout=30)
+    assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 1)
+    assert len(successor_runs(handle.batch_id)) == 1
