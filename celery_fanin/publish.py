@@ -664,7 +664,18 @@ def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signatu
             opts.setdefault("task_id", str(uuid.uuid5(_CHAIN_IDS, f"{task_id}:{i}")))
         opts["headers"] = {**shared, **(opts.get("headers") or {}), **marker}
         steps.append(step)
-    chained = _chain(*steps, app=sig._app)
+    app = sig._app or steps[0]._app or sig.app  # a chain built with chain(...) takes no app of its own
+    if app.conf.task_always_eager:
+        # Celery's eager chain applies every task with the chain's task id (the last task's): run them here,
+        # each with its own id, passing each result on, and stop at the first that does not succeed (whose
+        # failure the hooks record with its own error; it is not raised into the producer).
+        last: Any = None
+        for step in steps:
+            last = step.apply((last.get(),) if last is not None else (), throw=False)
+            if not last.successful():
+                return
+        return
+    chained = _chain(*steps, app=app)
     chained.options.update({k: v for k, v in sig.options.items() if k not in ("task_id", "headers")})
     chained.apply_async(task_id=task_id, producer=prod, add_to_parent=False, **options)
 
