@@ -21,9 +21,11 @@ the broker writes are pipelined:
 - any other transport, or a Redis connection configured to retry commands (where kombu refuses pipelines):
   the same messages, published one by one.
 
-A child with options the fast path does not model (links, chords, stamps...), and every child of an app in eager
-mode, with task protocol 1, with ``task_send_sent_event``, or with ``fanin_bulk_publish = False``, goes through
-``Signature.apply_async`` exactly as before.
+A child with options the fast path does not model (links, chords, stamps...), a chain child (`publish_chain`), and
+every child of an app in eager mode, with task protocol 1, with ``task_send_sent_event``, or with
+``fanin_bulk_publish = False``, goes through ``Signature.apply_async`` exactly as before; on RabbitMQ on the same
+confirm channel, so that it too is recorded as published only once the broker confirmed it. Successors are
+published on it too (`publish_successor` returns once the broker confirmed).
 """
 
 from __future__ import annotations

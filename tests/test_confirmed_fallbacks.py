@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, chain
 from kombu import Connection
 
 from celery_fanin import FanIn, fan_in_group
@@ -79,8 +79,8 @@ def test_children_published_by_celery_are_recorded_only_once_confirmed(
     if path == "bulk_off":
         app.conf.fanin_bulk_publish = False
         children = [echo.s(i) for i in range(3)]
-    else:  # a link is an option the fast path leaves to Celery
-        children = [echo.s(i).set(link=echo.s()) for i in range(3)]
+    else:  # a link is an option the fast path leaves to Celery, and a chain is Celery's own
+        children = [echo.s(0).set(link=echo.s()), chain(echo.s(1), echo.s()), echo.s(2).set(link=echo.s())]
     _refuse_confirms(monkeypatch)
     handle = fan_in_group(children, then=echo.s(), app=app).apply_async()
     assert handle.status().published == 0, "refused by the broker, yet recorded as published"
