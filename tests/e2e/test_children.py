@@ -128,8 +128,11 @@ def test_link_countdown_and_chain_children_are_counted_once_with_the_right_outco
     notes = wait_for(lambda: len(_notes(broker_env)) >= 2 and _notes(broker_env), 20, message="both callbacks")
     labels = dict(notes)
     assert labels["link"] == 30
-    errback_arg = labels["errback"]
-    assert isinstance(errback_arg, str) and len(errback_arg) == 36  # the failed child's task id
+    with psycopg.connect(broker_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        failed_id = conn.execute(
+            "SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 4", (uuid.UUID(handle.batch_id),)
+        ).fetchone()
+    assert failed_id is not None and labels["errback"] == failed_id[0]  # the errback got the failed child's id
     assert len(notes) == 2
 
 
