@@ -221,6 +221,64 @@ def _check_plain_signature(value: object, what: str) -> Signature:
     return value
 
 
+class _MessageTimes:
+    """A child message's `expires` and `countdown`/`eta` as absolute times, for its row (see `NewChild`).
+
+    Why: RabbitMQ drops a message whose `expires` passed unconsumed, and no worker reports it; the relay counts
+    such a child from `expires_at`. A relative `expires` or `countdown` is taken from now (the batch's creation).
+    """
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.task_expires: dict[str, Any] = {}  # the task's own default `expires`, per task name
+        self.now: datetime | None = None
+
+    def __call__(self, name: str, options: dict[str, Any], what: str) -> tuple[datetime | None, datetime | None]:
+        expires = options.get("expires")
+        if expires is None:
+            if name not in self.task_expires:
+                task = self.app.tasks.get(name)
+                self.task_expires[name] = getattr(task, "expires", None) if task is not None else None
+            expires = self.task_expires[name]
+        countdown, eta = options.get("countdown"), options.get("eta")
+        if expires is None and countdown is None and eta is None:
+            return None, None
+        return self._absolute(expires, f"{what}: expires"), self._absolute(eta or countdown, f"{what}: countdown/eta")
+
+    def _absolute(self, value: Any, what: str) -> datetime | None:
+        if value is None:
+            return None
+        if self.now is None:
+            self.now = datetime.now(timezone.utc)
+        if isinstance(value, datetime):
+            return _aware(value)
+        if isinstance(value, str):
+            try:
+                return _aware(datetime.fromisoformat(value))
+            except ValueError:
+                raise InvalidFanIn(f"{what} {value!r} is not an ISO 8601 date and time") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidFanIn(f"{what} must be a number of seconds or a datetime, not {value!r}")
+        return self.now + timedelta(seconds=value)
+
+
+def _check_chain(value: Signature, what: str) -> Signature:
+    """A chain child holds task signatures only (nested chains are flattened); returns its last task.
+
+    Why: the child is counted when the chain's last task ends; a group or chord inside the chain publishes task
+    ids the chain's headers do not reach, and a chain ending in one has no single last task."""
+    tasks = publish.chain_tasks(value)
+    if not tasks:
+        raise InvalidFanIn(f"{what} is an empty chain")
+    for i, task in enumerate(tasks):
+        if isinstance(task, Signature) and type(task) is not Signature:
+            kind = task.get("subtask_type") or type(task).__name__.lstrip("_")
+            raise InvalidFanIn(f"{what}: task {i} of the chain is a {kind}; a chain child may hold only task "
+                               "signatures (task.s(...))")  # fmt: skip
+        _check_plain_signature(task, f"{what}: task {i} of the chain")
+    return tasks[-1]
+
+
 @dataclass(frozen=True)
 class Policy:
     """A batch's recovery settings, validated: what happens to lost children, at the deadline, on failures."""
@@ -441,14 +499,23 @@ class FanInGroup:
 
         serializer = app.conf.task_serializer  # read once: the configuration's lookup costs a child's JSON
         ids = random_ids()
+        message_times = _MessageTimes(app)
 
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
                 sig = nesting.as_signature(app, item, f"child {index}")
+            elif publish.is_chain(item):  # counted when its last task ends (or any task fails)
+                tail = _check_chain(item, f"child {index}")
+                task_id = item.options.get("task_id") or tail.options.get("task_id") or next(ids)
+                first = publish.chain_tasks(item)[0]  # its message is the one published now, with the chain's options
+                expires_at, eta_at = message_times(first.task, {**first.options, **item.options}, f"child {index}")
+                encoded = _encode(app, item, f"child {index}", serializer)
+                return batches.NewChild(task_id, tail.task, encoded, expires_at, eta_at), item
             else:
                 sig = _check_plain_signature(item, f"child {index}")
+            expires_at, eta_at = message_times(sig.task, sig.options, f"child {index}")
             child = batches.NewChild(sig.options.get("task_id") or next(ids), sig.task,
-                                     _encode(app, sig, f"child {index}", serializer))  # fmt: skip
+                                     _encode(app, sig, f"child {index}", serializer), expires_at, eta_at)  # fmt: skip
             return child, sig
 
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None

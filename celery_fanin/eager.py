@@ -190,6 +190,9 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
             hooks.record_child(fanin, row.task_id, marker, "unknown", exc=NotRegistered(row.task_name))
             continue
         sig = publish.decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
+        if publish.is_chain(sig):
+            publish.publish_chain(None, str(batch_id), row.idx, row.task_id, sig)  # type: ignore[arg-type]
+            continue
         sig.apply(task_id=row.task_id, throw=False,
                   headers={**(sig.options.get("headers") or {}), publish.HEADER_BATCH: str(batch_id),
                            publish.HEADER_INDEX: row.idx})  # fmt: skip

@@ -60,6 +60,9 @@ class Settings:
     check_pooler: bool = True
     # How often the relay looks for lost children and passed deadlines, and reconciles counters.
     reaper_interval: float = 10.0
+    # Seconds past a child's `expires` after which the relay counts it as revoked if no worker took it: a broker
+    # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it.
+    expires_grace: float = 30.0
     reconcile_interval: float = 300.0
 
     @classmethod

@@ -44,7 +44,7 @@ from kombu.exceptions import EncodeError
 from . import starts, successor_runs
 from .exceptions import FanInNotConfigured
 from .extension import FanIn
-from .publish import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
+from .publish import HEADER_BATCH, HEADER_CHAIN, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
 from .store import batches
 from .store.reports import ReportConnection
 
@@ -60,12 +60,17 @@ _install_lock = threading.Lock()
 class _Marker:
     """The fan-in headers of one task message: a child (batch + index) or a successor (batch + step)."""
 
-    __slots__ = ("batch_id", "index", "step")
+    __slots__ = ("batch_id", "index", "step", "chain")
 
-    def __init__(self, batch_id: str, index: int | None, step: str | None) -> None:
+    def __init__(self, batch_id: str, index: int | None, step: str | None, chain: str | None = None) -> None:
         self.batch_id = batch_id
         self.index = index
         self.step = step
+        self.chain = chain  # a chain child's task id (its last task's), on each of the chain's tasks
+
+    def child_id(self, task_id: str) -> str:
+        """The task id of the child this message reports for: its own, or its chain's."""
+        return self.chain or task_id
 
     @property
     def is_successor(self) -> bool:
@@ -88,7 +93,8 @@ class _Marker:
         batch_id = get(HEADER_BATCH, None)
         if batch_id:
             index = get(HEADER_INDEX, None)
-            return cls(str(batch_id), int(index) if index is not None else None, None)
+            chain = get(HEADER_CHAIN, None)
+            return cls(str(batch_id), int(index) if index is not None else None, None, str(chain) if chain else None)
         return None
 
 
@@ -396,15 +402,18 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     if marker.is_successor:
         _successor_postrun(fanin, marker, successor_runs.request_run(task.request), state, retval)
         return
+    child_id = marker.child_id(task_id)
     if state == "SUCCESS":
+        if child_id != task_id:
+            return  # a chain's earlier task: the worker publishes the next, and the last one reports
         start = starts.take_start(fanin, task_id)
         record_child(fanin, task_id, marker, "succeeded", value=retval, has_value=True, start=start)
     elif state == "FAILURE":
         exc = retval if isinstance(retval, BaseException) else None
         terminal = "time_limit" if isinstance(exc, SoftTimeLimitExceeded) else "failed"
-        record_child(fanin, task_id, marker, terminal, exc=exc, start=starts.take_start(fanin, task_id))
+        record_child(fanin, child_id, marker, terminal, exc=exc, start=starts.take_start(fanin, child_id))
     elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
-        record_child(fanin, task_id, marker, "rejected", exc=retval, start=starts.take_start(fanin, task_id))
+        record_child(fanin, child_id, marker, "rejected", exc=retval, start=starts.take_start(fanin, child_id))
     # RETRY, IGNORED, REJECTED with requeue: the child is not finished; another attempt reports.
 
 
@@ -444,7 +453,8 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
     if fanin is None or not fanin.setting("track_started"):
         return
     request = task.request
-    starts.note_start(fanin, task_id, int(getattr(request, "retries", 0) or 0), getattr(request, "hostname", None))
+    child_id = marker.child_id(task_id)  # a chain child started when its first task did
+    starts.note_start(fanin, child_id, int(getattr(request, "retries", 0) or 0), getattr(request, "hostname", None))
 
 
 def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
@@ -468,7 +478,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exception)
     else:
-        record_child(fanin, task_id, marker, state, exc=exception)
+        record_child(fanin, marker.child_id(task_id), marker, state, exc=exception)
 
 
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
@@ -483,7 +493,7 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
     if marker.is_successor:
         record_successor(fanin, marker, "revoked", exc)
     else:
-        record_child(fanin, request.id, marker, "revoked", exc=exc)
+        record_child(fanin, marker.child_id(request.id), marker, "revoked", exc=exc)
 
 
 class _Revoked(Exception):
@@ -499,7 +509,7 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exc)
     else:
-        record_child(fanin, id, marker, "unknown", exc=exc)
+        record_child(fanin, marker.child_id(id), marker, "unknown", exc=exc)
 
 
 def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
@@ -512,7 +522,7 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exc)
     else:
-        record_child(fanin, task_id, marker, "rejected", exc=exc)
+        record_child(fanin, marker.child_id(task_id), marker, "rejected", exc=exc)
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:

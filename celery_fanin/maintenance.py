@@ -56,6 +56,27 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
     return report
 
 
+def revoke_expired_children(fanin: FanIn, limit: int = 500) -> list[str]:
+    """Count as `revoked` (expired) every pending child whose `expires` passed over `fanin_expires_grace` ago.
+
+    A broker may drop an expired message unconsumed (RabbitMQ: Celery gives it a TTL), and then no worker ever
+    reports it; where a worker does see it (Redis), its report and this one race and the child counts once."""
+    grace = float(fanin.settings.expires_grace)
+    with fanin.engine.connect() as conn:
+        due = recovery.expired_children(conn, grace, limit)
+        conn.commit()
+    done = []
+    for task_id, batch_id, idx in due:
+        with fanin.engine.begin() as conn:
+            counted = recovery.revoke_expired(conn, task_id, grace)
+        if counted:
+            done.append(task_id)
+            logger.warning("child expired unconsumed batch_id=%s index=%d task_id=%s: counted as revoked",
+                           batch_id, idx, task_id,
+                           extra={"batch_id": str(batch_id), "child_index": idx, "task_id": task_id})  # fmt: skip
+    return done
+
+
 def restart_stalled_successors(fanin: FanIn, limit: int = 100) -> list[tuple[str, str]]:
     """Publish again every successor whose message was lost or whose run died (see `store.successors.stalled`)."""
     settings = fanin.settings

@@ -60,6 +60,7 @@ _RELAY_COUNTERS = {
     "children_published": ("fanin_relay_children_published", "Children the relay published for a dead producer."),
     "children_redriven": ("fanin_relay_children_redriven", "Lost children published again (on_lost=redrive)."),
     "children_lost": ("fanin_relay_children_lost", "Children counted as lost after child_timeout."),
+    "children_expired": ("fanin_relay_children_expired", "Children counted as revoked: expired, never taken."),
     "deadlines_applied": ("fanin_relay_deadlines_applied", "Batches finished by their deadline."),
     "successors_restarted": ("fanin_relay_successors_restarted", "Stalled successors published again."),
     "errors": ("fanin_relay_errors", "Relay rounds that failed and were retried."),

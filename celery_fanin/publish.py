@@ -21,9 +21,11 @@ the broker writes are pipelined:
 - any other transport, or a Redis connection configured to retry commands (where kombu refuses pipelines):
   the same messages, published one by one.
 
-A child with options the fast path does not model (links, chords, stamps...), and every child of an app in eager
-mode, with task protocol 1, with ``task_send_sent_event``, or with ``fanin_bulk_publish = False``, goes through
-``Signature.apply_async`` exactly as before.
+A child with options the fast path does not model (links, chords, stamps...), a chain child (`publish_chain`), and
+every child of an app in eager mode, with task protocol 1, with ``task_send_sent_event``, or with
+``fanin_bulk_publish = False``, goes through ``Signature.apply_async`` exactly as before; on RabbitMQ on the same
+confirm channel, so that it too is recorded as published only once the broker confirmed it. Successors are
+published on it too (`publish_successor` returns once the broker confirmed).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
-from celery.canvas import Signature
+from celery.canvas import Signature, _chain
 from celery.utils.saferepr import saferepr
 from celery.utils.time import subtract_datetimes
 from kombu import Exchange, Producer
@@ -61,6 +63,8 @@ HEADER_BATCH = "fanin_batch"
 HEADER_INDEX = "fanin_index"
 HEADER_SUCCESSOR = "fanin_successor"
 HEADER_STEP = "fanin_step"
+# On every task of a chain child: the child's task id (the chain's last task's), which each task reports for.
+HEADER_CHAIN = "fanin_chain"
 
 # Redis commands buffered per pipeline round trip. RabbitMQ: at MAX_UNCONFIRMED messages written and not yet
 # confirmed, one call waits until CONFIRM_WINDOW fewer are (room for the producer's chunks in flight).
@@ -465,7 +469,8 @@ def publish_children(
     broker cannot be reached or refuses a message: the caller then leaves these children to the relay.
     """
     bid = str(batch_id)
-    if not bulk_publish_enabled(app):
+    fast = bulk_publish_enabled(app)
+    if not fast and (app.conf.task_always_eager or publish_mode(prod) != "confirm"):
         for idx, task_id, sig in children:
             _publish_with_celery(prod, bid, idx, task_id, sig)
         return Unconfirmed()
@@ -473,7 +478,7 @@ def publish_children(
     mode = publish_mode(prod)
     builder = _Builder(app, bid)
     driver = prod.connection.transport.driver_type
-    quorum = _has_quorum_queues(app, driver)
+    quorum = fast and _has_quorum_queues(app, driver)
     confirms = _confirm_channel(prod) if mode == "confirm" else None
     target = confirms.producer if confirms is not None else prod
     frames = confirms.frames if confirms is not None else None
@@ -483,18 +488,29 @@ def publish_children(
     try:
         with batch:
             for idx, task_id, sig in children:
-                try:
-                    route, headers, body, properties = builder.build(idx, task_id, sig)
-                    if quorum and (sig.options.get("countdown") or sig.options.get("eta")):
-                        raise _Unsupported("eta on quorum queues")  # Celery's native delayed delivery
-                except _Unsupported:
-                    _publish_with_celery(prod, bid, idx, task_id, sig)
-                    continue
-                _send(builder, prod, target, sig.task, route, headers, body, properties, frames=frames)
-                if confirms is not None:
+                built = None
+                if fast and not is_chain(sig):
+                    try:
+                        built = builder.build(idx, task_id, sig)
+                        if quorum and (sig.options.get("countdown") or sig.options.get("eta")):
+                            raise _Unsupported("eta on quorum queues")  # Celery's native delayed delivery
+                    except _Unsupported:
+                        built = None
+                if built is None:
+                    if confirms is None:
+                        _publish_with_celery(prod, bid, idx, task_id, sig)
+                        continue
+                    # Celery's own path, on the confirm channel: its messages are confirmed like the others.
+                    written = confirms.published
+                    _publish_with_celery(confirms.producer, bid, idx, task_id, sig, retry=False)
+                    confirms.sent += confirms.published - written
+                else:
+                    _send(builder, prod, target, sig.task, *built, frames=frames)
+                    if confirms is None:
+                        continue
                     confirms.sent += 1
-                    if confirms.sent - confirms.floor >= MAX_UNCONFIRMED:
-                        confirms.wait(upto=confirms.sent - MAX_UNCONFIRMED + CONFIRM_WINDOW, since=first)
+                if confirms.sent - confirms.floor >= MAX_UNCONFIRMED:
+                    confirms.wait(upto=confirms.sent - MAX_UNCONFIRMED + CONFIRM_WINDOW, since=first)
             if confirms is None:
                 return Unconfirmed()
             if wait:
@@ -602,14 +618,68 @@ def _publish_frames(
     return True
 
 
-def _publish_with_celery(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature) -> None:
+def _publish_with_celery(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature, **options: Any) -> None:
     """Celery's own path, one message at a time (every option Celery knows, at Celery's speed)."""
+    if is_chain(sig):
+        publish_chain(prod, bid, idx, task_id, sig, **options)
+        return
     sig.apply_async(
         task_id=task_id,
         producer=prod,
         headers={**(sig.options.get("headers") or {}), HEADER_BATCH: bid, HEADER_INDEX: idx},
         add_to_parent=False,
+        **options,
     )
+
+
+# The task ids of a chain child's earlier tasks derive from the child's id, so a republished chain reuses them.
+_CHAIN_IDS = uuid.UUID("5d6c1f0e-8a43-4c8e-9f57-2b1a6f0c9e21")
+
+
+def is_chain(sig: Any) -> bool:
+    return isinstance(sig, _chain)
+
+
+def chain_tasks(sig: Signature) -> list[Any]:
+    """A chain's tasks in order, nested chains flattened (anything else, a group or chord, is left as it is)."""
+    tasks: list[Any] = []
+    for task in sig.tasks:  # type: ignore[attr-defined]
+        tasks.extend(chain_tasks(task) if is_chain(task) else [task])
+    return tasks
+
+
+def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature, **options: Any) -> None:
+    """A chain child, through Celery's own chain: each of its tasks carries the batch headers and the child's
+    task id (`HEADER_CHAIN`, the last task's id), so that the last task's outcome counts the child and a failure
+    of any earlier task counts it as failed. Only the first task's message is published here; the worker that
+    runs each task publishes the next with the options it carries, headers included."""
+    marker = {HEADER_BATCH: bid, HEADER_INDEX: idx, HEADER_CHAIN: task_id}
+    shared = sig.options.get("headers") or {}  # the chain's own headers go on each of its tasks
+    tasks = chain_tasks(sig)
+    steps = []
+    for i, task in enumerate(tasks):
+        step = task.clone()
+        opts = step.options
+        if i == len(tasks) - 1:
+            opts["task_id"] = task_id
+        else:
+            opts.setdefault("task_id", str(uuid.uuid5(_CHAIN_IDS, f"{task_id}:{i}")))
+        opts["headers"] = {**shared, **(opts.get("headers") or {}), **marker}
+        steps.append(step)
+    app = sig._app or steps[0]._app or sig.app  # a chain built with chain(...) takes no app of its own
+    if app.conf.task_always_eager:
+        # Celery's eager chain applies every task with the chain's task id (the last task's): run them here,
+        # each with its own id, passing each result on, and stop at the first that does not succeed (whose
+        # failure the hooks record with its own error; it is not raised into the producer).
+        last: Any = None
+        for step in steps:
+            last = step.apply((last.get(),) if last is not None else (), throw=False)
+            if not last.successful():
+                return
+        return
+    chained = _chain(*steps, app=app)
+    chained.options.update({k: v for k, v in sig.options.items() if k not in ("task_id", "headers")})
+    chained.apply_async(task_id=task_id, producer=prod, add_to_parent=False, **options)
 
 
 def _ensure_connection(app: Celery, prod: Producer) -> None:
@@ -654,15 +724,21 @@ class ConfirmChannel:
         # Instead of py-amqp's write per message (which, with `confirm_publish`, also waits for each message's
         # ack): the same frames, held and written a stretch at a time, flushed before every wait.
         self.frames = FrameBuffer(self.channel)
-        self.channel.basic_publish = self.frames.publish
+        self.channel.basic_publish = self._basic_publish
         self.channel.events["basic_ack"].add(self._on_ack)
         self.channel.events["basic_nack"].add(self._on_nack)
         self.producer = Producer(self.channel, exchange=prod.exchange, serializer=prod.serializer, auto_declare=False)
         self.sent = 0
+        self.published = 0  # messages kombu's `Producer.publish` wrote on the channel (Celery's own path)
         self.floor = 0  # every tag <= floor is acked
         self._acked: set[int] = set()
         self._nacked: set[int] = set()  # tags refused and not yet raised by the wait whose range holds them
         self._discarded = False
+
+    def _basic_publish(self, *args: Any, **kwargs: Any) -> None:
+        """The channel's ``basic_publish``: counts the message (a delivery tag) and hands it to the frames."""
+        self.published += 1
+        self.frames.publish(*args, **kwargs)
 
     @property
     def usable(self) -> bool:
@@ -740,6 +816,35 @@ def publish_successor(
     reads, no per-call routing), else through Celery's own `apply_async`.
     """
     marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
+    eager = app.conf.task_always_eager
+    confirms = None
+    if not eager and publish_mode(prod) == "confirm":
+        # RabbitMQ: on the confirm channel, and only returned once the broker confirmed it, so that the caller
+        # records it as sent only then (a refusal or no answer raises: the outbox row stays pending).
+        _ensure_connection(app, prod)
+        confirms = _confirm_channel(prod)
+    first = confirms.sent + 1 if confirms is not None else 1
+    try:
+        _publish_successor(app, prod, confirms, batch_id, task_id, then, outcome, marker)
+        if confirms is not None:
+            confirms.wait(since=first)
+    except BaseException:
+        if confirms is not None:
+            confirms.discard()
+        raise
+
+
+def _publish_successor(
+    app: Celery,
+    prod: Producer,
+    confirms: ConfirmChannel | None,
+    batch_id: uuid.UUID,
+    task_id: str,
+    then: Signature,
+    outcome: dict[str, Any],
+    marker: dict[str, Any],
+) -> None:
+    target = confirms.producer if confirms is not None else prod
     if bulk_publish_enabled(app):
         builder = _Builder(app, str(batch_id))
         try:
@@ -748,12 +853,18 @@ def publish_successor(
             pass
         else:
             _ensure_connection(app, prod)
-            _send(builder, prod, prod, then.task, *built)
+            _send(builder, prod, target, then.task, *built, frames=confirms.frames if confirms else None)
+            if confirms is not None:
+                confirms.sent += 1
             return
+    written = confirms.published if confirms is not None else 0
     then.apply_async(
         args=(outcome,),
         task_id=task_id,
-        producer=prod,
+        producer=target,
         headers={**(then.options.get("headers") or {}), **marker},
         add_to_parent=False,
+        **({"retry": False} if confirms is not None else {}),
     )
+    if confirms is not None:
+        confirms.sent += confirms.published - written

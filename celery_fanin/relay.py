@@ -34,6 +34,7 @@ class RelayStats:
     children_published: int = 0
     children_redriven: int = 0
     children_lost: int = 0
+    children_expired: int = 0
     deadlines_applied: int = 0
     successors_restarted: int = 0
     repairs: int = 0
@@ -101,6 +102,7 @@ class Relay:
             self.stats.children_redriven += len(lost.redriven)
             self.stats.children_lost += len(lost.failed)
             self.stats.deadlines_applied += len(maintenance_duties.apply_deadlines(self.fanin))
+            self.stats.children_expired += len(maintenance_duties.revoke_expired_children(self.fanin))
             self.stats.successors_restarted += len(maintenance_duties.restart_stalled_successors(self.fanin))
         if maintenance or (maintenance is None and now >= self._next_reconcile):
             self._next_reconcile = now + settings.reconcile_interval

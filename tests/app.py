@@ -32,6 +32,7 @@ app.conf.update(
     fanin_successor_timeout=float(os.environ.get("FANIN_TEST_SUCCESSOR_TIMEOUT", "600")),
     fanin_successor_lease=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE", "60")),
     fanin_successor_lease_grace=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE_GRACE", "60")),
+    fanin_expires_grace=float(os.environ.get("FANIN_TEST_EXPIRES_GRACE", "30")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),
     worker_prefetch_multiplier=1,
@@ -120,6 +121,16 @@ def sleepy_once(key: str, first: float, later: float) -> str:
 @app.task
 def reject(i: int) -> None:
     raise Reject(f"child {i} rejected", requeue=False)
+
+
+NOTES_TABLE_DDL = "CREATE TABLE IF NOT EXISTS e2e_notes (id serial PRIMARY KEY, label text NOT NULL, value jsonb)"
+
+
+@app.task
+def note(value: Any, label: str) -> None:
+    """A link or link_error callback: records that it ran, with what it was given (in `e2e_notes`)."""
+    with _db() as conn:
+        conn.execute("INSERT INTO e2e_notes (label, value) VALUES (%s, %s)", (label, json.dumps(value)))
 
 
 @app.task

@@ -116,6 +116,18 @@ def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fa
     assert again.status().successor_runs == 1
 
 
+def test_chain_children_under_eager(eager_tasks):
+    from celery import chain
+
+    double, fails, total = eager_tasks
+    # A chain child counts with its last task's value, or fails with the error of whichever task failed.
+    children = [chain(double.s(1), double.s(), double.s()), chain(double.s(1), fails.s(), double.s()), double.s(5)]
+    handle = fan_in_group(children, then=total.s()).apply_async()
+    status = handle.status()
+    assert (status.succeeded, status.failed, status.successor_state) == (2, 1, "succeeded")
+    assert handle.successor().result == [2, 1, [8, 10]]
+
+
 def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks, fanin_database):
     import uuid
 
@@ -162,7 +174,7 @@ def test_enabled_with_dash_p_and_eager_apply_async(pytester: pytest.Pytester, da
     _ini(pytester, database_url, enable=False)
     pytester.makepyfile(test_eager=EAGER_TESTS)
     result = pytester.runpytest_subprocess("-q", "-p", "celery_fanin.testing")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
 
 
 @pytest.mark.timeout(180)

@@ -44,6 +44,8 @@ class NewChild:
     task_id: str
     task_name: str
     message: Encoded
+    expires_at: datetime | None = None  # its message's `expires`, absolute (see recovery.expired_children)
+    eta_at: datetime | None = None  # its `countdown` or `eta`: not overdue before it may run
 
 
 @dataclass(frozen=True)
@@ -210,10 +212,10 @@ def insert_children(conn: Connection, batch_id: uuid.UUID, children: Sequence[Ne
 
 # COPY has no ON CONFLICT; children never need one (their task ids are new, and a taken one must fail the chunk).
 _COPY_CHILDREN = (
-    "COPY fanin_children (task_id, batch_id, idx, task_name, message, content_type, content_encoding) "
-    "FROM STDIN (FORMAT BINARY)"
+    "COPY fanin_children (task_id, batch_id, idx, task_name, message, content_type, content_encoding, expires_at,"
+    " eta_at) FROM STDIN (FORMAT BINARY)"
 )
-_COPY_TYPES = ("text", "uuid", "int4", "text", "bytea", "text", "text")
+_COPY_TYPES = ("text", "uuid", "int4", "text", "bytea", "text", "text", "timestamptz", "timestamptz")
 
 
 def insert_placed(conn: Connection, placed: Sequence[tuple[uuid.UUID, NewChild, int]]) -> None:
@@ -231,7 +233,7 @@ def insert_placed(conn: Connection, placed: Sequence[tuple[uuid.UUID, NewChild, 
             for batch_id, child, idx in placed:
                 message = child.message
                 write((child.task_id, batch_id, idx, child.task_name, message.body, message.content_type,
-                       message.content_encoding))  # fmt: skip
+                       message.content_encoding, child.expires_at, child.eta_at))  # fmt: skip
     except psycopg.Error as exc:
         raise DBAPIError.instance(_COPY_CHILDREN, None, exc, psycopg.Error) from exc
 

@@ -41,7 +41,7 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
               FROM fanin_batches b
               JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
              WHERE b.state IN ('open', 'running') AND b.child_timeout IS NOT NULL
-               AND greatest(b.created_at, c.started_at, c.redriven_at) + b.child_timeout < now()
+               AND greatest(b.created_at, c.started_at, c.redriven_at, c.eta_at) + b.child_timeout < now()
                -- a nested fan-in's child is alive for as long as its inner batch is
                AND NOT EXISTS (SELECT 1 FROM fanin_batches n
                                 WHERE n.parent_task_id = c.task_id AND n.state IN ('open', 'running'))
@@ -87,6 +87,58 @@ def fail_lost(conn: Connection, child: OverdueChild) -> bool:
         exc_message=f"no terminal outcome within child_timeout ({timeout}); redrives: {child.redrives}",
     )  # fmt: skip
     return rec.counted
+
+
+# --- children whose message expired unconsumed -----------------------------------------------------------------
+
+
+def expired_children(conn: Connection, grace_seconds: float, limit: int = 500) -> list[tuple[str, uuid.UUID, int]]:
+    """Children never started whose `expires` passed more than `grace_seconds` ago: (task id, batch id, index).
+
+    Why: RabbitMQ drops an expired message unconsumed (Celery gives it a TTL), so no worker's `task_revoked`
+    reports it. A worker that took the message before it expired reports it itself (revoked, or its run)."""
+    rows = conn.execute(
+        text(
+            """
+            SELECT c.task_id, c.batch_id, c.idx
+              FROM fanin_children c
+              JOIN fanin_batches b ON b.id = c.batch_id AND b.state IN ('open', 'running')
+             WHERE c.expires_at IS NOT NULL AND c.state = 'pending'
+               AND c.expires_at + make_interval(secs => :grace) < now()
+             ORDER BY c.expires_at
+             LIMIT :n
+            """
+        ),
+        {"grace": grace_seconds, "n": limit},
+    )
+    return [(r.task_id, r.batch_id, r.idx) for r in rows]
+
+
+def revoke_expired(conn: Connection, task_id: str, grace_seconds: float) -> bool:
+    """Count a child as `revoked` (expired) if it is still pending and past its expiry; True if this call did.
+
+    The child row is locked first and checked again (a start written since moves it out of `pending`), then
+    counted by the same conditional transition a worker's report takes: a real report arriving later is late.
+    """
+    still = conn.execute(
+        text(
+            """
+            SELECT 1 FROM fanin_children
+             WHERE task_id = :task_id AND state = 'pending'
+               AND expires_at + make_interval(secs => :grace) < now()
+               FOR UPDATE
+            """
+        ),
+        {"task_id": task_id, "grace": grace_seconds},
+    ).first()
+    if still is None:
+        return False
+    rec = record_terminal(conn, task_id, "revoked", exc_type=EXPIRED_EXC_TYPE, exc_message="expired")
+    return rec.counted
+
+
+# What a worker records for a revoked child (celery_fanin.hooks._Revoked), so both paths read the same.
+EXPIRED_EXC_TYPE = "_Revoked"
 
 
 # --- deadlines -------------------------------------------------------------------------------------------------

@@ -94,6 +94,8 @@ children = Table(
     Column("late_state", Text),
     Column("late_at", DateTime(timezone=True)),
     Column("late_reports", Integer, nullable=False),
+    Column("expires_at", DateTime(timezone=True)),
+    Column("eta_at", DateTime(timezone=True)),
 )
 
 successors = Table(

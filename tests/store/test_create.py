@@ -167,10 +167,17 @@ INVALID: list[Any] = [
         r"child 1 is a group; fan_in_group takes plain task signatures",
         id="child-group",
     ),
+    pytest.param(  # a chain of task signatures is a child; one holding a group has no single last task
+        lambda t: fan_in_group(
+            [t.add.s(1, 1), chain(t.add.s(1, 1), group(t.add.s(2), t.add.s(3)))], then=t.collect.s()
+        ),
+        r"child 1: task 1 of the chain is a group; a chain child may hold only task signatures",
+        id="child-chain-with-a-group",
+    ),
     pytest.param(
-        lambda t: fan_in_group([t.add.s(1, 1), t.add.s(1, 1), chain(t.add.s(1, 1), t.add.s(2))], then=t.collect.s()),
-        r"child 2 is a _?chain; fan_in_group takes plain task signatures",
-        id="child-chain",
+        lambda t: fan_in_group([t.add.s(1, 1), chain(t.add.s(1, object()), t.add.s(2))], then=t.collect.s()),
+        r"child 1: its arguments cannot be encoded",
+        id="child-chain-args-not-json",
     ),
     pytest.param(
         lambda t: fan_in_group([chord([t.add.s(1, 1)], t.collect.s())], then=t.collect.s()),
