@@ -27,6 +27,8 @@ class Settings:
     pool_size: int = 5
     # Most failures listed inline in the outcome a successor receives; the full list stays in Postgres.
     outcome_failures_limit: int = 100
+    # ... and at most this many bytes of them (JSON, arguments included), so the successor's message stays small.
+    outcome_max_bytes: int = 256 * 1024
     # Children written and published per round trip by the producer and the relay.
     chunk_size: int = 1000
     # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
