@@ -54,6 +54,12 @@ class Settings:
     reaper_interval: float = 10.0
     reconcile_interval: float = 300.0
 
+    def __post_init__(self) -> None:
+        # Checked where the setting is read, before a producer writes or a relay publishes anything with it.
+        budget = self.outcome_max_bytes
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
+
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:
         values: dict[str, Any] = {}

@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from celery_fanin import BatchOutcome, FanIn, InvalidFanIn, dispatch, fan_in_group, publish
+from celery_fanin import BatchOutcome, FanIn, FanInNotConfigured, InvalidFanIn, dispatch, fan_in_group, publish
 from celery_fanin.outcome import build_outcome
 from celery_fanin.store import batches, queries, recovery
 
@@ -454,3 +454,15 @@ def test_the_outcome_lists_failures_up_to_a_byte_budget_and_the_rest_stream_from
     rest = list(result.iter_failures(after=result.failures[-1]["index"], fetch_size=4))
     assert [f["index"] for f in itertools.chain(result.failures, rest)] == [f["index"] for f in whole["failures"]]
     assert [f["index"] for f in result.iter_failures()] == [f["index"] for f in whole["failures"]]
+
+
+@pytest.mark.parametrize("budget", ["256k", -1, True])
+def test_a_bad_byte_budget_is_refused_before_anything_is_written(
+    app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis, budget: Any
+) -> None:
+    app.conf.fanin_outcome_max_bytes = budget
+    with pytest.raises(FanInNotConfigured, match="fanin_outcome_max_bytes must be a whole number of bytes"):
+        fan_in_group([tasks.add.s(1, 1)], then=tasks.collect.s()).apply_async()
+    with store_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM fanin_batches")).scalar_one() == 0
+    assert broker.llen(QUEUE) == 0
