@@ -270,6 +270,11 @@ def add_children(
         if batch_id != root_id:
             per_leaf[batch_id] = per_leaf.get(batch_id, 0) + 1
     if per_leaf:
+        # In id order, as the relay locks a stopped tree's leaves (recovery.abandon_after_threshold).
+        conn.execute(
+            text("SELECT 1 FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[])) ORDER BY id FOR UPDATE"),
+            {"ids": list(per_leaf)},
+        ).all()
         conn.execute(
             text(
                 """
