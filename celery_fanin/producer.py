@@ -281,7 +281,7 @@ def _fill(
         # Its successor (or on_failure) is on its way and the relay abandons what is unfinished; the rest of the
         # input is not consumed.
         logger.warning(
-            "batch_id=%s passed its failure threshold while being written: stopped after %d children",
+            "batch_id=%s finished early (its failure threshold) while being written: stopped after %d children",
             root.id,
             index,
             extra={"batch_id": str(root.id)},
@@ -300,7 +300,8 @@ def _fill(
 
 
 class _FinishedEarly(Exception):
-    """The open batch passed its failure threshold: the chunk being written is rolled back and writing stops."""
+    """The open batch finished early (it passed its failure threshold): the chunk being written is rolled back and
+    writing stops."""
 
 
 class _ChunkPublisher:
