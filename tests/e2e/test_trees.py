@@ -117,3 +117,53 @@ def test_an_outcome_with_many_large_failures_stops_at_its_byte_budget_and_the_re
     result = BatchOutcome.from_message(outcome, app=producer)
     rest = list(result.iter_failures(after=listed[-1]["index"], fetch_size=5))
     assert [f["index"] for f in listed + rest] == list(range(40))
+
+
+@pytest.fixture
+def small_chunks(producer: Any) -> Iterator[int]:
+    """The producer writes a streamed batch 4 children per chunk."""
+    producer.conf.fanin_chunk_size = 4
+    yield 4
+    producer.conf.fanin_chunk_size = None  # the default again
+
+
+def test_a_streamed_tree_passing_its_threshold_before_it_is_sealed_stops_its_producer(
+    producer: Any, processes: Any, successor_runs: Runs, small_chunks: int
+) -> None:
+    processes.worker(concurrency=1)
+    processes.relay()
+    consumed: list[int] = []
+
+    def children() -> Iterator[Any]:
+        for i in range(100):
+            if i == 8:  # two chunks written and published: wait until the workers' failures stopped the batch
+                wait_for(
+                    lambda: _sql(producer, "SELECT 1 FROM fanin_batches WHERE state = 'failed_threshold'"),
+                    60,
+                    message="the open batch to pass its threshold",
+                )
+            consumed.append(i)
+            yield tasks.fail.s(i) if i < 3 else tasks.sleepy.s(2)
+
+    handle = fan_in_group(
+        children(),
+        then=tasks.record_run.s("then"),
+        max_failures=2,
+        on_failure=tasks.record_run.s("too-many"),
+        max_width=2,
+    ).apply_async()
+    assert len(consumed) <= 8 + small_chunks  # the chunk read after the threshold was rolled back, and no more read
+    status = handle.wait(timeout=60)
+    assert (status.state, status.planned) == ("failed_threshold", 8)
+    runs = successor_runs(handle.batch_id)
+    assert [r["label"] for r in runs] == ["too-many"]
+    assert runs[0]["outcome"]["failed"] == 3
+    final = handle.status()
+    assert (final.remaining, final.succeeded + final.failed) == (0, 8)
+    abandoned = _sql(
+        producer,
+        "SELECT count(*) AS n FROM fanin_children WHERE state = 'abandoned'"
+        " AND batch_id IN (SELECT id FROM fanin_batches WHERE id = :b OR parent_id = :b)",
+        b=handle.batch_id,
+    )[0].n
+    assert abandoned >= 3  # of the five 2 s children, at most two ran before the relay stopped the batch
