@@ -140,25 +140,37 @@ def test_a_tree_under_its_threshold_completes_with_every_failure_counted_once(st
 def test_concurrent_failures_on_different_leaves_create_exactly_one_successor(
     store_engine: Engine, listener: psycopg.Connection, clean_db: str, seed: int
 ) -> None:
-    """16 reporters, each on its own leaf, fail their children at once: many pass the threshold together."""
+    """16 reporters, each on its own leaf, fail their children at once: many pass the threshold together, and no
+    leaf can finish (each keeps one child back), so only failures handed up can stop the tree."""
     leaves, per_leaf = 16, 12
     batch, children, _ = _tree(store_engine, leaves * per_leaf, leaves, max_failures=20)
-    # Reporter k reports exactly leaf k's children (child i is on leaf i % 16), mostly failures, some successes,
-    # so that leaves also finish (settling the root) while others push failures up.
+    held_back = children[-leaves:]  # the last child of every leaf
     states = {c.task_id: ("succeeded" if (i // leaves + seed) % 4 == 0 else "failed") for i, c in enumerate(children)}
-    hands = [[(c.task_id, states[c.task_id]) for c in children[k::leaves]] for k in range(leaves)]
+    hands = [[(c.task_id, states[c.task_id]) for c in children[k:-leaves:leaves]] for k in range(leaves)]
     outcomes = race_threads(store_engine, hands)
 
     assert all(counted for _, _, counted, _, _ in outcomes)
     assert sum(1 for *_, created in outcomes if created) == 1
+    failures = sum(1 for task_id, state, *_ in outcomes if state == "failed")
     root = _row(store_engine, batch.id)
-    failures = sum(1 for s in states.values() if s == "failed")
-    assert (root["state"], root["remaining"], root["failed"]) == ("failed_threshold", 0, failures)
-    assert root["succeeded"] == len(children) - failures  # every leaf finished and handed its successes up
+    assert (root["state"], root["remaining"], root["succeeded"], root["failed"]) == (
+        "failed_threshold",
+        leaves,
+        0,
+        failures,
+    )
     assert (root["successors"], root["outbox"]) == (["then"], 1)
     with store_engine.connect() as conn:
         out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
     assert notifications_until_sentinel(listener, clean_db) == [str(out_id)]
+
+    # The held-back children finish their leaves: successes reach the root once per leaf, failures once each.
+    outcomes = race_threads(store_engine, deal([(c.task_id, states[c.task_id]) for c in held_back], hands=8))
+    assert not any(created for *_, created in outcomes)
+    root = _row(store_engine, batch.id)
+    all_failures = sum(1 for s in states.values() if s == "failed")
+    assert (root["remaining"], root["failed"], root["succeeded"]) == (0, all_failures, len(children) - all_failures)
+    assert (root["successors"], root["outbox"]) == (["then"], 1)
 
 
 def test_the_relay_abandons_the_unfinished_children_of_every_leaf_and_their_reports_are_late(
