@@ -43,12 +43,13 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
         if not rows:
             return 0
         sent: list[outbox.OutboxRow] = []
-        finished_early: list[uuid.UUID] = []
+        abandoned: list[tuple[uuid.UUID, list[str]]] = []
         with publish.producer(app) as prod:
             for row in rows:
                 try:
-                    if _publish_successor(fanin, conn, prod, row, settings.outcome_failures_limit):
-                        finished_early.append(row.batch_id)
+                    stopped = _publish_successor(fanin, conn, prod, row)
+                    if stopped:
+                        abandoned.append((row.batch_id, stopped))
                 except BROKER_ERRORS:
                     raise  # the broker is down: roll the claim back, every row stays pending as it was
                 except Exception as exc:  # one bad row must not hold back the others
@@ -66,27 +67,32 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
             "published successor batch_id=%s step=%s", row.batch_id, row.step,
             extra={"batch_id": str(row.batch_id), "step": row.step},
         )  # fmt: skip
-    for batch_id in finished_early:
-        # The batch passed its failure threshold: the children still queued or running are no longer wanted.
+    for batch_id, task_ids in abandoned:
+        # The batch passed its failure threshold: the children still queued or running are no longer wanted (they
+        # were marked abandoned with the claim's commit, so whatever they report now is recorded as late).
         try:
-            with fanin.engine.connect() as conn:
-                revoke_children(fanin, recovery.open_children(conn, batch_id), batch_id)
+            revoke_children(fanin, task_ids, batch_id)
         except Exception:
             logger.warning("could not revoke the unfinished children of batch_id=%s", batch_id, exc_info=True)
     return len(sent)
 
 
-def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow, limit: int) -> bool:
-    """Publish one outbox row's successor; True if its batch finished early on its failure threshold."""
+def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow) -> list[str]:
+    """Publish one outbox row's successor. If its batch finished early on its failure threshold, abandon its
+    unfinished children (every leaf's, for a tree), after the outcome was built from what had happened by then,
+    and return their task ids to revoke."""
     batch, succ = row.batch, row.successor  # read by the claim
     if batch is None:  # cascade-deleted rows cannot be claimed; this guards a hand-edited database
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
     sig = publish.decode_signature(fanin.app, batch.message_for(kind))
-    outcome = build_outcome(conn, batch, limit)
+    settings = fanin.settings
+    outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
     publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, sig, outcome)  # type: ignore[arg-type]
-    return batch.state == "failed_threshold"
+    if batch.state != "failed_threshold":
+        return []
+    return recovery.abandon_after_threshold(conn, batch.id)
 
 
 def revoke_children(fanin: FanIn, task_ids: Sequence[str], batch_id: uuid.UUID | None = None) -> None:
@@ -106,21 +112,28 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
 
     The caller holds the batch's publish lock on `conn`. Each chunk's mark is committed after the chunk reached
     the broker, so a crash republishes at most one chunk (duplicates are counted once by the terminal guard).
+    Children no longer pending (started, counted, abandoned) are skipped, and the mark moves past them too.
     """
     app = fanin.app
+    chunk = fanin.settings.chunk_size
     total = 0
     while True:
-        rows = batches.unpublished_children(conn, batch_id, fanin.settings.chunk_size)
+        rows = batches.unpublished_children(conn, batch_id, chunk)
         conn.commit()
-        if not rows:
-            return total
-        with publish.producer(app) as prod:
-            publish.publish_children(
-                app, prod, batch_id, ((idx, task_id, publish.decode_signature(app, enc)) for idx, task_id, enc in rows)
-            )
-        batches.mark_published(conn, batch_id, rows[-1][0] + 1)
+        if rows:
+            with publish.producer(app) as prod:
+                publish.publish_children(
+                    app,
+                    prod,
+                    batch_id,
+                    ((idx, task_id, publish.decode_signature(app, enc)) for idx, task_id, enc in rows),
+                )
+        # A short chunk was the last: nothing past it is pending, so the mark reaches the end of the batch.
+        batches.mark_published(conn, batch_id, rows[-1][0] + 1 if len(rows) == chunk else None)
         conn.commit()
         total += len(rows)
+        if len(rows) < chunk:
+            return total
 
 
 def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:

@@ -214,7 +214,9 @@ def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
             if batch is None or succ is None:
                 continue
             sig = publish.decode_signature(app, batch.message_for(succ.kind))
-            jobs.append((row, succ.task_id, sig, build_outcome(conn, batch, fanin.settings.outcome_failures_limit)))
+            settings = fanin.settings
+            outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
+            jobs.append((row, succ.task_id, sig, outcome))
         outbox.mark_sent(conn, rows)
     for row, task_id, sig, outcome in jobs:
         headers = {**(sig.options.get("headers") or {}), publish.HEADER_SUCCESSOR: str(row.batch_id),

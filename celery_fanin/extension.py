@@ -27,6 +27,8 @@ class Settings:
     pool_size: int = 5
     # Most failures listed inline in the outcome a successor receives; the full list stays in Postgres.
     outcome_failures_limit: int = 100
+    # ... and at most this many bytes of them (JSON, arguments included), so the successor's message stays small.
+    outcome_max_bytes: int = 256 * 1024
     # Children written and published per round trip by the producer and the relay.
     chunk_size: int = 1000
     # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
@@ -64,6 +66,12 @@ class Settings:
     # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it.
     expires_grace: float = 30.0
     reconcile_interval: float = 300.0
+
+    def __post_init__(self) -> None:
+        # Checked where the setting is read, before a producer writes or a relay publishes anything with it.
+        budget = self.outcome_max_bytes
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:

@@ -19,12 +19,17 @@ if TYPE_CHECKING:
     from .canvas import FanInResult
 
 
-def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int) -> dict[str, Any]:
+def build_outcome(
+    conn: Connection, batch: queries.BatchRow, failures_limit: int, *, max_bytes: int | None = None
+) -> dict[str, Any]:
     """The JSON-serialisable mapping a successor gets as its first argument.
 
     Built when the successor is published, after the transaction that saw zero committed, so every child's
-    terminal row is visible. Failures are listed up to `failures_limit`; the full list stays in Postgres.
+    terminal row is visible. Failures are listed in child order up to `failures_limit` entries and `max_bytes`
+    bytes of JSON (a child's arguments can be large), whichever comes first; the full list stays in Postgres
+    (`BatchOutcome.iter_failures` streams it).
     """
+    succeeded, failed_count = batch.succeeded, batch.failed
     if batch.state == "complete":
         # Every child reached a terminal state by being counted (none abandoned: that is the deadline's path), so
         # there is nothing unfinished to count, and failures to list only if some were counted: the common case
@@ -34,7 +39,11 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
     else:
         counts = queries.child_counts(conn, batch.id)
         failed = queries.failures(conn, batch.id, limit=failures_limit + 1)
-    listed = [failure_entry(f) for f in failed]
+        # Finished early, a tree's root has not yet heard of the successes of leaves still counting: the child
+        # rows say what happened, for a flat batch and a tree alike.
+        succeeded = counts.get("succeeded", 0)
+        failed_count = sum(n for state, n in counts.items() if state not in ("pending", "started", "succeeded"))
+    listed, truncated_by = _listed_failures(failed, failures_limit, max_bytes)
     return {
         "batch_id": str(batch.id),
         "step": batch.step,
@@ -42,16 +51,41 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
         "state": batch.state,
         "partial": batch.state in PARTIAL_STATES,
         "planned": batch.planned,
-        "succeeded": batch.succeeded,
-        "failed": batch.failed,
+        "succeeded": succeeded,
+        "failed": failed_count,
         "abandoned": counts.get("abandoned", 0),
         "unfinished": counts.get("pending", 0) + counts.get("started", 0),
-        "failures": listed[:failures_limit],
-        "failures_truncated": len(listed) > failures_limit,
+        "failures": listed,
+        "failures_truncated": truncated_by is not None,
+        # why the list stops short: "count" (fanin_outcome_failures_limit) or "bytes" (fanin_outcome_max_bytes)
+        "failures_truncated_by": truncated_by,
         # 1, or the number of a retry round (`celery -A proj fanin retry-failed`) and the batch of round 1
         "round": batch.round,
         "retry_of": str(batch.retry_of) if batch.retry_of else None,
     }
+
+
+def _listed_failures(
+    rows: list[queries.FailureRow], limit: int, max_bytes: int | None
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The first failures, in child order, that fit both budgets, and which budget stopped the list (or None).
+
+    The list is a prefix, so a successor that wants the rest can read on from the last listed index. An entry is
+    measured as the JSON it adds to the message (its separator included).
+    """
+    listed: list[dict[str, Any]] = []
+    used = 2  # the list's brackets
+    for row in rows:
+        if len(listed) == limit:
+            return listed, "count"
+        entry = failure_entry(row)
+        if max_bytes is not None:
+            size = len(json.dumps(entry, default=str).encode()) + (2 if listed else 0)
+            if used + size > max_bytes:
+                return listed, "bytes"
+            used += size
+        listed.append(entry)
+    return listed, None
 
 
 # Batch states in which the successor runs before every child has finished.
@@ -108,6 +142,8 @@ class BatchOutcome:
     failed: int
     failures: list[dict[str, Any]] = field(default_factory=list)
     failures_truncated: bool = False
+    # "count" or "bytes": which of fanin_outcome_failures_limit and fanin_outcome_max_bytes cut the list short
+    failures_truncated_by: str | None = None
     state: str = "complete"
     partial: bool = False
     abandoned: int = 0
@@ -127,6 +163,7 @@ class BatchOutcome:
                 failed=int(outcome["failed"]),
                 failures=list(outcome.get("failures") or []),
                 failures_truncated=bool(outcome.get("failures_truncated", False)),
+                failures_truncated_by=outcome.get("failures_truncated_by") or None,
                 state=str(outcome.get("state", "complete")),
                 partial=bool(outcome.get("partial", False)),
                 abandoned=int(outcome.get("abandoned", 0)),
@@ -163,10 +200,18 @@ class BatchOutcome:
         return (r.value for r in self.results() if r.ok)
 
     def all_failures(self) -> list[dict[str, Any]]:
-        """Every failed child, read from Postgres (the message lists at most `fanin_outcome_failures_limit`)."""
+        """Every failed child, read from Postgres (the message lists at most `fanin_outcome_failures_limit`, and
+        at most `fanin_outcome_max_bytes` of them). For a batch with many failures, prefer `iter_failures`."""
         engine = FanIn.of(self._app()).engine
         with engine.connect() as conn:
             return [failure_entry(f) for f in queries.failures(conn, uuid.UUID(self.batch_id))]
+
+    def iter_failures(self, after: int | None = None, fetch_size: int = 1000) -> Iterator[dict[str, Any]]:
+        """Every failed child in child order, streamed from Postgres with a server-side cursor; `after`: only
+        those past that child index (the last one listed in `failures`, to read on where the message stopped)."""
+        engine = FanIn.of(self._app()).engine
+        for row in queries.stream_failures(engine, uuid.UUID(self.batch_id), after, fetch_size):
+            yield failure_entry(row)
 
     def compensate(self) -> FanInResult:
         """Roll back this batch's work: run the undo of every child created with `compensated(task.s(...),

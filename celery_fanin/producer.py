@@ -240,6 +240,7 @@ def _fill(
     chunk_size = fanin.settings.chunk_size
     index = start
     chunks = _ChunkPublisher(fanin, conn, root.id)
+    finished_early = False
     try:
         while True:
             part = list(itertools.islice(items, chunk_size))
@@ -260,9 +261,13 @@ def _fill(
                 with conn.begin():
                     for leaf_id in opened:
                         batches.add_leaf(conn, root, leaf_id)
-                    batches.add_children(conn, root.id, placed, digest)
+                    if not batches.add_children(conn, root.id, placed, digest, opened=len(opened)):
+                        raise _FinishedEarly
                     for leaf_id in full:
                         batches.seal(conn, leaf_id)
+            except _FinishedEarly:
+                finished_early = True
+                break
             except SQLAlchemyError as exc:
                 raise FanInDatabaseError(
                     f"could not record children {index} to {index + len(part) - 1} of batch {root.id} (it stays "
@@ -272,6 +277,16 @@ def _fill(
             index += len(part)
     finally:
         chunks.close()
+    if finished_early:
+        # Its successor (or on_failure) is on its way and the relay abandons what is unfinished; the rest of the
+        # input is not consumed.
+        logger.warning(
+            "batch_id=%s finished early (its failure threshold) while being written: stopped after %d children",
+            root.id,
+            index,
+            extra={"batch_id": str(root.id)},
+        )
+        return index - start
     try:
         with conn.begin():
             for leaf_id in layout.unsealed():
@@ -282,6 +297,11 @@ def _fill(
     if successor_created:  # everything had finished before the seal: send the successor now
         _publish_successor_now(fanin, root.id)
     return index - start
+
+
+class _FinishedEarly(Exception):
+    """The open batch finished early (it passed its failure threshold): the chunk being written is rolled back and
+    writing stops."""
 
 
 class _ChunkPublisher:
@@ -400,6 +420,16 @@ def _existing(
             return _resume(fanin, conn, replace(root, id=batch_id), items, planned, digest, layout)
         finally:
             _release(conn, batch_id)
+    if state == "failed_threshold" and known_count != planned:
+        # It finished early on its failure threshold while being written, and holds only the first `planned`
+        # children of its input: those are what must match.
+        prefix = EMPTY_DIGEST
+        for child, _ in itertools.islice(items, planned):
+            prefix = digest_step(prefix, child)
+        if prefix != digest:
+            raise InvalidFanIn(f"key {root.key!r} is taken by batch {batch_id} with a different child list")
+        logger.info("key %r: batch_id=%s finished early; nothing created or published", root.key, batch_id)
+        return Written(batch_id, 0, existing=True)
     # Sealed: the same child list (by count and digest) returns the batch; anything else is an error.
     if known_digest is None or known_count is None:
         seen, chained = 0, EMPTY_DIGEST

@@ -130,6 +130,15 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         lost = fan_in_group([child.clone(args=(0,))], then=then, app=producer, child_timeout=0.2).apply_async()
         late = fan_in_group([child.clone(args=(0,))], then=then, app=producer,
                             deadline=timedelta(seconds=0.2)).apply_async()  # fmt: skip
+        orphan = fan_in_group([child.clone(args=(0,))], then=then, app=producer).apply_async()
+        threshold_ids = [f"threshold-{cluster.suffix}-{i}" for i in range(4)]
+        threshold = fan_in_group(
+            [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(threshold_ids)],
+            then=then,
+            app=producer,
+            max_width=2,
+            max_failures=0,
+        ).apply_async()
         assert (plain.status().planned, tree.status().planned, redrive.status().planned) == (3, 5, 1)
         assert empty.status().successor_state in ("sent", "pending")
 
@@ -148,11 +157,15 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
                                      value=index, has_value=True)  # fmt: skip
             assert rec is not None and rec.counted
         assert tree.status().state == "complete", "the leaves settled their root as the worker role"
+        marker = hooks._Marker(threshold.batch_id, 0, None)
+        rec = hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
+        assert rec is not None and rec.successor_created, "a leaf's failure passed its root's threshold"
 
         # --- the relay: outbox, orphaned children, lost children, deadlines, stalled successors, reconcile ------
         with psycopg.connect(make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False),
                              autocommit=True) as admin:  # fmt: skip
-            admin.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (lost.batch_id,))
+            # (a pending child: one already terminal, as `lost`'s soon is, is not published again)
+            admin.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (orphan.batch_id,))
         time.sleep(0.5)  # past the child timeouts and the deadline
         relay = Relay(FanIn.of(relay_app), poll_interval=0.1)
         relay.run_once(maintenance=True)
@@ -164,8 +177,9 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         assert stats.children_published >= 1, "the relay published the children the producer 'did not'"
         assert stats.successors_published >= 4
         assert stats.successors_restarted >= 1, "a sent successor past fanin_successor_timeout was put back"
-        for handle in (plain, tree, lost, late):
+        for handle in (plain, tree, lost, late, threshold):
             assert handle.status().successor_state in ("sent", "pending"), handle.batch_id
+        assert threshold.status().remaining == 0, "the relay abandoned the rest of the tree as the relay role"
 
         # The successor of `plain` runs on a worker: start guard, body reading the results, state and result.
         status = plain.status()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -74,6 +74,8 @@ class NewBatch:
     # A retry round (celery_fanin.rounds): its number, and the batch of round 1 it retries.
     round: int = 1
     retry_of: uuid.UUID | None = None
+    # A leaf of a root with a failure threshold: adds each failure to its root as it is counted (migration 0012).
+    fail_up: bool = False
 
 
 class KeyTaken(Exception):
@@ -123,12 +125,14 @@ def create_batch(
 
 def leaf_of(root: NewBatch, leaf_id: uuid.UUID) -> NewBatch:
     """A leaf inherits what recovery needs per child (timeouts); deadline, threshold and successor stay on the
-    root."""
-    return NewBatch(
+    root. Under a root with a threshold the leaf hands each failure up at once, so one leaf's failures can
+    finish the whole tree early."""
+    leaf = NewBatch(
         id=leaf_id, step=root.step, successor_task_id="", successor_name="", successor_message=root.successor_message,
         child_timeout=root.child_timeout, on_lost=root.on_lost, max_redrives=root.max_redrives,
         app_name=root.app_name, depth=root.depth, lineage=root.lineage,
     )  # fmt: skip
+    return replace(leaf, fail_up=root.max_failures is not None or root.max_failures_ratio is not None)
 
 
 def insert_batch(
@@ -157,12 +161,12 @@ def insert_batch(
                                        max_failures, max_failures_ratio, on_expire_message, on_expire_content_type,
                                        on_expire_content_encoding, on_failure_message, on_failure_content_type,
                                        on_failure_content_encoding, app_name, key, digest, parent_id, depth,
-                                       lineage, parent_task_id, round, retry_of)
+                                       lineage, parent_task_id, round, retry_of, fail_up)
             VALUES (:id, :step, :state, :planned, :remaining, :stid, :sname, :smsg, :sct, :sce,
                     CASE WHEN :state = 'complete' THEN now() END,
                     :child_timeout, :on_lost, :max_redrives, :deadline_at, :on_deadline, :max_failures, :ratio,
                     :emsg, :ect, :ece, :fmsg, :fct, :fce, :app_name, :key, :digest, :parent_id, :depth, :lineage,
-                    :parent_task_id, :round, :retry_of)
+                    :parent_task_id, :round, :retry_of, :fail_up)
             ON CONFLICT (app_name, key) WHERE key IS NOT NULL DO NOTHING
             RETURNING id
             """
@@ -200,6 +204,7 @@ def insert_batch(
             "parent_task_id": batch.parent_task_id,
             "round": batch.round,
             "retry_of": batch.retry_of,
+            "fail_up": batch.fail_up,
         },
     ).first()
     return row is not None
@@ -239,14 +244,23 @@ def insert_placed(conn: Connection, placed: Sequence[tuple[uuid.UUID, NewChild, 
 
 
 def add_children(
-    conn: Connection, root_id: uuid.UUID, placed: Sequence[tuple[uuid.UUID, NewChild, int]], digest: bytes
-) -> None:
+    conn: Connection,
+    root_id: uuid.UUID,
+    placed: Sequence[tuple[uuid.UUID, NewChild, int]],
+    digest: bytes,
+    *,
+    opened: int = 0,
+) -> bool:
     """Write one chunk of an open batch's children and raise the counters that wait for them, in one transaction.
 
     Each child is placed in the root itself or one of its open leaves, with its global index. A leaf's own
     counter waits for its children; the root's `planned` counts every child (its `remaining` counts its direct
-    children and its leaves). `digest` is the chain over every child written so far, for resuming and for
-    telling a different child list from the same one under a key.
+    children and its leaves, `opened` of them new in this chunk: see `add_leaf`). `digest` is the chain over
+    every child written so far, for resuming and for telling a different child list from the same one under a
+    key. Returns False if the root is no longer open (it passed its failure threshold while being written): the
+    caller must roll this chunk back and stop.
+
+    The leaves' rows are locked before the root's, the order every terminal report takes them in.
     """
     insert_placed(conn, placed)
     per_leaf: dict[uuid.UUID, int] = {}
@@ -254,6 +268,11 @@ def add_children(
         if batch_id != root_id:
             per_leaf[batch_id] = per_leaf.get(batch_id, 0) + 1
     if per_leaf:
+        # In id order, as the relay locks a stopped tree's leaves (recovery.abandon_after_threshold).
+        conn.execute(
+            text("SELECT 1 FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[])) ORDER BY id FOR UPDATE"),
+            {"ids": list(per_leaf)},
+        ).all()
         conn.execute(
             text(
                 """
@@ -264,21 +283,28 @@ def add_children(
             ),
             {"ids": list(per_leaf), "ns": list(per_leaf.values())},
         )
-    conn.execute(
+    result = conn.execute(
         text(
             """
             UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest
              WHERE id = :id AND state = 'open'
             """
         ),
-        {"id": root_id, "total": len(placed), "direct": len(placed) - sum(per_leaf.values()), "digest": digest},
+        {
+            "id": root_id,
+            "total": len(placed),
+            "direct": len(placed) - sum(per_leaf.values()) + opened,
+            "digest": digest,
+        },
     )
+    return result.rowcount > 0
 
 
 def add_leaf(conn: Connection, root: NewBatch, leaf_id: uuid.UUID) -> None:
-    """Open a leaf under an open root: the root now also waits for the leaf (one unit of its `remaining`)."""
+    """Open a leaf under an open root. The root's wait for it (one unit of its `remaining`) is added by the
+    chunk's `add_children(opened=...)`, after the leaves' rows: taking the root's lock here, before the leaves',
+    could deadlock with a report that holds a leaf and pushes a failure up to the root."""
     insert_batch(conn, leaf_of(root, leaf_id), state="open", planned=0, parent_id=root.id)
-    conn.execute(text("UPDATE fanin_batches SET remaining = remaining + 1 WHERE id = :id"), {"id": root.id})
 
 
 def seal(conn: Connection, batch_id: uuid.UUID) -> bool:
@@ -450,10 +476,14 @@ def release_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
     )
 
 
-def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int) -> None:
-    """Record that children with idx < upto are on the broker (monotonic: never moves back)."""
+def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int | None) -> None:
+    """Record that children with idx < upto are on the broker or need not be (monotonic: never moves back);
+    `None`: all the batch's children so far."""
     conn.execute(
-        text("UPDATE fanin_batches SET published_upto = :upto WHERE id = :id AND published_upto < :upto"),
+        text(
+            "UPDATE fanin_batches SET published_upto = coalesce(CAST(:upto AS integer), planned)"
+            " WHERE id = :id AND published_upto < coalesce(CAST(:upto AS integer), planned)"
+        ),
         {"id": batch_id, "upto": upto},
     )
 
@@ -471,14 +501,20 @@ def unpublished_batches(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
 
 
 def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[tuple[int, str, Encoded]]:
-    """The next children of a batch not yet known to be published, in index order, with their stored messages."""
+    """The next children of a batch not yet known to be published and still waited for, in index order, with
+    their stored messages.
+
+    Only `pending` ones: a child that started was delivered, and one that is terminal (counted, or abandoned or
+    lost by recovery) must not run again for nothing. When fewer than `limit` come back, every child past the
+    last one needs no publishing: `mark_published(conn, batch_id, None)` says so.
+    """
     rows = conn.execute(
         text(
             """
             SELECT c.idx, c.task_id, c.message, c.content_type, c.content_encoding
               FROM fanin_batches root
               JOIN fanin_batches b ON b.id = root.id OR b.parent_id = root.id
-              JOIN fanin_children c ON c.batch_id = b.id AND c.idx >= root.published_upto
+              JOIN fanin_children c ON c.batch_id = b.id AND c.idx >= root.published_upto AND c.state = 'pending'
              WHERE root.id = :id
              ORDER BY c.idx LIMIT :n
             """

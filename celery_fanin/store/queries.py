@@ -117,11 +117,13 @@ def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow 
 
 
 def unfinished_leaves(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int, int]:
-    """(count, succeeded, failed) of a root's leaves still counting: the part of its totals not yet handed up."""
+    """(count, succeeded, failed) of a root's leaves still counting: the part of its totals not yet handed up (a
+    `fail_up` leaf hands its failures up as they are counted)."""
     row = conn.execute(
         text(
             """
-            SELECT count(*), coalesce(sum(succeeded), 0), coalesce(sum(failed), 0) FROM fanin_batches
+            SELECT count(*), coalesce(sum(succeeded), 0), coalesce(sum(failed) FILTER (WHERE NOT fail_up), 0)
+              FROM fanin_batches
              WHERE parent_id = :id AND state IN ('open', 'running')
             """
         ),
@@ -191,6 +193,39 @@ def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) ->
                    Encoded(r.content_type, r.content_encoding, bytes(r.message)))
         for r in rows
     ]  # fmt: skip
+
+
+def stream_failures(
+    engine: Engine, batch_id: uuid.UUID, after: int | None = None, fetch_size: int = 1000
+) -> Iterator[FailureRow]:
+    """`failures`, streamed with a server-side cursor (memory bounded by `fetch_size`); `after`: past that index."""
+    with engine.connect() as conn:
+        rows = conn.execution_options(stream_results=True, yield_per=fetch_size).execute(
+            text(
+                """
+                SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
+                       message, content_type, content_encoding
+                  FROM fanin_children
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+                   AND state NOT IN ('pending', 'started', 'succeeded')
+                   AND idx > coalesce(CAST(:after AS integer), -1)
+                 ORDER BY idx
+                """
+            ),
+            {"id": batch_id, "after": after},
+        )
+        for r in rows:
+            yield FailureRow(
+                r.idx,
+                r.task_id,
+                r.task_name,
+                r.state,
+                r.exc_type,
+                r.exc_message,
+                r.starts,
+                r.late_state,
+                Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+            )
 
 
 def child_results(

@@ -318,10 +318,11 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
                        count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS failed
                   FROM fanin_children WHERE batch_id = :id
             ), leaves AS (
+                -- a `fail_up` leaf has handed its failures to the root as they were counted, finished or not
                 SELECT coalesce(sum(planned), 0) AS created,
                        count(*) FILTER (WHERE state IN ('open', 'running')) AS open,
                        coalesce(sum(succeeded) FILTER (WHERE state NOT IN ('open', 'running')), 0) AS succeeded,
-                       coalesce(sum(failed) FILTER (WHERE state NOT IN ('open', 'running')), 0) AS failed
+                       coalesce(sum(failed) FILTER (WHERE state NOT IN ('open', 'running') OR fail_up), 0) AS failed
                   FROM fanin_batches WHERE parent_id = :id
             )
             SELECT direct.created + leaves.created AS created, direct.open + leaves.open AS open,
@@ -383,15 +384,65 @@ def _restore_outbox_row(conn: Connection, batch_id: uuid.UUID, step: str) -> boo
     return row is not None
 
 
-def open_children(conn: Connection, batch_id: uuid.UUID, limit: int = 10_000) -> list[str]:
-    """Task ids of a batch's unfinished children (to revoke them when the batch finished early)."""
-    rows = conn.execute(
+def abandon_after_threshold(conn: Connection, batch_id: uuid.UUID) -> list[str]:
+    """Stop a batch that passed its failure threshold: its unfinished children (the root's own and every leaf's)
+    become `abandoned`, and its counters reach zero. Returns their task ids, for the caller to revoke.
+
+    Once a child is abandoned, its report (the worker's `revoked` as it discards the queued message, or the
+    outcome of one that was already running) finds the row terminal and is recorded as late, never counted: the
+    counters set here are final. Locks are taken as `expire_batch` takes them (child rows, then leaves, then the
+    root: the order of every terminal report), and the counters are then set from the child rows, which every
+    report that counted has committed by then (the child UPDATE waited for any in flight). Runs again harmlessly:
+    a stopped batch has nothing unfinished.
+    """
+    abandoned = [
+        r[0]
+        for r in conn.execute(
+            text(
+                """
+                UPDATE fanin_children
+                   SET state = 'abandoned', finished_at = now(), exc_type = 'FailureThresholdPassed',
+                       exc_message = 'the batch passed max_failures before this child finished'
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+                   AND state IN ('pending', 'started')
+                   AND EXISTS (SELECT 1 FROM fanin_batches r WHERE r.id = :id AND r.state = 'failed_threshold')
+             RETURNING task_id
+                """
+            ),
+            {"id": batch_id},
+        )
+    ]
+    conn.execute(
+        text("SELECT id FROM fanin_batches WHERE parent_id = :id ORDER BY id FOR UPDATE"), {"id": batch_id}
+    ).all()
+    root = conn.execute(
+        text("SELECT remaining FROM fanin_batches WHERE id = :id AND state = 'failed_threshold' FOR UPDATE"),
+        {"id": batch_id},
+    ).first()
+    if root is None or (root.remaining == 0 and not abandoned):
+        return abandoned
+    conn.execute(
         text(
             """
-            SELECT task_id FROM fanin_children
-             WHERE batch_id = :id AND state IN ('pending', 'started') ORDER BY idx LIMIT :n
+            WITH leaves AS (
+                UPDATE fanin_batches b
+                   SET state = 'failed_threshold', remaining = 0, completed_at = now(),
+                       succeeded = (SELECT count(*) FROM fanin_children c
+                                     WHERE c.batch_id = b.id AND c.state = 'succeeded'),
+                       failed = (SELECT count(*) FROM fanin_children c
+                                  WHERE c.batch_id = b.id AND c.state NOT IN ('pending', 'started', 'succeeded'))
+                 WHERE b.parent_id = :id AND b.state IN ('open', 'running')
+            ), totals AS (
+                SELECT count(*) FILTER (WHERE state = 'succeeded') AS s,
+                       count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS f
+                  FROM fanin_children
+                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
+            )
+            UPDATE fanin_batches b SET remaining = 0, succeeded = totals.s, failed = totals.f
+              FROM totals
+             WHERE b.id = :id
             """
         ),
-        {"id": batch_id, "n": limit},
+        {"id": batch_id},
     )
-    return [r[0] for r in rows]
+    return abandoned

@@ -66,6 +66,8 @@ batches = Table(
     Column("retry_of", Uuid),
     # Written by every settle: whether that settle moved the batch out of `running` (migration 0009).
     Column("last_settle_moved", Boolean, nullable=False),
+    # A leaf of a root with a failure threshold: each failure is added to the root as it is counted (0012).
+    Column("fail_up", Boolean, nullable=False),
 )
 
 children = Table(

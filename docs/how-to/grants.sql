@@ -5,6 +5,8 @@
 -- The functions that count a child and settle its batch run with the caller's privileges: keep them to the
 -- roles below.
 REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
+                           fanin_fail_up(uuid, integer),
+                           fanin_create_successor(uuid, text, text, text),
                            fanin_record_terminal(text, text, bytea, text, text, text, text),
                            fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
@@ -19,7 +21,8 @@ GRANT SELECT, INSERT ON fanin_successors, fanin_outbox TO fanin_producer;
 GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_producer;
 GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_producer;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_producer;
-GRANT EXECUTE ON FUNCTION fanin_seal(uuid), fanin_settle(uuid, integer, integer) TO fanin_producer;
+GRANT EXECUTE ON FUNCTION fanin_seal(uuid), fanin_settle(uuid, integer, integer), fanin_fail_up(uuid, integer),
+                          fanin_create_successor(uuid, text, text, text) TO fanin_producer;
 
 -- Workers: a child's start and terminal outcome, the counter it settles, the successor it may create, and the
 -- successor's own run (its start guard, state and result). Read access for BatchOutcome.results().
@@ -36,7 +39,8 @@ GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
                           fanin_record_starts(text[], integer[], text[], timestamptz[]),
-                          fanin_settle(uuid, integer, integer) TO fanin_worker;
+                          fanin_settle(uuid, integer, integer), fanin_fail_up(uuid, integer),
+                          fanin_create_successor(uuid, text, text, text) TO fanin_worker;
 
 -- The relay: the outbox, children no producer published, lost children, deadlines, stalled successors and
 -- reconciliation. It never creates batches or children.
@@ -53,7 +57,8 @@ GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fa
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_relay;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
-                          fanin_settle(uuid, integer, integer), fanin_seal(uuid) TO fanin_relay;
+                          fanin_settle(uuid, integer, integer), fanin_seal(uuid), fanin_fail_up(uuid, integer),
+                          fanin_create_successor(uuid, text, text, text) TO fanin_relay;
 
 -- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
 -- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the

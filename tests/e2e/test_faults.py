@@ -174,12 +174,24 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["too-many"]
     assert runs[0]["outcome"]["failed"] == 2 and runs[0]["outcome"]["partial"] is True
-    # The rest are revoked; every child still ends terminal and is counted once.
+    # The rest are abandoned and revoked; every child ends terminal and is counted once, and the revoked copies'
+    # reports are recorded as late.
     final = wait_for(lambda: (s := handle.status()).remaining == 0 and s, 60, message="all children terminal")
     assert final.succeeded + final.failed == 10
-    revoked = _sql(producer, "SELECT count(*) AS n FROM fanin_children WHERE batch_id = :b AND state = 'revoked'",
-                   b=handle.batch_id)[0].n  # fmt: skip
+    revoked = wait_for(
+        lambda: (
+            _sql(
+                producer,
+                "SELECT count(*) AS n FROM fanin_children"
+                " WHERE batch_id = :b AND state = 'abandoned' AND late_state = 'revoked'",
+                b=handle.batch_id,
+            )[0].n
+        ),
+        60,
+        message="a revoked report of an abandoned child",
+    )
     assert revoked >= 1
+    assert handle.status().failed == final.failed  # late reports change no counter
     assert len(successor_runs(handle.batch_id)) == 1
 
 
