@@ -38,10 +38,11 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from kombu.exceptions import EncodeError
+from prometheus_client import Counter
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import starts
+from . import retry, starts
 from .extension import FanIn
 from .publish import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
 from .store import batches
@@ -130,36 +131,53 @@ def _fanin_for(app: Celery | None) -> FanIn | None:
     return FanIn.find(app) if app is not None else None
 
 
+# Reports a worker gave up on (the store stayed unreachable for `fanin_report_timeout`), by kind ("terminal" for
+# a child's outcome, "successor" for a successor's state). In the default prometheus_client registry of the process
+# that gave up: exported where the worker exports that registry (prometheus_client's multiprocess mode for prefork).
+REPORTS_GIVEN_UP = Counter(
+    "fanin_worker_reports_given_up", "Reports a worker gave up after fanin_report_timeout.", ["kind"]
+)
+
+
+def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:
+    REPORTS_GIVEN_UP.labels(kind=kind).inc()
+    logger.error(
+        "gave up recording %s: %s (%s); reconciliation and child_timeout take it from here", what, exc, exc.__cause__,
+        extra={"fanin_report_given_up": kind},
+    )  # fmt: skip
+
+
 def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any]) -> Any:
-    """Run a store transaction, retrying connection errors with backoff; gives up to reconciliation after the last."""
-    attempts = max(1, int(fanin.setting("record_attempts")))
-    for attempt in range(1, attempts + 1):
-        try:
-            with fanin.engine.begin() as conn:
-                return fn(conn)
-        except SQLAlchemyError:
-            if attempt == attempts:
-                logger.exception("gave up recording %s after %d attempts", what, attempts)
-                return None
-            time.sleep(min(5.0, 0.2 * 2**attempt))
+    """Run a store transaction, retrying transient errors for up to `fanin_report_timeout` seconds; None if it
+    gave up (logged and counted: reconciliation finds what it would have recorded)."""
+    try:
+        return retry.transaction(fanin.engine, fn, what=f"recording {what}", timeout=_report_timeout(fanin))
+    except retry.GaveUp as exc:
+        _give_up("successor", what, exc)
+    except SQLAlchemyError:  # permanent (a permission, a schema out of date): retrying would not help
+        REPORTS_GIVEN_UP.labels(kind="successor").inc()
+        logger.exception("cannot record %s (not a transient error, not retried)", what)
     return None
 
 
 def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
-    """Send one of a child's reports (its start, its terminal outcome) with the same retry policy as above.
+    """Send one of a child's reports with the same policy as above.
 
-    Each report is a single statement in autocommit on the process's report connection: one round trip.
+    Each report is a single statement in autocommit on the process's report connection: one round trip. The
+    connection is dropped after an error, so each attempt after one reconnects.
     """
-    attempts = max(1, int(fanin.setting("record_attempts")))
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn(fanin.reports)
-        except psycopg.Error:
-            if attempt == attempts:
-                logger.exception("gave up recording %s after %d attempts", what, attempts)
-                return None
-            time.sleep(min(5.0, 0.2 * 2**attempt))
+    try:
+        return retry.call(lambda: fn(fanin.reports), what=f"recording {what}", timeout=_report_timeout(fanin))
+    except retry.GaveUp as exc:
+        _give_up("terminal", what, exc)
+    except psycopg.Error:  # permanent (a permission, a schema out of date): retrying would not help
+        REPORTS_GIVEN_UP.labels(kind="terminal").inc()
+        logger.exception("cannot record %s (not a transient error, not retried)", what)
     return None
+
+
+def _report_timeout(fanin: FanIn) -> float:
+    return float(fanin.setting("report_timeout"))
 
 
 def _exc_fields(exc: BaseException | None) -> tuple[str | None, str | None]:
