@@ -34,6 +34,15 @@ T = TypeVar("T")
 # failure and 40P01 deadlock (the transaction was rolled back and can simply run again).
 _TRANSIENT_CLASSES = frozenset({"08", "53"})
 _TRANSIENT_CODES = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "40001", "40P01"})
+# libpq's text for a login the server refused for good (in the server's lc_messages; English by default).
+_REFUSED_LOGIN = (
+    "does not exist",
+    "password authentication failed",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "permission denied",
+    "no password supplied",
+)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -48,8 +57,10 @@ def is_transient(exc: BaseException) -> bool:
         sqlstate = exc.sqlstate
         if sqlstate is None:
             # No server error: the client lost or could not make the connection ("server closed the connection
-            # unexpectedly", "connection refused", "the connection is closed").
-            return isinstance(exc, psycopg.OperationalError)
+            # unexpectedly", "connection refused", "the connection is closed"). A refused login carries no
+            # SQLSTATE either (libpq reports it as text): a wrong database, role or password is configuration.
+            message = str(exc)
+            return isinstance(exc, psycopg.OperationalError) and not any(m in message for m in _REFUSED_LOGIN)
         return sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_CODES
     return isinstance(exc, (ConnectionError, TimeoutError))
 
