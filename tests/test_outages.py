@@ -1,0 +1,218 @@
+"""Database and broker outages, in process: reports wait for the store (bounded by `fanin_report_timeout`), and
+every long-lived connection (the engine's pool, the report connection, the relay's LISTEN connection, a pooled
+broker connection) recovers by itself once the service is back.
+
+A cut is made by a proxy the test owns (tests.faults) or, for PostgreSQL, by terminating every backend of the
+session's own database: what a server restart looks like to its clients. No service is restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from sqlalchemy import Engine, text
+
+from celery_fanin import FanIn, fan_in_group, hooks
+from celery_fanin.relay import Relay
+from tests.faults import TcpProxy, proxy_for
+from tests.store.helpers import create, make_engine
+from tests.workers import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+@pytest.fixture
+def pg_proxy(clean_db: str) -> Iterator[TcpProxy]:
+    with proxy_for(clean_db, 5432) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def direct(clean_db: str) -> Iterator[Engine]:
+    engine = make_engine(clean_db)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def proxied_app(app: Celery, pg_proxy: TcpProxy) -> Celery:
+    """The `app` fixture's app, its store reached through the proxy."""
+    app.conf.fanin_database_url = pg_proxy.url(app.conf.fanin_database_url)
+    FanIn.of(app).dispose()
+    return app
+
+
+def _report(app: Celery, task_id: str, batch_id: uuid.UUID, index: int) -> Any:
+    marker = hooks._Marker(str(batch_id), index, None)
+    return hooks.record_child(FanIn.of(app), task_id, marker, "succeeded", value=index, has_value=True)
+
+
+def _states(engine: Engine, batch_id: uuid.UUID) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT state FROM fanin_children WHERE batch_id = :b ORDER BY idx"), {"b": batch_id})
+        return [r.state for r in rows]
+
+
+def _given_up(kind: str) -> float:
+    return hooks.REPORTS_GIVEN_UP.labels(kind=kind)._value.get()
+
+
+def test_reports_wait_out_a_database_cut(proxied_app: Celery, pg_proxy: TcpProxy, direct: Engine) -> None:
+    batch, children, _ = create(direct, 3)
+    assert _report(proxied_app, children[0].task_id, batch.id, 0).counted  # the report connection is open
+    given_up = _given_up("terminal")
+    pg_proxy.cut()
+    restore = threading.Timer(4.0, pg_proxy.restore)
+    restore.start()
+    started = time.monotonic()
+    try:
+        # Both reports are sent while the store is unreachable (a broken connection, then refused connections).
+        for i in (1, 2):
+            rec = _report(proxied_app, children[i].task_id, batch.id, i)
+            assert rec is not None and rec.counted
+    finally:
+        restore.cancel()
+        pg_proxy.restore()
+    assert time.monotonic() - started >= 3.5  # it did wait for the store
+    assert pg_proxy.refused > 0
+    assert _states(direct, batch.id) == ["succeeded"] * 3
+    assert _given_up("terminal") == given_up
+
+
+def test_a_report_is_given_up_after_report_timeout(
+    proxied_app: Celery, pg_proxy: TcpProxy, direct: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxied_app.conf.fanin_report_timeout = 1.5
+    batch, children, _ = create(direct, 1)
+    given_up = _given_up("terminal")
+    pg_proxy.cut()
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="celery_fanin.hooks"):
+        assert _report(proxied_app, children[0].task_id, batch.id, 0) is None
+    assert 1.4 <= time.monotonic() - started < 5
+    assert _given_up("terminal") == given_up + 1
+    assert any("gave up recording terminal outcome" in r.getMessage() for r in caplog.records)
+    pg_proxy.restore()
+    # Nothing was recorded: the child stays open for child_timeout and reconciliation to settle.
+    assert _states(direct, batch.id) == ["pending"]
+
+
+def test_a_permanent_error_is_not_retried(
+    app: Celery, clean_db: str, direct: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A report that cannot succeed however long it waits (here: a database that does not exist, a configuration
+    error) fails at once, is logged and counted, and is not retried for `fanin_report_timeout`."""
+    batch, children, _ = create(direct, 1)
+    app.conf.fanin_database_url = clean_db.rsplit("/", 1)[0] + "/fanin_no_such_database"
+    FanIn.of(app).dispose()
+    given_up = _given_up("terminal")
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="celery_fanin.hooks"):
+        assert _report(app, children[0].task_id, batch.id, 0) is None
+    assert time.monotonic() - started < 2.0
+    assert any("not a transient error" in r.getMessage() for r in caplog.records)
+    assert _given_up("terminal") == given_up + 1
+    assert _states(direct, batch.id) == ["pending"]
+
+
+def _terminate_backends(url: str) -> int:
+    """Every other session of the test database ends, as a PostgreSQL restart ends them for its clients."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    return len(rows)
+
+
+def test_pooled_connections_recover_after_the_server_ends_them(
+    app: Celery, clean_db: str, direct: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client side of a PostgreSQL restart: the engine's pooled connections and the report connection are
+    dead. The next producer call and the next reports work without an error reaching the caller."""
+    app.conf.fanin_report_timeout = 30
+    app.task(name="t.ok", shared=False)(_ok)
+    app.task(name="t.then", shared=False)(_ok)
+    fanin = FanIn.of(app)
+    first = fan_in_group([app.signature("t.ok", args=(1,))], then=app.signature("t.then"), app=app).apply_async()
+    batch, children, _ = create(direct, 2)
+    assert _report(app, children[0].task_id, batch.id, 0).counted
+    with fanin.engine.connect() as conn:  # the pool holds a connection now
+        conn.execute(text("SELECT 1"))
+    assert _terminate_backends(clean_db) >= 2
+    with caplog.at_level(logging.WARNING):
+        second = fan_in_group([app.signature("t.ok", args=(2,))], then=app.signature("t.then"), app=app).apply_async()
+        assert _report(app, children[1].task_id, batch.id, 1).counted
+    assert second.status().published == 1 and first.status().published == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def _ok(*args: Any) -> Any:
+    return args
+
+
+def test_relay_reconnects_after_its_connections_are_cut(
+    proxied_app: Celery, pg_proxy: TcpProxy, direct: Engine
+) -> None:
+    """The relay's LISTEN connection and its pool die with the cut; once the store is back it picks up the
+    successor whose NOTIFY it missed, without being restarted."""
+    relay = Relay(FanIn.of(proxied_app), poll_interval=0.2)
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: relay.stats.rounds >= 1, 20, message="the relay's first round")
+        pg_proxy.cut()
+        wait_for(lambda: relay.stats.errors >= 1, 20, message="the relay to notice the cut")
+        batch, children, _ = create(direct, 1)
+        with direct.begin() as conn:  # the last child's report creates the successor (its NOTIFY is missed)
+            conn.execute(text("SELECT fanin_record_terminal(:t, 'succeeded', NULL, NULL, NULL, NULL, NULL)"),
+                         {"t": children[0].task_id})  # fmt: skip
+        errors = relay.stats.errors
+        pg_proxy.restore()
+        wait_for(lambda: relay.stats.successors_published == 1, 30, message="the successor published after restore")
+        assert relay.stats.errors == errors or relay.stats.errors == errors + 1  # at most the round under way
+        assert relay._listener is not None and not relay._listener.closed
+    finally:
+        relay.stop()
+        thread.join(15)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_producer_publishes_after_its_broker_connection_was_cut(
+    broker: str, clean_db: str, clean_redis: str, direct: Engine
+) -> None:
+    """A pooled broker connection the broker closed (a restart) is replaced before the next batch is published:
+    that batch's children reach the broker at once instead of being left to the relay."""
+    url = clean_redis if broker == "redis" else AMQP_URL
+    with proxy_for(url, 6379 if broker == "redis" else 5672) as proxy:
+        capp = Celery("fanin-broker-cut", broker=proxy.url(url), set_as_current=False)
+        capp.conf.fanin_database_url = clean_db
+        capp.conf.task_default_queue = f"outage-{uuid.uuid4().hex[:8]}"
+        capp.task(name="t.ok", shared=False)(_ok)
+        capp.task(name="t.then", shared=False)(_ok)
+        FanIn(capp)
+        try:
+            handles = []
+            for i in range(3):
+                if i == 1:
+                    proxy.cut()
+                    proxy.restore()
+                sig = [capp.signature("t.ok", args=(i,)) for _ in range(3)]
+                handles.append(fan_in_group(sig, then=capp.signature("t.then"), app=capp).apply_async())
+            assert [h.status().published for h in handles] == [3, 3, 3]
+        finally:
+            if broker == "rabbitmq":
+                with capp.connection_for_write() as conn:
+                    conn.default_channel.queue_delete(capp.conf.task_default_queue)
+            FanIn.of(capp).dispose()
+            capp.pool.force_close_all()
