@@ -12,6 +12,7 @@ import select
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -126,3 +127,19 @@ def proxy_for(url: str, default_port: int) -> Iterator[TcpProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+def release_producer_app(app: Any) -> None:
+    """Let a test's own producer app go without closing what other apps share.
+
+    kombu keeps broker connection pools in a process-wide registry keyed by broker URL: two apps on the same
+    broker share one pool, and `app.pool.force_close_all()` closes it for every one of them ("Acquire on closed
+    pool" in every later test that publishes to that broker). Stale connections need no closing: redis-py
+    reconnects on its own, and celery_fanin.publish replaces an AMQP connection the broker closed.
+    """
+    from celery_fanin import FanIn
+
+    found = FanIn.find(app)
+    if found is not None:
+        found.dispose()
+    app.close()

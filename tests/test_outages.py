@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import kombu
 import psycopg
 import pytest
 from celery import Celery
@@ -22,7 +23,7 @@ from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, fan_in_group, hooks
 from celery_fanin.relay import Relay
-from tests.faults import TcpProxy, proxy_for
+from tests.faults import TcpProxy, proxy_for, release_producer_app
 from tests.store.helpers import create, make_engine
 from tests.workers import wait_for
 
@@ -214,5 +215,47 @@ def test_producer_publishes_after_its_broker_connection_was_cut(
             if broker == "rabbitmq":
                 with capp.connection_for_write() as conn:
                     conn.default_channel.queue_delete(capp.conf.task_default_queue)
-            FanIn.of(capp).dispose()
-            capp.pool.force_close_all()
+            release_producer_app(capp)
+
+
+def test_the_sessions_redis_claim_survives_redis_forgetting_it(redis_url: str, request: pytest.FixtureRequest) -> None:
+    """A Redis restarted without persistence (the chaos suite's broker restart) forgets this session's claim on
+    its database number; the next test's `clean_redis` sets it again, so no other session takes the number."""
+    import redis
+
+    from tests.conftest import REDIS_CLAIM_KEY
+
+    client = redis.Redis.from_url(redis_url)
+    token = client.get(REDIS_CLAIM_KEY)
+    assert token is not None
+    client.delete(REDIS_CLAIM_KEY)
+    request.getfixturevalue("clean_redis")
+    assert client.get(REDIS_CLAIM_KEY) == token
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_releasing_a_producer_app_leaves_other_apps_on_its_broker_working(
+    broker: str, clean_db: str, clean_redis: str
+) -> None:
+    """Two apps on one broker URL share kombu's process-wide connection pool. The chaos suite used to close its
+    producer app's pool (`force_close_all`), which closed the shared test app's too: every later test that
+    published failed with "Acquire on closed pool" (why chaos had to run last). Releasing the app instead leaves
+    the pool to the others."""
+    url = clean_redis if broker == "redis" else AMQP_URL
+    queue = f"outage-{uuid.uuid4().hex[:8]}"
+    apps = [Celery(f"fanin-share-{i}", broker=url, set_as_current=False) for i in range(2)]
+    for a in apps:
+        a.conf.fanin_database_url = clean_db
+        a.conf.task_default_queue = queue
+        FanIn(a)
+    assert apps[0].pool is apps[1].pool  # what makes closing one app's pool everybody's problem
+    try:
+        with apps[0].producer_or_acquire() as prod:
+            prod.publish({"n": 0}, routing_key=queue, declare=[kombu.Queue(queue)])
+        release_producer_app(apps[0])
+        with apps[1].producer_or_acquire() as prod:
+            prod.publish({"n": 1}, routing_key=queue, declare=[kombu.Queue(queue)])
+    finally:
+        with apps[1].connection_for_write() as conn:
+            conn.default_channel.queue_delete(queue)
+        release_producer_app(apps[1])
