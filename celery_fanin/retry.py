@@ -53,15 +53,17 @@ def is_transient(exc: BaseException) -> bool:
         return exc.orig is not None and is_transient(exc.orig)
     if isinstance(exc, (sa_exc.DisconnectionError, sa_exc.TimeoutError)):
         return True  # a pre-ping that found the connection dead; no pooled connection free in time
-    if isinstance(exc, psycopg.Error):
-        sqlstate = exc.sqlstate
-        if sqlstate is None:
-            # No server error: the client lost or could not make the connection ("server closed the connection
-            # unexpectedly", "connection refused", "the connection is closed"). A refused login carries no
-            # SQLSTATE either (libpq reports it as text): a wrong database, role or password is configuration.
-            message = str(exc)
-            return isinstance(exc, psycopg.OperationalError) and not any(m in message for m in _REFUSED_LOGIN)
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(sqlstate, str):  # psycopg's errors, and any driver error that carries its SQLSTATE the same way
         return sqlstate[:2] in _TRANSIENT_CLASSES or sqlstate in _TRANSIENT_CODES
+    if isinstance(exc, psycopg.OperationalError):
+        # No server error: the client lost or could not make the connection ("server closed the connection
+        # unexpectedly", "connection refused", "the connection is closed"). A refused login carries no SQLSTATE
+        # either (libpq reports it as text): a wrong database, role or password is configuration, not an outage.
+        message = str(exc)
+        return not any(m in message for m in _REFUSED_LOGIN)
+    if isinstance(exc, psycopg.Error):
+        return False  # InterfaceError and the like: a misuse of the connection
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 
