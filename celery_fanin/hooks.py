@@ -24,7 +24,10 @@ hard time limit) are harmless: the store counts a child once.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import queue
 import threading
 import time
 import uuid
@@ -150,14 +153,12 @@ def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:
 def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any]) -> Any:
     """Run a store transaction, retrying transient errors for up to `fanin_report_timeout` seconds; None if it
     gave up (logged and counted: reconciliation finds what it would have recorded)."""
-    try:
-        return retry.transaction(fanin.engine, fn, what=f"recording {what}", timeout=_report_timeout(fanin))
-    except retry.GaveUp as exc:
-        _give_up("successor", what, exc)
-    except SQLAlchemyError:  # permanent (a permission, a schema out of date): retrying would not help
-        REPORTS_GIVEN_UP.labels(kind="successor").inc()
-        logger.exception("cannot record %s (not a transient error, not retried)", what)
-    return None
+
+    def once() -> Any:
+        with fanin.engine.begin() as conn:
+            return fn(conn)
+
+    return _send(fanin, "successor", what, once)
 
 
 def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
@@ -166,14 +167,108 @@ def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection
     Each report is a single statement in autocommit on the process's report connection: one round trip. The
     connection is dropped after an error, so each attempt after one reconnects.
     """
+    return _send(fanin, "terminal", what, lambda: fn(fanin.reports))
+
+
+def _send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any]) -> Any:
+    timeout = _report_timeout(fanin)
+    if not getattr(_loop, "active", False):
+        return _send_waiting(kind, what, once, timeout)
+    # In the worker's event loop (a main-process signal): one attempt here; if the store is unreachable, the rest
+    # of the retrying is done by a thread, since waiting here would stall the whole worker for the outage.
     try:
-        return retry.call(lambda: fn(fanin.reports), what=f"recording {what}", timeout=_report_timeout(fanin))
+        return once()
+    except Exception as exc:
+        if not retry.is_transient(exc):
+            _permanent(kind, what)
+            return None
+        logger.warning("cannot record %s now (%s); retrying off the event loop", what, retry.brief(exc))
+        _background.submit(lambda: _send_waiting(kind, what, once, timeout))
+        return None
+
+
+def _send_waiting(kind: str, what: str, once: Callable[[], Any], timeout: float) -> Any:
+    try:
+        return retry.call(once, what=f"recording {what}", timeout=timeout)
     except retry.GaveUp as exc:
-        _give_up("terminal", what, exc)
-    except psycopg.Error:  # permanent (a permission, a schema out of date): retrying would not help
-        REPORTS_GIVEN_UP.labels(kind="terminal").inc()
-        logger.exception("cannot record %s (not a transient error, not retried)", what)
+        _give_up(kind, what, exc)
+    except (SQLAlchemyError, psycopg.Error):  # permanent (a permission, a schema out of date): retrying won't help
+        _permanent(kind, what)
     return None
+
+
+def _permanent(kind: str, what: str) -> None:
+    REPORTS_GIVEN_UP.labels(kind=kind).inc()
+    logger.exception("cannot record %s (not a transient error, not retried)", what)
+
+
+class _BackgroundReports:
+    """Reports of the worker's main process that met an outage, retried in order by one daemon thread.
+
+    The main process runs the worker's event loop (consuming, acknowledging, broker heartbeats, pool results), so it
+    must not wait for the store; a pool process may, since it takes its next task only after its report. Reports
+    still queued when the worker stops get a few seconds (`flush`); any left are found by reconciliation and
+    child_timeout, like a report given up.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                if self._pid != os.getpid():
+                    self._queue = queue.Queue()  # a forked copy: the parent's queued reports are the parent's
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="celery-fanin-reports", daemon=True)
+                self._thread.start()
+            self._queue.put(job)
+
+    def _run(self) -> None:
+        jobs = self._queue
+        while True:
+            job = jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - the thread must survive anything; the job logs its own failures
+                logger.exception("background report failed")
+            finally:
+                jobs.task_done()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every report queued so far was sent or given up; False if `timeout` passed first."""
+        if self._pid != os.getpid():
+            return True  # nothing submitted in this process (a pool process inherits the parent's queue object)
+        deadline = time.monotonic() + timeout
+        jobs = self._queue
+        with jobs.all_tasks_done:
+            while jobs.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                jobs.all_tasks_done.wait(left)
+        return True
+
+
+_background = _BackgroundReports()
+_loop = threading.local()  # `active` while a main-process (event loop) signal handler runs
+
+
+def _in_event_loop(handler: Callable[..., None]) -> Callable[..., None]:
+    """Mark a handler of a signal that Celery sends in the worker's main process (see `_send`)."""
+
+    @functools.wraps(handler)
+    def marked(*args: Any, **kwargs: Any) -> None:
+        _loop.active = True
+        try:
+            handler(*args, **kwargs)
+        finally:
+            _loop.active = False
+
+    return marked
 
 
 def _report_timeout(fanin: FanIn) -> float:
@@ -390,6 +485,7 @@ def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         _received.add(request.id, marker, request)
 
 
+@_in_event_loop
 def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
                 **_: Any) -> None:  # fmt: skip
     # Only the failures the main process detects; the pool child reports the others through task_postrun.
@@ -406,6 +502,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
         record_child(fanin, task_id, marker, state, exc=exception)
 
 
+@_in_event_loop
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
                 **_: Any) -> None:  # fmt: skip
     marker = _Marker.from_mapping(request)
@@ -425,6 +522,7 @@ class _Revoked(Exception):
     """Stands for the reason a revoked task never ran to an end, as stored in the child's row."""
 
 
+@_in_event_loop
 def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | None = None, name: str | None = None,
                 id: str | None = None, **_: Any) -> None:  # fmt: skip
     marker = _Marker.from_mapping(getattr(message, "headers", None))
@@ -437,6 +535,7 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
         record_child(fanin, id, marker, "unknown", exc=exc)
 
 
+@_in_event_loop
 def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
     headers = getattr(message, "headers", None) or {}
     marker = _Marker.from_mapping(headers)
@@ -458,6 +557,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 
 def _on_worker_shutdown(**_: Any) -> None:
     starts.flush_all(timeout=5.0)
+    if not _background.flush(timeout=10.0):
+        logger.warning("reports still waiting for the store at shutdown: reconciliation and child_timeout settle them")
 
 
 def _on_worker_process_init(**_: Any) -> None:

@@ -259,3 +259,32 @@ def test_releasing_a_producer_app_leaves_other_apps_on_its_broker_working(
         with apps[1].connection_for_write() as conn:
             conn.default_channel.queue_delete(queue)
         release_producer_app(apps[1])
+
+
+class _Request(dict):  # type: ignore[type-arg]
+    """Stands for the request `task_revoked` carries: the message's headers, and its id."""
+
+    def __init__(self, task_id: str, batch_id: uuid.UUID, index: int) -> None:
+        super().__init__({"fanin_batch": str(batch_id), "fanin_index": index})
+        self.id = task_id
+
+
+def test_a_main_process_report_does_not_hold_the_event_loop(
+    proxied_app: Celery, pg_proxy: TcpProxy, direct: Engine
+) -> None:
+    """`task_revoked` (like a hard time limit or a lost pool process) is handled in the worker's main process,
+    which runs the event loop: during an outage the handler returns after one attempt and a thread keeps
+    retrying, so the worker goes on consuming and heart-beating; the report lands once the store is back."""
+    batch, children, _ = create(direct, 1)
+    proxied_app.conf.fanin_report_timeout = 10  # the bound a handler that waited would wait
+    sender = type("Consumer", (), {"app": proxied_app})()
+    pg_proxy.cut()
+    try:
+        started = time.monotonic()
+        hooks._on_revoked(sender=sender, request=_Request(children[0].task_id, batch.id, 0), expired=True)
+        assert time.monotonic() - started < 3.0  # one attempt, not fanin_report_timeout
+        assert _states(direct, batch.id) == ["pending"]
+    finally:
+        pg_proxy.restore()
+    wait_for(lambda: _states(direct, batch.id) == ["revoked"], 20, message="the revoked report recorded")
+    assert hooks._background.flush(5)
