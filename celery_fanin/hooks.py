@@ -144,10 +144,8 @@ REPORTS_GIVEN_UP = Counter(
 
 def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:
     REPORTS_GIVEN_UP.labels(kind=kind).inc()
-    logger.error(
-        "gave up recording %s: %s (%s); reconciliation and child_timeout take it from here", what, exc, exc.__cause__,
-        extra={"fanin_report_given_up": kind},
-    )  # fmt: skip
+    cause = exc.__cause__
+    logger.error("gave up recording %s: %s (%s); child_timeout and reconciliation settle it", what, exc, cause)
 
 
 def _with_retries(fanin: FanIn, what: str, fn: Callable[[Connection], Any]) -> Any:

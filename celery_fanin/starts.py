@@ -127,9 +127,11 @@ class StartRecorder:
                     self._cond.notify_all()
 
     def _write(self, batch: list[Start]) -> None:
+        def write() -> int:
+            return self._fanin.reports.record_starts(batch)
+
         try:
-            retry.call(lambda: self._fanin.reports.record_starts(batch), what="writing start records",
-                       attempts=WRITE_ATTEMPTS, timeout=WRITE_TIMEOUT)  # fmt: skip
+            retry.call(write, what="writing start records", attempts=WRITE_ATTEMPTS, timeout=WRITE_TIMEOUT)
         except retry.GaveUp as exc:
             logger.warning("dropped %d children's start records (advisory): %s", len(batch), exc.__cause__)
         except Exception:  # noqa: BLE001 - the thread must survive anything: starts are advisory

@@ -176,8 +176,8 @@ def test_relay_reconnects_after_its_connections_are_cut(
         wait_for(lambda: relay.stats.errors >= 1, 20, message="the relay to notice the cut")
         batch, children, _ = create(direct, 1)
         with direct.begin() as conn:  # the last child's report creates the successor (its NOTIFY is missed)
-            conn.execute(text("SELECT fanin_record_terminal(:t, 'succeeded', NULL, NULL, NULL, NULL, NULL)"),
-                         {"t": children[0].task_id})  # fmt: skip
+            sql = text("SELECT fanin_record_terminal(:t, 'succeeded', NULL, NULL, NULL, NULL, NULL)")
+            conn.execute(sql, {"t": children[0].task_id})
         errors = relay.stats.errors
         pg_proxy.restore()
         wait_for(lambda: relay.stats.successors_published == 1, 30, message="the successor published after restore")
