@@ -101,8 +101,14 @@ def test_a_successor_that_ends_during_an_outage_is_recorded_once(
     pg_proxy.restore()
     wait_for(lambda: handle.status().successor_state == "succeeded", 30, message="the successor's state recorded")
     wait_for(lambda: relay.output().count("relay round failed") >= 1, 5, message="the relay saw the outage")
-    time.sleep(4)  # noqa: no condition to wait on: a rerun would come from the relay within successor_timeout
-    assert handle.status().successor_runs == 1
+    # A rerun would come from the relay's stalled-successor check (every second) past successor_timeout (3 s).
+    until = time.monotonic() + 5
+
+    def no_rerun() -> bool:
+        assert handle.status().successor_runs == 1
+        return time.monotonic() >= until
+
+    wait_for(no_rerun, 15, interval=0.5, message="5 s without a second run")
     assert len(successor_runs(handle.batch_id)) == 1
     assert "gave up" not in worker.output()
 
