@@ -13,7 +13,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
 from .exceptions import FanInNotConfigured
-from .store.reports import ReportConnection
+from .store.reports import ReportConnection, connect_options
 
 _REGISTRY: weakref.WeakKeyDictionary[Celery, FanIn] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
@@ -38,7 +38,11 @@ class Settings:
     max_depth: int = 8
     relay_poll_interval: float = 1.0
     relay_batch_size: int = 100
-    # Attempts a worker makes to record a terminal outcome before it logs and gives up (to reconciliation).
+    # Seconds a worker keeps retrying a report (a child's terminal outcome, a successor's state) while the store
+    # is unreachable, with jittered backoff, before it logs, counts (fanin_worker_reports_given_up_total) and leaves
+    # it to reconciliation and child_timeout. The pool process waits meanwhile: a report is never dropped sooner.
+    report_timeout: float = 300.0
+    # Deprecated and ignored (every store call of a worker is bounded by report_timeout); kept so old configs load.
     record_attempts: int = 5
     # Record each child's start (time, attempt, worker), written off the child's path by a thread of the pool
     # process at most every start_write_interval seconds, many starts per statement (see celery_fanin.starts).
@@ -177,11 +181,14 @@ class FanIn:
                     if self._engine is not None:
                         # Inherited across fork: drop the parent's connections without closing its sockets.
                         self._engine.dispose(close=False)
+                    # pool_pre_ping: a connection the server dropped (a restart, a network cut) is found dead at
+                    # checkout and replaced, instead of failing the first statement sent on it.
                     self._engine = create_engine(
                         self.database_url,
                         pool_size=self.settings.pool_size,
                         pool_pre_ping=True,
                         isolation_level="READ COMMITTED",
+                        connect_args=connect_options(self.database_url),
                     )
                     self._engine_pid = pid
         return self._engine

@@ -24,7 +24,10 @@ hard time limit) are harmless: the store counts a child once.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import queue
 import threading
 import time
 import weakref
@@ -40,8 +43,10 @@ from celery import Celery, chord, signals
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from kombu.exceptions import EncodeError
+from prometheus_client import Counter
+from sqlalchemy.exc import SQLAlchemyError
 
-from . import starts, successor_runs
+from . import retry, starts, successor_runs
 from .exceptions import FanInNotConfigured
 from .extension import FanIn
 from .publish import HEADER_BATCH, HEADER_CHAIN, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
@@ -143,21 +148,132 @@ def _fanin_for(app: Celery | None) -> FanIn | None:
     return FanIn.find(app) if app is not None else None
 
 
-def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
-    """Send one of a child's reports (its start, its terminal outcome) with the same retry policy as above.
+# Reports a worker gave up on (the store stayed unreachable for `fanin_report_timeout`), by kind ("terminal" for
+# a child's outcome, "successor" for a successor's state). In the default prometheus_client registry of the process
+# that gave up: exported where the worker exports that registry (prometheus_client's multiprocess mode for prefork).
+REPORTS_GIVEN_UP = Counter(
+    "fanin_worker_reports_given_up", "Reports a worker gave up after fanin_report_timeout.", ["kind"]
+)
 
-    Each report is a single statement in autocommit on the process's report connection: one round trip.
+
+def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:
+    REPORTS_GIVEN_UP.labels(kind=kind).inc()
+    cause = exc.__cause__
+    logger.error("gave up recording %s: %s (%s); child_timeout and reconciliation settle it", what, exc, cause)
+
+
+def _report_with_retries(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
+    """Send one of a child's reports with the same policy as above.
+
+    Each report is a single statement in autocommit on the process's report connection: one round trip. The
+    connection is dropped after an error, so each attempt after one reconnects.
     """
-    attempts = max(1, int(fanin.setting("record_attempts")))
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn(fanin.reports)
-        except psycopg.Error:
-            if attempt == attempts:
-                logger.exception("gave up recording %s after %d attempts", what, attempts)
-                return None
-            time.sleep(min(5.0, 0.2 * 2**attempt))
+    return _send(fanin, "terminal", what, lambda: fn(fanin.reports))
+
+
+def _send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any]) -> Any:
+    timeout = _report_timeout(fanin)
+    if not getattr(_loop, "active", False):
+        return _send_waiting(kind, what, once, timeout)
+    # In the worker's event loop (a main-process signal): one attempt here; if the store is unreachable, the rest
+    # of the retrying is done by a thread, since waiting here would stall the whole worker for the outage.
+    try:
+        return once()
+    except Exception as exc:
+        if not retry.is_transient(exc):
+            _permanent(kind, what)
+            return None
+        logger.warning("cannot record %s now (%s); retrying off the event loop", what, retry.brief(exc))
+        _background.submit(lambda: _send_waiting(kind, what, once, timeout))
+        return None
+
+
+def _send_waiting(kind: str, what: str, once: Callable[[], Any], timeout: float) -> Any:
+    try:
+        return retry.call(once, what=f"recording {what}", timeout=timeout)
+    except retry.GaveUp as exc:
+        _give_up(kind, what, exc)
+    except (SQLAlchemyError, psycopg.Error):  # permanent (a permission, a schema out of date): retrying won't help
+        _permanent(kind, what)
     return None
+
+
+def _permanent(kind: str, what: str) -> None:
+    REPORTS_GIVEN_UP.labels(kind=kind).inc()
+    logger.exception("cannot record %s (not a transient error, not retried)", what)
+
+
+class _BackgroundReports:
+    """Reports of the worker's main process that met an outage, retried in order by one daemon thread.
+
+    The main process runs the worker's event loop (consuming, acknowledging, broker heartbeats, pool results), so it
+    must not wait for the store; a pool process may, since it takes its next task only after its report. Reports
+    still queued when the worker stops get a few seconds (`flush`); any left are found by reconciliation and
+    child_timeout, like a report given up.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Callable[[], Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                if self._pid != os.getpid():
+                    self._queue = queue.Queue()  # a forked copy: the parent's queued reports are the parent's
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="celery-fanin-reports", daemon=True)
+                self._thread.start()
+            self._queue.put(job)
+
+    def _run(self) -> None:
+        jobs = self._queue
+        while True:
+            job = jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - the thread must survive anything; the job logs its own failures
+                logger.exception("background report failed")
+            finally:
+                jobs.task_done()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every report queued so far was sent or given up; False if `timeout` passed first."""
+        if self._pid != os.getpid():
+            return True  # nothing submitted in this process (a pool process inherits the parent's queue object)
+        deadline = time.monotonic() + timeout
+        jobs = self._queue
+        with jobs.all_tasks_done:
+            while jobs.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                jobs.all_tasks_done.wait(left)
+        return True
+
+
+_background = _BackgroundReports()
+_loop = threading.local()  # `active` while a main-process (event loop) signal handler runs
+
+
+def _in_event_loop(handler: Callable[..., None]) -> Callable[..., None]:
+    """Mark a handler of a signal that Celery sends in the worker's main process (see `_send`)."""
+
+    @functools.wraps(handler)
+    def marked(*args: Any, **kwargs: Any) -> None:
+        _loop.active = True
+        try:
+            handler(*args, **kwargs)
+        finally:
+            _loop.active = False
+
+    return marked
+
+
+def _report_timeout(fanin: FanIn) -> float:
+    return float(fanin.setting("report_timeout"))
 
 
 def _exc_fields(exc: BaseException | None) -> tuple[str | None, str | None]:
@@ -227,16 +343,17 @@ def record_successor(
             result = encode_result(fanin.app, value)
         except EncodeError as err:
             logger.warning("result of the successor of batch_id=%s cannot be encoded: %s", marker.batch_id, err)
-    return successor_runs.finish(
-        live,
+    if live is not None:
+        return successor_runs.finish(live, state, result=result, exc_type=exc_type, exc_message=exc_message)
+    done = _send(
         fanin,
-        marker.batch_id,
-        marker.step or "",
-        state,
-        result=result,
-        exc_type=exc_type,
-        exc_message=exc_message,
+        "successor",
+        f"successor state of batch {marker.batch_id}",
+        lambda: successor_runs.record_final(
+            fanin, marker.batch_id, marker.step or "", state, result=result, exc_type=exc_type, exc_message=exc_message
+        ),
     )
+    return bool(done)
 
 
 def admit_successor(fanin: FanIn, request: Any, task_id: str, marker: _Marker) -> successor_runs.LiveRun | None:
@@ -465,6 +582,7 @@ def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
         _received.add(request.id, marker, request)
 
 
+@_in_event_loop
 def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
                 **_: Any) -> None:  # fmt: skip
     # Only the failures the main process detects; the pool child reports the others through task_postrun.
@@ -481,6 +599,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
         record_child(fanin, marker.child_id(task_id), marker, state, exc=exception)
 
 
+@_in_event_loop
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
                 **_: Any) -> None:  # fmt: skip
     marker = _Marker.from_mapping(request)
@@ -500,6 +619,7 @@ class _Revoked(Exception):
     """Stands for the reason a revoked task never ran to an end, as stored in the child's row."""
 
 
+@_in_event_loop
 def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | None = None, name: str | None = None,
                 id: str | None = None, **_: Any) -> None:  # fmt: skip
     marker = _Marker.from_mapping(getattr(message, "headers", None))
@@ -512,6 +632,7 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
         record_child(fanin, marker.child_id(id), marker, "unknown", exc=exc)
 
 
+@_in_event_loop
 def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
     headers = getattr(message, "headers", None) or {}
     marker = _Marker.from_mapping(headers)
@@ -539,6 +660,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 
 def _on_worker_shutdown(**_: Any) -> None:
     starts.flush_all(timeout=5.0)
+    if not _background.flush(timeout=10.0):
+        logger.warning("reports still waiting for the store at shutdown: reconciliation and child_timeout settle them")
 
 
 def _on_worker_process_init(**_: Any) -> None:

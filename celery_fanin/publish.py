@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -683,8 +684,17 @@ def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signatu
 
 
 def _ensure_connection(app: Celery, prod: Producer) -> None:
-    """Connect with the app's publish retry policy, as `apply_async` would, before anything is built."""
+    """Connect with the app's publish retry policy, as `apply_async` would, before anything is built.
+
+    A pooled connection the broker closed while it sat idle (a RabbitMQ restart) is replaced first: the fast
+    path publishes without kombu's retry, so a stale connection would fail the call's first chunk (left to the
+    relay) even though the broker is back.
+    """
     conn = prod.connection
+    if _peer_closed(conn):
+        logger.info("the broker closed a pooled connection (restarted?): reconnecting before publishing")
+        conn.collect()
+        prod.revive(conn.default_channel)
     if app.conf.task_publish_retry:
         policy = dict(app.conf.task_publish_retry_policy or {})
         conn.ensure_connection(
@@ -694,6 +704,30 @@ def _ensure_connection(app: Celery, prod: Producer) -> None:
             interval_max=policy.get("interval_max", 1),
         )
     prod.channel  # noqa: B018 - binds the producer's channel (connecting if need be)
+
+
+def _peer_closed(conn: Any) -> bool:
+    """True if the broker closed this idle AMQP connection (end of stream, or a connection.close it sent).
+
+    Checked without waiting: a socket with nothing to read is taken as alive. Only py-amqp connections are
+    checked: redis-py reconnects a broken pooled connection on its own.
+    """
+    raw = getattr(conn, "_connection", None)  # not `conn.connection`, which would connect
+    transport = getattr(raw, "transport", None)
+    sock = getattr(transport, "sock", None)
+    if raw is None or sock is None or not hasattr(raw, "drain_events"):
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        # Something to read: confirms of an earlier call (handled by their callbacks), or the broker's goodbye.
+        raw.drain_events(timeout=0.01)  # not 0: py-amqp spins on EAGAIN in a non-blocking socket
+    except (TimeoutError, BlockingIOError):
+        return False  # a partial frame or nothing more: alive
+    except Exception:  # noqa: BLE001 - end of stream, connection.close, a reset: every one means "reconnect"
+        return True
+    return False
 
 
 def _has_quorum_queues(app: Celery, driver: str) -> bool:

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
-from . import dispatch
+from . import dispatch, retry
 from . import maintenance as maintenance_duties
 from .extension import FanIn
-from .store.reports import libpq_conninfo
+from .store.reports import connect_options, libpq_conninfo
 
 logger = logging.getLogger("celery_fanin.relay")
 
@@ -46,7 +47,7 @@ class RelayStats:
 class Relay:
     """One relay loop. `run()` blocks until `stop()` (or SIGTERM/SIGINT when `install_signal_handlers`)."""
 
-    def __init__(self, fanin: FanIn, poll_interval: float | None = None, max_backoff: float = 30.0) -> None:
+    def __init__(self, fanin: FanIn, poll_interval: float | None = None, max_backoff: float = 10.0) -> None:
         self.fanin = fanin
         self.poll_interval = poll_interval if poll_interval is not None else fanin.settings.relay_poll_interval
         self.max_backoff = max_backoff
@@ -73,20 +74,27 @@ class Relay:
 
     def run(self) -> RelayStats:
         self.fanin.check_session_pooling()
-        backoff = 0.5
+        # The relay never gives up (it is the component that finishes what others could not): a failed round is
+        # followed by the shared jittered backoff (celery_fanin.retry), and a fresh LISTEN connection.
+        backoff = retry.Backoff(first=0.5, maximum=self.max_backoff)
+        failures = 0
         logger.info("relay started (poll every %.1fs)", self.poll_interval)
         while not self._stop.is_set():
             try:
                 self._ensure_listener()
                 self.run_once()
-                backoff = 0.5
+                failures = 0
                 self._wait()
-            except Exception:
+            except Exception as exc:
                 self.stats.errors += 1
-                logger.exception("relay round failed; retrying in %.1fs", backoff)
+                failures += 1
+                delay = backoff.delay(failures)
+                if retry.is_transient(exc):
+                    logger.warning("relay round failed (%s); retrying in %.1fs", retry.brief(exc), delay)
+                else:
+                    logger.exception("relay round failed; retrying in %.1fs", delay)
                 self._close_listener()
-                self._stop.wait(backoff)
-                backoff = min(self.max_backoff, backoff * 2)
+                self._stop.wait(delay)
         self._close_listener()
         logger.info("relay stopped: %s", self.stats)
         return self.stats
@@ -122,7 +130,8 @@ class Relay:
     def _ensure_listener(self) -> None:
         if self._listener is not None and not self._listener.closed:
             return
-        conn = psycopg.connect(libpq_conninfo(self.fanin.database_url), autocommit=True)
+        url = self.fanin.database_url
+        conn = psycopg.connect(make_conninfo(libpq_conninfo(url), **connect_options(url)), autocommit=True)
         conn.execute(f"LISTEN {CHANNEL}")  # a constant, never input
         self._listener = conn
 

@@ -32,8 +32,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from celery import Celery
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
+from . import retry
 from .exceptions import FanInDatabaseError, summarise
 from .extension import FanIn
 from .inspection import parse_duration
@@ -131,20 +132,17 @@ class _Deleted:
 # A late report of a child (a failed_threshold batch's straggler) locks the child row, then its batch row; a delete
 # holds the batch row, then deletes the child row: PostgreSQL breaks that rare deadlock, and the transaction is
 # simply run again (the report, if it was the one aborted, is retried by its worker and finds no row).
-_RETRYABLE = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
 _ATTEMPTS = 5
+_BACKOFF = retry.Backoff(first=0.05, maximum=1.0)
 
 
 def _with_retries(run: Callable[[], _Deleted | None]) -> _Deleted | None:
-    for attempt in range(1, _ATTEMPTS + 1):
-        try:
-            return run()
-        except DBAPIError as exc:
-            if getattr(exc.orig, "sqlstate", None) not in _RETRYABLE or attempt == _ATTEMPTS:
-                raise
-            logger.info("prune transaction aborted (%s); running it again", summarise(exc))
-            time.sleep(0.05 * attempt)
-    return None  # not reached
+    try:
+        return retry.call(run, what="prune transaction", attempts=_ATTEMPTS, backoff=_BACKOFF)
+    except retry.GaveUp as exc:  # the last error as it was: `prune` reports it as a FanInDatabaseError
+        cause = exc.__cause__
+        assert cause is not None
+        raise cause from None
 
 
 def _one_transaction(fanin: FanIn, age: float, room: int, max_children: int) -> _Deleted | None:

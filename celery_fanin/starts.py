@@ -24,15 +24,16 @@ import weakref
 from collections import deque
 from datetime import datetime, timezone
 
-import psycopg
-
+from . import retry
 from .extension import FanIn
 from .store.batches import Start
 
 logger = logging.getLogger("celery_fanin.starts")
 
 MAX_PER_WRITE = 1000  # starts per statement
+# A start is advisory: its write is retried briefly (transient errors only), then dropped with a warning.
 WRITE_ATTEMPTS = 3
+WRITE_TIMEOUT = 5.0
 
 
 class StartRecorder:
@@ -126,18 +127,15 @@ class StartRecorder:
                     self._cond.notify_all()
 
     def _write(self, batch: list[Start]) -> None:
-        for attempt in range(1, WRITE_ATTEMPTS + 1):
-            try:
-                self._fanin.reports.record_starts(batch)
-                return
-            except psycopg.Error as exc:
-                if attempt == WRITE_ATTEMPTS:
-                    logger.warning("dropped %d children's start records (advisory): %s", len(batch), exc)
-                    return
-                time.sleep(0.2 * 2**attempt)
-            except Exception:  # noqa: BLE001 - the thread must survive anything: starts are advisory
-                logger.exception("dropped %d children's start records", len(batch))
-                return
+        def write() -> int:
+            return self._fanin.reports.record_starts(batch)
+
+        try:
+            retry.call(write, what="writing start records", attempts=WRITE_ATTEMPTS, timeout=WRITE_TIMEOUT)
+        except retry.GaveUp as exc:
+            logger.warning("dropped %d children's start records (advisory): %s", len(batch), exc.__cause__)
+        except Exception:  # noqa: BLE001 - the thread must survive anything: starts are advisory
+            logger.exception("dropped %d children's start records", len(batch))
 
 
 _recorders: weakref.WeakKeyDictionary[FanIn, StartRecorder] = weakref.WeakKeyDictionary()

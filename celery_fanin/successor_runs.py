@@ -12,7 +12,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
+from . import retry
 from .extension import FanIn
 from .store import successors
 from .store.batches import Encoded
@@ -47,18 +47,14 @@ class LiveRun:
 
 
 def _store(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
-    """One store statement in autocommit (one round trip), retried over connection errors with backoff."""
-    attempts = max(1, int(fanin.setting("record_attempts")))
-    for attempt in range(1, attempts + 1):
-        try:
-            with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                return fn(conn)
-        except SQLAlchemyError:
-            if attempt == attempts:
-                logger.exception("gave up %s after %d attempts", what, attempts)
-                raise
-            time.sleep(min(5.0, 0.2 * 2**attempt))
-    raise AssertionError("unreachable")
+    """One store statement in autocommit (one round trip), retried over transient errors for up to
+    `fanin_report_timeout` seconds (`retry.GaveUp` after that; a permanent error at once)."""
+
+    def once() -> T:
+        with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            return fn(conn)
+
+    return retry.call(once, what=what, timeout=float(fanin.setting("report_timeout")))
 
 
 def _pid_namespace() -> str:
@@ -120,7 +116,8 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
 
     try:
         run = _store(fanin, f"successor start of batch {batch_id}", claim)
-    except SQLAlchemyError:
+    except (retry.GaveUp, SQLAlchemyError):
+        logger.exception("cannot start successor batch_id=%s: refused (the relay publishes it again)", batch_id)
         return None
     if run is None:
         return None
@@ -138,7 +135,7 @@ def hand_over(live: LiveRun, state: str, due_at: datetime | None = None) -> bool
             f"handing over successor of batch {live.run.batch_id}",
             lambda conn: successors.hand_over(conn, live.run, state, due_at),
         )
-    except SQLAlchemyError:
+    except (retry.GaveUp, SQLAlchemyError):
         moved = False  # the run's lease lapses; the relay republishes the successor once it is dead
     live.ended = True
     if not moved:
@@ -164,40 +161,64 @@ def abandon(live: LiveRun) -> None:
     live.ended = True
 
 
-def finish(
-    live: LiveRun | None,
+def record_final(
     fanin: FanIn,
     batch_id: str,
     step: str,
+    state: str,
+    *,
+    run: int | None = None,
+    result: Encoded | None = None,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> bool:
+    """One attempt at recording a final state (`store.successors.record_state`); the caller retries."""
+    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return successors.record_state(
+            conn,
+            uuid.UUID(batch_id),
+            step,
+            state,
+            run=run,
+            result=result,
+            exc_type=exc_type,
+            exc_message=exc_message,
+        )
+
+
+def finish(
+    live: LiveRun,
     state: str,
     *,
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
 ) -> bool:
-    """Record a final state: fenced to `live`'s run when the pool process reports its own body's end, unfenced
-    for the main process's reports (it holds no run: hard time limit, lost process, revoke, unknown task)."""
-    if live is not None:
-        _heartbeat.remove(live)
-        live.ended = True
+    """Record the final state of the pool process's own run, fenced to it, retried like any report."""
+    _heartbeat.remove(live)
+    live.ended = True
+    run = live.run
     try:
-        moved = _store(
-            fanin,
-            f"recording successor state of batch {batch_id}",
-            lambda conn: successors.record_state(
-                conn,
-                uuid.UUID(batch_id),
-                step,
+        moved = retry.call(
+            lambda: record_final(
+                live.fanin,
+                str(run.batch_id),
+                run.step,
                 state,
-                run=live.run.number if live is not None else None,
+                run=run.number,
                 result=result,
                 exc_type=exc_type,
                 exc_message=exc_message,
             ),
+            what=f"recording successor state of batch {run.batch_id}",
+            timeout=float(live.fanin.setting("report_timeout")),
         )
-    except SQLAlchemyError:
-        return False  # logged; the lease lapses and the relay runs the successor again
-    if not moved and live is not None:
+    except (retry.GaveUp, SQLAlchemyError):
+        logger.exception(
+            "gave up recording successor batch_id=%s as %s: its lease lapses, the relay reruns it", run.batch_id, state
+        )
+        return False
+    if not moved:
         _log_fenced(live, state)
     return moved
 

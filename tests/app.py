@@ -56,7 +56,10 @@ CREATE TABLE IF NOT EXISTS e2e_successor_runs (
 
 
 def _db() -> psycopg.Connection:
-    url = os.environ["FANIN_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+    # FANIN_TEST_RUNS_URL: the database without the fault proxy a test may put in front of FANIN_DATABASE_URL.
+    url = (os.environ.get("FANIN_TEST_RUNS_URL") or os.environ["FANIN_DATABASE_URL"]).replace(
+        "postgresql+psycopg://", "postgresql://"
+    )
     return psycopg.connect(url, autocommit=True)
 
 

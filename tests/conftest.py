@@ -98,8 +98,10 @@ def redis_url() -> Iterator[str]:
             break
     else:
         pytest.fail("every Redis database from 1 to 15 is claimed by another test session", pytrace=False)
+    url = f"{REDIS_SERVER}/{db}"
+    _redis_claims[url] = token
     try:
-        yield f"{REDIS_SERVER}/{db}"
+        yield url
     finally:
         if client.get(REDIS_CLAIM_KEY) == token.encode():
             client.delete(REDIS_CLAIM_KEY)
@@ -113,14 +115,22 @@ def clean_db(database_url: str) -> str:
     return database_url
 
 
+# redis_url -> this session's claim token: the claim is set again if Redis lost it (a Redis restarted without
+# persistence forgets every key), so that no other session takes this database number meanwhile.
+_redis_claims: dict[str, str] = {}
+
+
 @pytest.fixture
 def clean_redis(redis_url: str) -> str:
-    """The session's Redis database, emptied but for its claim."""
+    """The session's Redis database, emptied but for its claim (restored if Redis lost it)."""
     client = redis.Redis.from_url(redis_url)
-    token = client.get(REDIS_CLAIM_KEY)
+    token = _redis_claims[redis_url]
+    client.set(REDIS_CLAIM_KEY, token, nx=True, ex=3600)
+    holder = client.get(REDIS_CLAIM_KEY)
+    if holder != token.encode():
+        pytest.fail(f"Redis database {redis_url} was claimed by another test session meanwhile", pytrace=False)
     client.flushdb()
-    if token is not None:
-        client.set(REDIS_CLAIM_KEY, token, ex=3600)
+    client.set(REDIS_CLAIM_KEY, token, ex=3600)
     return redis_url
 
 
@@ -156,8 +166,3 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("chaos")
     group.addoption("--chaos-scale", type=float, default=1.0, help="chaos suite size and duration multiplier")
     group.addoption("--chaos-seed", type=int, default=None, help="chaos suite random seed (default: new, printed)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The chaos suite restarts the machine's PostgreSQL and brokers: run it after everything else."""
-    items.sort(key=lambda item: item.get_closest_marker("chaos") is not None)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from sqlalchemy.engine import make_url
 
 from .batches import (
@@ -33,6 +34,24 @@ from .batches import (
     terminal_record,
 )
 
+# Every connection the library opens itself: give up connecting after 10 s, and let TCP find a peer that vanished
+# without closing (a network cut, a host gone) in well under a minute, instead of a report hanging on it for the
+# kernel's default of hours. The retry policy (celery_fanin.retry) then reconnects.
+CONNECT_OPTIONS: dict[str, int] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 15,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+
+def connect_options(url: str) -> dict[str, int]:
+    """`CONNECT_OPTIONS` less those the URL sets itself (the URL wins)."""
+    given = make_url(url).query
+    return {k: v for k, v in CONNECT_OPTIONS.items() if k not in given}
+
 
 def libpq_conninfo(sqlalchemy_url: str) -> str:
     """The libpq URI for a SQLAlchemy PostgreSQL URL (drops the `+psycopg` driver suffix)."""
@@ -43,7 +62,7 @@ class ReportConnection:
     """Sends the hooks' two reports; every error is psycopg's own (the hooks retry them)."""
 
     def __init__(self, sqlalchemy_url: str) -> None:
-        self._conninfo = libpq_conninfo(sqlalchemy_url)
+        self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
         self._local = threading.local()
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from celery_fanin import FanIn, FanInDatabaseError, fan_in_group, publish
 from celery_fanin.store.batches import Encoded
+from tests.faults import release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -238,8 +239,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         stop.set()
         _ensure_services(broker)
         chaos.stop_all()
-        FanIn.of(capp).dispose()
-        capp.pool.force_close_all()
+        release_producer_app(capp)  # not capp.pool.force_close_all(): that pool is shared with later tests' apps
 
 
 def _wait_until_finished(url: str, timeout: float) -> list[dict[str, Any]]:

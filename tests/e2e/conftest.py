@@ -85,3 +85,8 @@ def producer(e2e_env: dict[str, str]) -> Any:
     app.conf.task_default_queue = e2e_env.get("FANIN_TEST_QUEUE", "celery")
     yield app
     FanIn.of(app).dispose()
+    # The app is shared by every test of the session, and Celery picks its broker pool once, from the broker_url
+    # of the time: forget it, so that the next test's broker_url (another broker, another Redis db) is the one used.
+    # (Not closed: kombu keeps the pool in a process-wide registry and hands the same one out again.)
+    app._pool = None
+    app.amqp._producer_pool = None
