@@ -343,3 +343,16 @@ def mark_then_sleep(key: str, seconds: float) -> float:
     """Records that its body began, then sleeps: a test can act on a child it knows is running."""
     _attempt(key)
     return sleepy(seconds)
+
+
+@app.task
+def gated(key: str, limit: float = 60) -> str:
+    """Records that its body began, then holds its pool process until the test opens the gate (`<key>:open`)."""
+    _attempt(key)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with _db() as conn:
+            if conn.execute("SELECT 1 FROM e2e_attempts WHERE key = %s", (f"{key}:open",)).fetchone():
+                return key
+        time.sleep(0.05)
+    raise TimeoutError(f"the gate {key} was never opened")

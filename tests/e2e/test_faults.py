@@ -3,6 +3,7 @@ failure thresholds and reconciliation, with real workers and the relay."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -163,21 +164,35 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
 ) -> None:
     processes.worker(concurrency=1)
     processes.relay()
-    children = [tasks.fail.s(0), tasks.fail.s(1), *[tasks.sleepy.s(1) for _ in range(8)]]
+    _sql(producer, tasks.ATTEMPTS_DDL)
+    gate = f"threshold-{uuid.uuid4().hex[:8]}"
+    # One pool process: the two failures run first, then `gated` holds it until the worker has the revokes, so
+    # exactly the seven children behind it are still queued when they arrive.
+    children = [tasks.fail.s(0), tasks.fail.s(1), tasks.gated.s(gate), *[tasks.ok.s(i) for i in range(3, 10)]]
     handle = fan_in_group(
         children, then=tasks.record_run.s("then"), max_failures=1, on_failure=tasks.record_run.s("too-many")
     ).apply_async()
+    # Not handle.wait(): the successor waits for the one pool process, which `gated` holds until the gate opens.
+    wait_for(lambda: handle.status().state == "failed_threshold", 60, message="the threshold")
+    rows = _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b AND idx >= 3", b=handle.batch_id)
+    queued = {r.task_id for r in rows}  # behind `gated`
+
+    def revoked_by_the_worker() -> bool:
+        replies = producer.control.inspect(timeout=2).revoked() or {}
+        return queued <= {task_id for ids in replies.values() for task_id in ids}
+
+    wait_for(revoked_by_the_worker, 30, interval=0.5, message="the worker to receive the revokes")
+    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
     status = handle.wait(timeout=60)
     assert status.state == "failed_threshold"
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["too-many"]
     assert runs[0]["outcome"]["failed"] == 2 and runs[0]["outcome"]["partial"] is True
-    # The rest are revoked; every child still ends terminal and is counted once.
+    # The queued rest are revoked, the running one finishes: every child ends terminal and is counted once.
     final = wait_for(lambda: (s := handle.status()).remaining == 0 and s, 60, message="all children terminal")
-    assert final.succeeded + final.failed == 10
-    revoked = _sql(producer, "SELECT count(*) AS n FROM fanin_children WHERE batch_id = :b AND state = 'revoked'",
-                   b=handle.batch_id)[0].n  # fmt: skip
-    assert revoked >= 1
+    assert (final.succeeded, final.failed) == (1, 9)
+    sql = "SELECT state, count(*) AS n FROM fanin_children WHERE batch_id = :b GROUP BY state"
+    assert {r.state: r.n for r in _sql(producer, sql, b=handle.batch_id)} == {"failed": 2, "succeeded": 1, "revoked": 7}
     assert len(successor_runs(handle.batch_id)) == 1
 
 

@@ -20,47 +20,21 @@ from kombu import Connection, Exchange, Producer, Queue
 from celery_fanin import fan_in_group
 from celery_fanin.publish import HEADER_INDEX
 from tests import app as tasks
+from tests.e2e.brokers import on_broker
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 BROKERS = pytest.mark.parametrize("e2e_env", ["redis", "rabbitmq"], indirect=True)
 
 Runs = Callable[[str], list[dict[str, Any]]]
 
 
-def _reset_broker_pools() -> None:
-    """The producer app is shared by the session: forget broker connections made for another broker URL."""
-    tasks.app._pool = None
-    tasks.app.amqp._producer_pool = None
-
-
 @pytest.fixture
 def e2e_env(e2e_env: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
-    """The session's environment on one broker (Redis unless parametrized), with a queue of this test's own: the
-    RabbitMQ vhost is shared with every other test session on the machine."""
-    broker = getattr(request, "param", "redis")
-    queue = f"fanin-rows-{uuid.uuid4().hex[:10]}"
-    env = {**e2e_env, "FANIN_TEST_QUEUE": queue}
-    if broker == "rabbitmq":
-        env["FANIN_TEST_BROKER"] = RABBITMQ_URL
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        conn.execute(tasks.ATTEMPTS_DDL)
-        conn.execute("TRUNCATE e2e_attempts")
-    _reset_broker_pools()
-    yield env
-    _reset_broker_pools()
-    if broker == "rabbitmq":
-        with Connection(RABBITMQ_URL) as conn:
-            for name in (queue, f"{queue}-hold"):
-                channel = conn.channel()
-                try:
-                    channel.queue_delete(name)
-                except Exception:  # noqa: BLE001 - never declared: nothing to clean
-                    pass
-                finally:
-                    channel.close()
+    """The session's environment on one broker (Redis unless parametrized), with a queue of the test's own."""
+    with on_broker(e2e_env, getattr(request, "param", "redis")) as env:
+        yield env
 
 
 def _worker(processes: Any, env: dict[str, str], **kwargs: Any) -> Any:
