@@ -446,7 +446,7 @@ def _report_decode_errors() -> None:
 
     Celery acks such a message in `Consumer.on_decode_error` and only logs it: unlike a content type it does not
     accept (`task_rejected`), no signal fires, and the child would wait for `child_timeout`. Its headers are
-    readable, so the wrapper reports it as `task_rejected` would. Wrapped once per process.
+    readable, so the wrapper reports it as `task_rejected` would. Wrapped once per worker process, at `worker_init`.
     """
     from celery.worker.consumer.consumer import Consumer
 
@@ -466,6 +466,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if _fanin_for(app) is not None:
         guard_tasks(app)  # type: ignore[arg-type]
+        _report_decode_errors()  # in workers only: a producer need not import Celery's worker modules
 
 
 def _on_worker_shutdown(**_: Any) -> None:
@@ -505,5 +506,4 @@ def install(app: Celery) -> None:
         signals.worker_process_init.connect(
             _on_worker_process_init, weak=False, dispatch_uid="celery_fanin.worker_process_init"
         )
-        _report_decode_errors()
         _installed = True
