@@ -11,7 +11,8 @@ hard time limit, pool process lost (no requeue)   main            ``task_failure
                                                                   WorkerLostError
 revoked (before start, expired, terminated)       main            ``task_revoked``
 unregistered task name                            main            ``task_unknown``
-message that cannot be decoded                    main            ``task_rejected`` (headers when readable)
+message that cannot be decoded                    main            ``task_rejected`` (headers when readable), or
+                                                                  ``Consumer.on_decode_error`` (corrupt body)
 ===============================================  ==============  ==============================================
 
 A child's start is only queued by ``task_prerun`` (a thread writes starts in batches: `celery_fanin.starts`); its
@@ -131,6 +132,11 @@ class _ReceivedMarkers:
             self._data[task_id] = (marker, weakref.ref(request, release))
             if len(self._data) > self._limit:
                 self._data.popitem(last=False)
+
+    def get(self, task_id: str) -> _Marker | None:
+        with self._lock:
+            entry = self._data.get(task_id)
+        return entry[0] if entry is not None else None
 
     def pop(self, task_id: str) -> _Marker | None:
         with self._lock:
@@ -588,7 +594,10 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
     # Only the failures the main process detects; the pool child reports the others through task_postrun.
     if task_id is None or not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         return
-    marker = _received.pop(task_id) or _Marker.from_mapping(getattr(sender, "request", None))
+    # Celery 5.7 fires task_failure twice for a hard time limit, once without a request: keep the marker for the
+    # repeat, which is then recorded as a late report; the entry still goes when Celery lets the request go.
+    lookup = _received.get if isinstance(exception, TimeLimitExceeded) else _received.pop
+    marker = lookup(task_id) or _Marker.from_mapping(getattr(sender, "request", None))
     fanin = _fanin_for(getattr(sender, "app", None))
     if marker is None or fanin is None:
         return
@@ -646,6 +655,27 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
         record_child(fanin, marker.child_id(task_id), marker, "rejected", exc=exc)
 
 
+def _report_decode_errors() -> None:
+    """Count a child whose body the worker cannot decode (corrupt, or not what its content type says) as rejected.
+
+    Celery acks such a message in `Consumer.on_decode_error` and only logs it: unlike a content type it does not
+    accept (`task_rejected`), no signal fires, and the child would wait for `child_timeout`. Its headers are
+    readable, so the wrapper reports it as `task_rejected` would. Wrapped once per worker process, at `worker_init`.
+    """
+    from celery.worker.consumer.consumer import Consumer
+
+    original = Consumer.on_decode_error
+    if getattr(original, "_fanin_reports", False):
+        return
+
+    def on_decode_error(self: Any, message: Any, exc: BaseException) -> None:
+        original(self, message, exc)  # logs and acks, as before
+        _on_rejected(sender=self, message=message, exc=exc)
+
+    on_decode_error._fanin_reports = True  # type: ignore[attr-defined]
+    Consumer.on_decode_error = on_decode_error  # type: ignore[method-assign]
+
+
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     fanin = _fanin_for(app)
@@ -656,6 +686,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             logger.critical("%s", exc)
             raise SystemExit(1) from exc
         guard_tasks(app)  # type: ignore[arg-type]
+        _report_decode_errors()  # in workers only: a producer need not import Celery's worker modules
 
 
 def _on_worker_shutdown(**_: Any) -> None:

@@ -372,3 +372,70 @@ def fanin_received_markers(state: Any) -> dict[str, int]:
 
     gc.collect()  # a request released in a reference cycle goes with the next collection
     return {"markers": len(hooks._received)}
+
+
+# --- outcome rows (tests/e2e/test_outcome_rows.py) ------------------------------------------------------------------
+# Attempts and starts are counted in Postgres (e2e_attempts), not Redis: these tasks also run on RabbitMQ, where
+# FANIN_TEST_BROKER is no Redis URL.
+
+from celery.exceptions import Ignore  # noqa: E402
+
+ATTEMPTS_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_attempts (
+    key text PRIMARY KEY, n integer NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+def _attempt(key: str) -> int:
+    """Count one more run of the body for `key` (written when the body begins) and return how many there were."""
+    with _db() as conn:
+        row = conn.execute(
+            "INSERT INTO e2e_attempts (key, n) VALUES (%s, 1) ON CONFLICT (key) DO UPDATE "
+            "SET n = e2e_attempts.n + 1, at = clock_timestamp() RETURNING n",
+            (key,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@app.task
+def ignore_child(key: str) -> None:
+    """Ends every run with `Ignore`: Celery takes the message off the queue and never reports an end."""
+    _attempt(key)
+    raise Ignore()
+
+
+@app.task
+def reject_requeue(key: str) -> None:
+    """Ends every run with `Reject(requeue=True)` (without acks_late the message is already acked: nothing requeues)."""
+    _attempt(key)
+    raise Reject(f"{key} requeued", requeue=True)
+
+
+@app.task
+def reject_requeue_once(key: str) -> str:
+    """`Reject(requeue=True)` on the first run; the redelivered message (acks_late) then succeeds."""
+    if _attempt(key) == 1:
+        raise Reject(f"{key} requeued", requeue=True)
+    return key
+
+
+@app.task
+def mark_then_sleep(key: str, seconds: float) -> float:
+    """Records that its body began, then sleeps: a test can act on a child it knows is running."""
+    _attempt(key)
+    return sleepy(seconds)
+
+
+@app.task
+def gated(key: str, limit: float = 60) -> str:
+    """Records that its body began, then holds its pool process until the test opens the gate (`<key>:open`)."""
+    _attempt(key)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with _db() as conn:
+            if conn.execute("SELECT 1 FROM e2e_attempts WHERE key = %s", (f"{key}:open",)).fetchone():
+                return key
+        time.sleep(0.05)
+    raise TimeoutError(f"the gate {key} was never opened")

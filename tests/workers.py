@@ -37,6 +37,7 @@ class CeleryProcess:
         full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self._log_file = log.open("w")
         self._terminated = False
+        self.killed = False  # SIGKILLed on purpose (by a test, or after a shutdown that took too long)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.app", *args],
             cwd=ROOT,
@@ -73,6 +74,7 @@ class CeleryProcess:
             self._terminated = True  # once: Celery may take a second SIGTERM as a cold shutdown
 
     def stop(self, timeout: float = 15) -> int:
+        """Warm shutdown (SIGTERM), SIGKILL after `timeout`; returns the exit code (negative: killed by a signal)."""
         if self.proc.poll() is None:
             self.terminate()
             try:
@@ -82,9 +84,15 @@ class CeleryProcess:
         self._log_file.close()
         return self.proc.returncode
 
+    @property
+    def exited_badly(self) -> bool:
+        """Ended with a nonzero exit code although nobody SIGKILLed it on purpose: a crash, or an unclean stop."""
+        return self.proc.returncode not in (None, 0) and not self.killed
+
     def kill(self) -> None:
         """SIGKILL the whole process group (main process and pool), as a crashed host would lose them."""
         if self.proc.poll() is None:
+            self.killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)

@@ -18,7 +18,10 @@ def processes(e2e_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRe
     procs = _Processes(e2e_env, tmp_path)
     yield procs
     failed = getattr(request.node, "rep_call", None)
-    procs.stop_all(dump=bool(failed and failed.failed))
+    test_failed = bool(failed and failed.failed)
+    bad = procs.stop_all(dump=test_failed)
+    if bad and not test_failed:  # a test that failed already says so; do not hide it behind this
+        pytest.fail("exited nonzero without being killed on purpose: " + "; ".join(bad), pytrace=False)
 
 
 class _Processes:
@@ -40,16 +43,25 @@ class _Processes:
         self.started.append(proc)
         return proc
 
-    def stop_all(self, dump: bool = False) -> None:
+    def stop_all(self, dump: bool = False) -> list[str]:
+        """Stop every process; returns one line per process that exited nonzero without being killed on purpose.
+
+        A process a test SIGKILLed, or one this teardown kills after the grace period, is not reported: its exit
+        code says nothing about the code under test. Any other nonzero exit (a crash, a shutdown that failed) is.
+        """
         # All asked at once, then one shared grace period: the test is over, so a worker still running a long
         # task (a hang, a 60 s sleep) is killed rather than waited for by its warm shutdown.
         for proc in self.started:
             proc.terminate()
         deadline = time.monotonic() + 5
+        bad: list[str] = []
         for proc in self.started:
-            proc.stop(timeout=max(0.1, deadline - time.monotonic()))
-            if dump:
+            code = proc.stop(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.exited_badly:
+                bad.append(f"{proc.log.name} exit code {code}")
+            if dump or proc.exited_badly:
                 print(f"===== {proc.log.name} =====\n{proc.output()[-6000:]}")
+        return bad
 
 
 @pytest.hookimpl(hookwrapper=True)

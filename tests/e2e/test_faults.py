@@ -3,6 +3,7 @@ failure thresholds and reconciliation, with real workers and the relay."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -89,6 +90,7 @@ def test_child_never_delivered_is_counted_lost_and_its_late_report_is_not(
     assert (late.state, late.late_state) == ("lost", "revoked") or (late.state, late.late_state) == (
         "lost", "succeeded",
     )  # fmt: skip
+    assert late.late_reports == 1  # its one delivery, reported once
     final = handle.status()
     assert (final.succeeded, final.failed, final.remaining) == (1, 1, 0)
     assert len(successor_runs(handle.batch_id)) == 1
@@ -165,32 +167,42 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
 ) -> None:
     processes.worker(concurrency=1)
     processes.relay()
-    children = [tasks.fail.s(0), tasks.fail.s(1), *[tasks.sleepy.s(1) for _ in range(8)]]
+    _sql(producer, tasks.ATTEMPTS_DDL)
+    gate = f"threshold-{uuid.uuid4().hex[:8]}"
+    # One pool process: the two failures run first, then `gated` holds it until the worker has the revokes, so
+    # exactly the seven children behind it are still queued when they arrive.
+    children = [tasks.fail.s(0), tasks.fail.s(1), tasks.gated.s(gate), *[tasks.ok.s(i) for i in range(3, 10)]]
     handle = fan_in_group(
         children, then=tasks.record_run.s("then"), max_failures=1, on_failure=tasks.record_run.s("too-many")
     ).apply_async()
+    # Not handle.wait(): the successor waits for the one pool process, which `gated` holds until the gate opens.
+    wait_for(lambda: handle.status().state == "failed_threshold", 60, message="the threshold")
+    rows = _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b AND idx >= 3", b=handle.batch_id)
+    queued = {r.task_id for r in rows}  # behind `gated`
+
+    def revoked_by_the_worker() -> bool:
+        replies = producer.control.inspect(timeout=2).revoked() or {}
+        return queued <= {task_id for ids in replies.values() for task_id in ids}
+
+    wait_for(revoked_by_the_worker, 30, interval=0.5, message="the worker to receive the revokes")
+    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
     status = handle.wait(timeout=60)
     assert status.state == "failed_threshold"
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["too-many"]
     assert runs[0]["outcome"]["failed"] == 2 and runs[0]["outcome"]["partial"] is True
-    # The rest are abandoned and revoked; every child ends terminal and is counted once, and the revoked copies'
-    # reports are recorded as late.
+    # Past the threshold the relay abandons every unfinished child (the running `gated` too) and revokes them:
+    # every child ends terminal and is counted once, and their own later reports (the seven revoked, `gated`'s
+    # success) are recorded as late, changing no counter.
     final = wait_for(lambda: (s := handle.status()).remaining == 0 and s, 60, message="all children terminal")
-    assert final.succeeded + final.failed == 10
-    revoked = wait_for(
-        lambda: (
-            _sql(
-                producer,
-                "SELECT count(*) AS n FROM fanin_children"
-                " WHERE batch_id = :b AND state = 'abandoned' AND late_state = 'revoked'",
-                b=handle.batch_id,
-            )[0].n
-        ),
+    assert (final.succeeded, final.failed) == (0, 10)
+    sql = "SELECT state, late_state, count(*) AS n FROM fanin_children WHERE batch_id = :b GROUP BY state, late_state"
+    expected = {("failed", None): 2, ("abandoned", "succeeded"): 1, ("abandoned", "revoked"): 7}
+    wait_for(
+        lambda: {(r.state, r.late_state): r.n for r in _sql(producer, sql, b=handle.batch_id)} == expected,
         60,
-        message="a revoked report of an abandoned child",
+        message=f"children {expected}",
     )
-    assert revoked >= 1
     assert handle.status().failed == final.failed  # late reports change no counter
     assert len(successor_runs(handle.batch_id)) == 1
 

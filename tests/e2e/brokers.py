@@ -1,0 +1,48 @@
+"""An e2e environment on Redis or on RabbitMQ, for the tests whose behaviour could differ between brokers."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+from kombu import Connection
+
+from tests import app as tasks
+
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def _reset_broker_pools() -> None:
+    """The producer app is shared by the session: forget broker connections made for another broker URL."""
+    tasks.app._pool = None
+    tasks.app.amqp._producer_pool = None
+
+
+@contextlib.contextmanager
+def on_broker(env: dict[str, str], broker: str) -> Iterator[dict[str, str]]:
+    """`env` on `broker` ("redis" or "rabbitmq") with a queue of the test's own (the RabbitMQ vhost is shared with
+    every test session on the machine; its queues are deleted afterwards), and a clean `e2e_attempts` table."""
+    queue = f"fanin-e2e-{uuid.uuid4().hex[:10]}"
+    env = {**env, "FANIN_TEST_QUEUE": queue}
+    if broker == "rabbitmq":
+        env["FANIN_TEST_BROKER"] = RABBITMQ_URL
+    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(tasks.ATTEMPTS_DDL)
+        conn.execute("TRUNCATE e2e_attempts")
+    _reset_broker_pools()
+    try:
+        yield env
+    finally:
+        _reset_broker_pools()
+        if broker == "rabbitmq":
+            with Connection(RABBITMQ_URL) as conn:
+                for name in (queue, f"{queue}-hold"):
+                    channel = conn.channel()
+                    try:
+                        channel.queue_delete(name)
+                    except Exception:  # noqa: BLE001 - never declared: nothing to clean
+                        pass
+                    finally:
+                        channel.close()
