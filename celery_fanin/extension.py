@@ -51,6 +51,8 @@ class Settings:
     # How often the relay looks for lost children and passed deadlines, and reconciles counters.
     reaper_interval: float = 10.0
     reconcile_interval: float = 300.0
+    # Seconds an open (streaming) batch may stay without a live producer before the relay seals it.
+    open_batch_grace: float = 300.0
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:

@@ -38,7 +38,8 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
     return {
         "batch_id": str(batch.id),
         "step": batch.step,
-        # complete | partial (deadline passed, on_deadline="proceed") | failed_threshold | expired
+        # complete | partial (deadline passed, on_deadline="proceed", or cancelled --proceed) | failed_threshold
+        # | expired | cancelled
         "state": batch.state,
         "partial": batch.state in PARTIAL_STATES,
         "planned": batch.planned,
@@ -55,7 +56,7 @@ def build_outcome(conn: Connection, batch: queries.BatchRow, failures_limit: int
 
 
 # Batch states in which the successor runs before every child has finished.
-PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired"})
+PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired", "cancelled"})
 
 
 def failure_entry(row: queries.FailureRow) -> dict[str, Any]:

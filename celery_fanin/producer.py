@@ -40,9 +40,9 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import dispatch, publish
-from .exceptions import FanInDatabaseError, InvalidFanIn, summarise
+from .exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
 from .extension import FanIn
-from .store import batches, outbox
+from .store import batches, outbox, recovery
 
 logger = logging.getLogger("celery_fanin.producer")
 
@@ -236,13 +236,24 @@ def _fill(
     start: int,
     digest: bytes,
 ) -> int:
-    """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root."""
+    """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root.
+
+    If the input raises (the generator itself, or a child that cannot be encoded), the batch cannot be completed
+    by this call. Without a key nothing can ever resume it, so it is cancelled at once (see `_cancel_unfinishable`)
+    and the error is raised; with a key it stays open for a rerun with the same key to resume, and the relay seals
+    it once its producer has been gone for `fanin_open_batch_grace`.
+    """
     chunk_size = fanin.settings.chunk_size
     index = start
     chunks = _ChunkPublisher(fanin, conn, root.id)
     try:
         while True:
-            part = list(itertools.islice(items, chunk_size))
+            try:
+                part = list(itertools.islice(items, chunk_size))
+            except Exception:
+                chunks.close()  # what was written goes out (and is then revoked) before the batch is cancelled
+                _cancel_unfinishable(fanin, conn, root, index)
+                raise
             if not part:
                 break
             # Duplicate task ids are caught here within a chunk, and by the primary key across chunks: a set of
@@ -250,6 +261,8 @@ def _fill(
             seen_ids: set[str] = set()
             for child, _ in part:
                 if child.task_id in seen_ids:
+                    chunks.close()
+                    _cancel_unfinishable(fanin, conn, root, index)
                     raise InvalidFanIn(f"child {index}: two children share the task_id {child.task_id!r}")
                 seen_ids.add(child.task_id)
                 digest = digest_step(digest, child)
@@ -260,7 +273,11 @@ def _fill(
                 with conn.begin():
                     for leaf_id in opened:
                         batches.add_leaf(conn, root, leaf_id)
-                    batches.add_children(conn, root.id, placed, digest)
+                    if not batches.add_children(conn, root.id, placed, digest):
+                        raise BatchClosed(
+                            f"batch {root.id} was sealed or cancelled while this producer was still writing it; "
+                            f"children {index}.. were not written"
+                        )
                     for leaf_id in full:
                         batches.seal(conn, leaf_id)
             except SQLAlchemyError as exc:
@@ -282,6 +299,51 @@ def _fill(
     if successor_created:  # everything had finished before the seal: send the successor now
         _publish_successor_now(fanin, root.id)
     return index - start
+
+
+def _cancel_unfinishable(fanin: FanIn, conn: Connection, root: batches.NewBatch, index: int) -> None:
+    """The input raised at child `index`: without a key, cancel the batch so it does not stay open forever.
+
+    Cancelled rather than sealed: sealing would run the successor on part of the input as though it were all of
+    it. The batch ends `cancelled` (its `on_expire`, if any, runs), the children already sent are revoked, and the
+    caller's exception propagates. With a key the batch is left open for a rerun to resume. If even the cancel
+    cannot be written, the batch stays open and the relay seals it after `fanin_open_batch_grace`.
+    """
+    if root.key is not None:
+        logger.warning(
+            "batch_id=%s (key %r): the input raised at child %d; the batch stays open for a rerun with "
+            "the same key to resume",
+            root.id,
+            root.key,
+            index,
+            extra={"batch_id": str(root.id)},
+        )
+        return
+    try:
+        conn.rollback()
+        with conn.begin():
+            expiry = recovery.expire_batch(conn, root.id, reason="cancel", proceed=False)
+    except SQLAlchemyError:
+        logger.warning(
+            "batch_id=%s: the input raised and the batch could not be cancelled; the relay will seal it",
+            root.id,
+            exc_info=True,
+            extra={"batch_id": str(root.id)},
+        )
+        return
+    if expiry is None:
+        return
+    logger.warning(
+        "batch_id=%s cancelled: the input raised at child %d (%d unfinished children abandoned)",
+        root.id,
+        index,
+        len(expiry.abandoned),
+        extra={"batch_id": str(root.id)},
+    )
+    try:
+        dispatch.revoke_children(fanin, expiry.abandoned, root.id)
+    except Exception:
+        logger.warning("could not revoke the children of cancelled batch_id=%s", root.id, exc_info=True)
 
 
 class _ChunkPublisher:

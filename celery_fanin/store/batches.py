@@ -26,6 +26,8 @@ CHILD_TERMINAL_STATES = frozenset(
 CHILD_OPEN_STATES = ("pending", "started")
 # Successor states after which `wait()` returns.
 SUCCESSOR_FINAL_STATES = frozenset({"succeeded", "failed", "revoked"})
+# Batch states that may end with no successor at all (an abandoned deadline or a cancel, without `on_expire`).
+ENDED_WITHOUT_SUCCESSOR = frozenset({"expired", "cancelled"})
 
 # The namespace of the per-batch advisory lock a producer holds while it publishes its children (two-int form,
 # which does not overlap the single-bigint key space used by migrations).
@@ -242,13 +244,15 @@ def insert_placed(conn: Connection, placed: Sequence[tuple[uuid.UUID, NewChild, 
 
 def add_children(
     conn: Connection, root_id: uuid.UUID, placed: Sequence[tuple[uuid.UUID, NewChild, int]], digest: bytes
-) -> None:
+) -> bool:
     """Write one chunk of an open batch's children and raise the counters that wait for them, in one transaction.
 
     Each child is placed in the root itself or one of its open leaves, with its global index. A leaf's own
     counter waits for its children; the root's `planned` counts every child (its `remaining` counts its direct
     children and its leaves). `digest` is the chain over every child written so far, for resuming and for
-    telling a different child list from the same one under a key.
+    telling a different child list from the same one under a key. Each chunk also renews the producer's lease
+    (`producer_seen_at`). Returns False if the root is no longer open (sealed or cancelled by an operator, the
+    relay or its deadline): the caller must roll the chunk back.
     """
     insert_placed(conn, placed)
     per_leaf: dict[uuid.UUID, int] = {}
@@ -266,15 +270,18 @@ def add_children(
             ),
             {"ids": list(per_leaf), "ns": list(per_leaf.values())},
         )
-    conn.execute(
+    row = conn.execute(
         text(
             """
-            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest
+            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest,
+                                     producer_seen_at = now()
              WHERE id = :id AND state = 'open'
+         RETURNING 1
             """
         ),
         {"id": root_id, "total": len(placed), "direct": len(placed) - sum(per_leaf.values()), "digest": digest},
-    )
+    ).first()
+    return row is not None
 
 
 def add_leaf(conn: Connection, root: NewBatch, leaf_id: uuid.UUID) -> None:

@@ -66,6 +66,8 @@ batches = Table(
     Column("retry_of", Uuid),
     # Written by every settle: whether that settle moved the batch out of `running` (migration 0009).
     Column("last_settle_moved", Boolean, nullable=False),
+    # When an open batch's producer was last known alive (its last chunk, or a relay seeing its lock held; 0010).
+    Column("producer_seen_at", DateTime(timezone=True), nullable=False),
 )
 
 children = Table(
