@@ -30,6 +30,7 @@ app.conf.update(
     fanin_relay_poll_interval=0.2,
     fanin_reaper_interval=float(os.environ.get("FANIN_TEST_REAPER_INTERVAL", "1")),
     fanin_successor_timeout=float(os.environ.get("FANIN_TEST_SUCCESSOR_TIMEOUT", "600")),
+    fanin_open_batch_grace=float(os.environ.get("FANIN_TEST_OPEN_BATCH_GRACE", "300")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),
     worker_prefetch_multiplier=1,
