@@ -97,6 +97,8 @@ def test_lapsed_means_no_lock_held_and_last_seen_longer_than_the_grace_ago(store
         producer.commit()
         with store_engine.begin() as conn:
             assert recovery.lapsed_open_batches(conn, 60) == [lapsed.id]
+            # Whatever the lease says (here: a grace already over), a batch whose lock is held is never lapsed.
+            assert held.id not in recovery.lapsed_open_batches(conn, -3600)
         # The relay saw the live producer's lock: its grace now runs from this moment, not from its last chunk.
         assert _row(store_engine, held.id)["producer_seen_at"] > datetime.now(timezone.utc) - timedelta(seconds=60)
     finally:
