@@ -149,7 +149,7 @@ def seal_lapsed_open_batches(fanin: FanIn, limit: int = 100) -> list[recovery.Se
     return done
 
 
-def _not_open(fanin: FanIn, batch_id: uuid.UUID, doing: str) -> Exception:
+def _not_open(fanin: FanIn, batch_id: uuid.UUID, doing: str, why: str = "") -> Exception:
     """Why `doing` found nothing to do: no such batch, a leaf, or a batch already past it."""
     with fanin.engine.connect() as conn:
         found = recovery.batch_state(conn, batch_id)
@@ -158,7 +158,7 @@ def _not_open(fanin: FanIn, batch_id: uuid.UUID, doing: str) -> Exception:
     state, root = found
     if root is not None:
         return BatchNotOpen(f"batch {batch_id} is a leaf counter of batch {root}: {doing} {root} instead")
-    return BatchNotOpen(f"batch {batch_id} is {state}: nothing to {doing}")
+    return BatchNotOpen(f"batch {batch_id} is {state}: nothing to {doing}{why}")
 
 
 def seal_batch(fanin: FanIn, batch_id: uuid.UUID) -> recovery.Sealed:
@@ -169,7 +169,7 @@ def seal_batch(fanin: FanIn, batch_id: uuid.UUID) -> recovery.Sealed:
     with fanin.engine.begin() as conn:
         sealed = recovery.seal_open_batch(conn, batch_id)
     if sealed is None:
-        raise _not_open(fanin, batch_id, "seal (only an open batch can be sealed)")
+        raise _not_open(fanin, batch_id, "seal", " (only an open batch can be sealed)")
     logger.warning(
         "batch_id=%s sealed by an operator with %d children",
         batch_id,

@@ -8,8 +8,11 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import pytest
+from celery import Celery
 from sqlalchemy import Engine, text
 
+from celery_fanin import BatchNotFound, BatchNotOpen, FanIn, maintenance
 from celery_fanin.store import batches, recovery
 
 from .helpers import fetch_all, fetch_one, json_encoded, new_batch
@@ -238,3 +241,21 @@ def test_reconcile_repairs_an_open_batch_keeping_its_token(store_engine: Engine)
         recovery.seal_open_batch(conn, batch.id)
     _finish(store_engine, children[3:6:2])
     assert (_row(store_engine, batch.id)["state"], _row(store_engine, batch.id)["succeeded"]) == ("complete", 5)
+
+
+# --- the operator's commands, refused clearly ---------------------------------------------------------------------
+
+
+def test_seal_and_cancel_explain_why_they_did_nothing(app: Celery, store_engine: Engine) -> None:
+    fanin = FanIn.of(app)
+    batch, _, leaf_ids = _open(store_engine, 2, leaves=1)
+    with pytest.raises(BatchNotOpen, match=f"is a leaf counter of batch {batch.id}: seal {batch.id} instead$"):
+        maintenance.seal_batch(fanin, leaf_ids[0])
+    assert maintenance.seal_batch(fanin, batch.id).planned == 2
+    with pytest.raises(BatchNotOpen, match="is running: nothing to seal"):
+        maintenance.seal_batch(fanin, batch.id)
+    assert maintenance.cancel_batch(fanin, batch.id).state == "cancelled"
+    with pytest.raises(BatchNotOpen, match="is cancelled: nothing to cancel"):
+        maintenance.cancel_batch(fanin, batch.id)
+    with pytest.raises(BatchNotFound):
+        maintenance.cancel_batch(fanin, uuid.uuid4())
