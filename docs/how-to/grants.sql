@@ -15,6 +15,9 @@ GRANT SELECT, INSERT ON fanin_batches, fanin_children TO fanin_producer;
 GRANT UPDATE (planned, remaining, digest, published_upto, state, succeeded, failed, completed_at, max_failures,
               last_settle_moved, producer_seen_at)
     ON fanin_batches TO fanin_producer;
+-- A streamed batch whose generator raises (no key) is cancelled by its producer: its unfinished children are
+-- marked abandoned.
+GRANT UPDATE (state, finished_at, exc_type, exc_message) ON fanin_children TO fanin_producer;
 GRANT SELECT, INSERT ON fanin_successors, fanin_outbox TO fanin_producer;
 GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_producer;
 GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_producer;
