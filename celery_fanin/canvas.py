@@ -195,6 +195,23 @@ class FanInResult:
             encoded = queries.successor_result(conn, _parse_batch_id(self.batch_id), status.step)
         return publish.decode_result(self.app, encoded) if encoded is not None else None
 
+    def cancel(self, proceed: bool = False) -> BatchStatus:
+        """End the batch now, as `celery -A proj fanin cancel` does: unfinished children are abandoned and revoked;
+        the batch ends `cancelled` (only `on_expire` runs) or, with `proceed`, `partial` with its successor run.
+        Raises `BatchNotOpen` if it has already ended."""
+        from .maintenance import cancel_batch
+
+        cancel_batch(FanIn.of(self.app), _parse_batch_id(self.batch_id), proceed=proceed)
+        return self.status()
+
+    def seal(self) -> BatchStatus:
+        """Seal an open (streaming) batch now, as `celery -A proj fanin seal` does: it takes no more children and
+        finishes when the ones it has do. Raises `BatchNotOpen` if it is not open."""
+        from .maintenance import seal_batch
+
+        seal_batch(FanIn.of(self.app), _parse_batch_id(self.batch_id))
+        return self.status()
+
     def next_stage(self) -> FanInResult | None:
         """The batch a `then=fan_in_group(...)` pipeline stage started when this one finished, if any."""
         status = self.status()

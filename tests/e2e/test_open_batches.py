@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -18,8 +17,7 @@ import pytest
 from celery.canvas import Signature
 from sqlalchemy import text
 
-from celery_fanin import FanIn, FanInResult, fan_in_group
-from celery_fanin.maintenance import cancel_batch
+from celery_fanin import BatchNotOpen, FanIn, FanInResult, fan_in_group
 from tests import app as tasks
 from tests.workers import ROOT, wait_for
 
@@ -350,7 +348,7 @@ def test_wait_returns_for_every_final_state(producer: Any, processes: Any) -> No
         "cancelled": fan_in_group([stuck], then=then).apply_async(),
         "sealed-empty": _stream(iter([])),
     }
-    cancel_batch(FanIn.of(producer), uuid.UUID(handles["cancelled"].batch_id))
+    assert handles["cancelled"].cancel().state == "cancelled"
     final = {name: h.wait(timeout=30) for name, h in handles.items()}
     assert {name: (st.state, st.successor_state) for name, st in final.items()} == {
         "complete": ("complete", "succeeded"),
@@ -363,3 +361,7 @@ def test_wait_returns_for_every_final_state(producer: Any, processes: Any) -> No
     }
     assert handles["expired"].result(timeout=5) is None
     assert handles["cancelled"].result(timeout=5) is None
+    with pytest.raises(BatchNotOpen, match="nothing to cancel"):
+        handles["complete"].cancel()
+    with pytest.raises(BatchNotOpen, match="nothing to seal"):
+        handles["sealed-empty"].seal()
