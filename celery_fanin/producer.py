@@ -8,7 +8,10 @@ Two paths, one rule: children are committed before they are published.
   batch is written `open` holding a producer token in its counter, then each chunk is one transaction (its child
   rows and the counters that wait for them) followed by one bulk publish. Memory is bounded by the chunk. The
   token is released (the batch sealed) when the input is exhausted, so the batch cannot finish early, and its
-  counter always equals the children actually created.
+  counter always equals the children actually created. Each chunk renews the batch's lease (`producer_seen_at`);
+  a producer that dies is resumed by a rerun with its key or sealed by the relay after `fanin_open_batch_grace`,
+  and an input that raises cancels a batch without a key (see `_fill`). A batch sealed or cancelled under a live
+  producer refuses its next chunk (`BatchClosed`).
 
 Above `max_width` children a batch becomes a tree: leaf batches of at most `max_width` children, filled round
 robin in windows of `fanin_tree_fanout` leaves so that concurrent terminal reports spread over several counter
