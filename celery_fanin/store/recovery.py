@@ -256,8 +256,9 @@ def expire_batch(
     elif head.parent_task_id:
         # A nested batch abandoned with nothing to run: the outer child it stands for fails now.
         how = "cancelled" if reason == "cancel" else "abandoned at its deadline"
-        record_terminal(conn, head.parent_task_id, "failed", exc_type=exc_type,
-                        exc_message=f"nested batch {batch_id} was {how}")  # fmt: skip
+        record_terminal(
+            conn, head.parent_task_id, "failed", exc_type=exc_type, exc_message=f"nested batch {batch_id} was {how}"
+        )
     return Expiry(batch_id, "proceed" if proceed else "abandon", abandoned, created is not None, new_state)
 
 
