@@ -2,8 +2,10 @@
 
 from .canvas import BatchStatus, FanInGroup, FanInResult, fan_in_group
 from .exceptions import (
+    BatchClosed,
     BatchNotFinished,
     BatchNotFound,
+    BatchNotOpen,
     FanInDatabaseError,
     FanInDepthExceeded,
     FanInError,
@@ -15,8 +17,10 @@ from .outcome import BatchOutcome, ChildResult
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
+    "BatchClosed",
     "BatchNotFinished",
     "BatchNotFound",
+    "BatchNotOpen",
     "BatchOutcome",
     "BatchStatus",
     "ChildResult",

@@ -60,6 +60,13 @@ class BatchStatus:
         """True once the successor has run to a final state."""
         return self.successor_state in successors.FINAL_STATES
 
+    @property
+    def done(self) -> bool:
+        """True once nothing more will happen: the successor has finished, or the batch ended with nothing to run
+        (`expired` by an abandoned deadline, or `cancelled`, without `on_expire`: the row that runs `on_expire` is
+        created in the same transaction as that state, so none will come later)."""
+        return self.finished or (self.state in batches.ENDED_WITHOUT_SUCCESSOR and self.successor_state is None)
+
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["created_at"] = self.created_at.isoformat()
@@ -159,14 +166,16 @@ class FanInResult:
         return read_status(FanIn.of(self.app), self.batch_id)
 
     def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:
-        """Block until the successor has finished (succeeded, failed or revoked); returns the final status.
+        """Block until the batch has reached its final state; returns that status.
 
-        Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds. Database errors while
-        waiting are retried until then (a restart or failover should not end a wait).
+        Final: the successor (or `on_failure`/`on_expire`) has finished (succeeded, failed or revoked), or the
+        batch ended with nothing to run (`expired` or `cancelled` without `on_expire`; `successor_state` is then
+        None). Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds. Database errors
+        while waiting are retried until then (a restart or failover should not end a wait).
         """
         return poll_until_finished(
             self.status,
-            lambda st: st.finished,
+            lambda st: st.done,
             timeout,
             interval,
             lambda st: (
@@ -176,12 +185,32 @@ class FanInResult:
         )
 
     def result(self, timeout: float | None = None) -> Any:
-        """The successor's return value, from the store (no result backend needed); waits for it first."""
+        """The successor's return value, from the store (no result backend needed); waits for it first.
+
+        None when the batch ended with nothing to run (`expired` or `cancelled` without `on_expire`), and when the
+        successor failed: `wait().state` and `successor_state` tell those apart."""
         status = self.wait(timeout)
         fanin = FanIn.of(self.app)
         with fanin.engine.connect() as conn:
             encoded = queries.successor_result(conn, _parse_batch_id(self.batch_id), status.step)
         return publish.decode_result(self.app, encoded) if encoded is not None else None
+
+    def cancel(self, proceed: bool = False) -> BatchStatus:
+        """End the batch now, as `celery -A proj fanin cancel` does: unfinished children are abandoned and revoked;
+        the batch ends `cancelled` (only `on_expire` runs) or, with `proceed`, `partial` with its successor run.
+        Raises `BatchNotOpen` if it has already ended."""
+        from .maintenance import cancel_batch
+
+        cancel_batch(FanIn.of(self.app), _parse_batch_id(self.batch_id), proceed=proceed)
+        return self.status()
+
+    def seal(self) -> BatchStatus:
+        """Seal an open (streaming) batch now, as `celery -A proj fanin seal` does: it takes no more children and
+        finishes when the ones it has do. Raises `BatchNotOpen` if it is not open."""
+        from .maintenance import seal_batch
+
+        seal_batch(FanIn.of(self.app), _parse_batch_id(self.batch_id))
+        return self.status()
 
     def next_stage(self) -> FanInResult | None:
         """The batch a `then=fan_in_group(...)` pipeline stage started when this one finished, if any."""
@@ -461,8 +490,9 @@ class FanInGroup:
         """Record the batch, then publish the children; returns at once with the handle.
 
         A list of children is validated and encoded whole before anything is written. Any other iterable is
-        consumed in chunks (see `celery_fanin.producer`): a bad child there raises with its index, and the
-        batch stays open with the children written so far, for a rerun with the same key to resume.
+        consumed in chunks (see `celery_fanin.producer`): if it raises (or yields a bad child, which raises with
+        its index), the error propagates; with a `key` the batch stays open with the children written so far, for
+        a rerun with the same key to resume, and without one the batch is cancelled (nothing could resume it).
         """
         app = self.app
         fanin = FanIn.of(app)

@@ -199,8 +199,8 @@ def status(ctx: click.Context, batch_id: str, as_json: bool, tree_limit: int) ->
 
 
 def _finished(st: BatchStatus) -> bool:
-    """The successor has finished, or the batch expired with nothing to run."""
-    return st.finished or (st.state == "expired" and st.successor_state is None)
+    """The successor has finished, or the batch expired or was cancelled with nothing to run."""
+    return st.done
 
 
 @fanin.command()
@@ -213,8 +213,8 @@ def _finished(st: BatchStatus) -> bool:
 def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | None) -> None:
     """Show a live progress bar, with rate and ETA, until the batch's successor has finished.
 
-    Exits 0 when the successor succeeded, 1 when it failed or was revoked, the batch expired with nothing to run,
-    or --timeout passed first.
+    Exits 0 when the successor succeeded, 1 when it failed or was revoked, the batch expired or was cancelled
+    with nothing to run, or --timeout passed first.
     """
     from rich.progress import (
         BarColumn,
@@ -263,7 +263,7 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
                 continue  # a database restart or failover: keep watching until --timeout
             progress.update(bar, total=max(st.planned, 1), completed=st.planned - st.remaining, **fields(st))
     summary = (f"batch {st.batch_id}: {st.state}, {st.succeeded} succeeded, {st.failed} failed; "
-               f"successor {st.successor_state or 'none (expired)'}")  # fmt: skip
+               f"successor {st.successor_state or f'none ({st.state})'}")  # fmt: skip
     if st.successor_state != "succeeded":
         raise click.ClickException(summary)
     click.echo(summary)
@@ -283,7 +283,7 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-LS_STATES = ("open", "running", "complete", "expired", "partial", "failed_threshold", "stuck")
+LS_STATES = ("open", "running", "complete", "expired", "cancelled", "partial", "failed_threshold", "stuck")
 
 
 @fanin.command(name="ls")
@@ -417,6 +417,90 @@ def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, 
     click.echo(f"deleted {report.batches} batches ({report.leaves} leaf counters, {report.children} children) "
                f"and {report.sagas} sagas finished more than {age} ago, in {report.transactions} transactions"
                f"{more}")  # fmt: skip
+
+
+@fanin.command()
+@click.argument("batch_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+@_errors_as_exit
+def seal(ctx: click.Context, batch_id: str, as_json: bool) -> None:
+    """Seal an open (streaming) batch: it takes no more children and finishes when the ones it has do.
+
+    For a batch whose producer is gone (the relay also does this after fanin_open_batch_grace). A producer still
+    writing it fails on its next chunk. Exits 1 if the batch is not open.
+    """
+    from . import maintenance
+    from .canvas import _parse_batch_id
+
+    fanin_ext = _fanin(ctx)
+    sealed = maintenance.seal_batch(fanin_ext, _parse_batch_id(batch_id))
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "batch_id": str(sealed.batch_id),
+                    "planned": sealed.planned,
+                    "successor_created": sealed.successor_created,
+                },
+                indent=2,
+            )
+        )
+        return
+    then = (
+        "every child had finished: its successor runs now"
+        if sealed.successor_created
+        else ("its successor runs once they have finished")
+    )
+    click.echo(f"sealed batch {sealed.batch_id} with {sealed.planned} children; {then}")
+
+
+@fanin.command()
+@click.argument("batch_id")
+@click.option(
+    "--proceed",
+    is_flag=True,
+    help="Run the successor with what has arrived (batch partial), as on_deadline='proceed' does.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+@_errors_as_exit
+def cancel(ctx: click.Context, batch_id: str, proceed: bool, as_json: bool) -> None:
+    """Cancel an open or running batch now: its unfinished children are abandoned and revoked.
+
+    By default the batch ends `cancelled` and its successor does not run (its on_expire does, if it has one), as
+    on_deadline='abandon' does at a deadline; --proceed runs the successor with what has arrived instead. Exits 1
+    if the batch has already ended.
+    """
+    from . import maintenance
+    from .canvas import _parse_batch_id
+
+    fanin_ext = _fanin(ctx)
+    expiry = maintenance.cancel_batch(fanin_ext, _parse_batch_id(batch_id), proceed=proceed)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "batch_id": str(expiry.batch_id),
+                    "state": expiry.state,
+                    "abandoned": len(expiry.abandoned),
+                    "successor_created": expiry.successor_created,
+                },
+                indent=2,
+            )
+        )
+        return
+    runs = (
+        "its successor runs with what arrived"
+        if proceed
+        else "on_expire runs"
+        if expiry.successor_created
+        else "nothing runs"
+    )
+    click.echo(
+        f"cancelled batch {expiry.batch_id}: {expiry.state}, {len(expiry.abandoned)} unfinished children "
+        f"abandoned and revoked; {runs}"
+    )
 
 
 @fanin.command()

@@ -31,6 +31,15 @@ class BatchNotFinished(FanInError):
     """An operation that needs a finished batch (`retry-failed`) was asked of one still open or running."""
 
 
+class BatchClosed(FanInError):
+    """A streaming producer's batch was sealed or cancelled (by an operator, the relay or its deadline) while it
+    was still writing children: the chunk it tried to add was not written, and nothing more will be."""
+
+
+class BatchNotOpen(FanInError):
+    """`seal` or `cancel` was asked of a batch that has already ended (or, for `seal`, is no longer open)."""
+
+
 def summarise(exc: BaseException) -> str:
     """The first line of a driver error: enough to act on, without SQLAlchemy's multi-line background notes."""
     text = str(getattr(exc, "orig", None) or exc).strip()

@@ -70,6 +70,8 @@ class Settings:
     # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it.
     expires_grace: float = 30.0
     reconcile_interval: float = 300.0
+    # Seconds an open (streaming) batch may stay without a live producer before the relay seals it.
+    open_batch_grace: float = 300.0
 
     def __post_init__(self) -> None:
         # Checked where the setting is read, before a producer writes or a relay publishes anything with it.

@@ -7,12 +7,14 @@ traffic and beside other relays doing the same: every change is conditional on t
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 from . import publish
 from .dispatch import revoke_children
+from .exceptions import BatchNotFound, BatchNotOpen
 from .extension import FanIn
-from .store import recovery, successors
+from .store import batches, recovery, successors
 
 logger = logging.getLogger("celery_fanin.maintenance")
 
@@ -99,7 +101,7 @@ def restart_stalled_successors(fanin: FanIn, limit: int = 100) -> list[tuple[str
 
 
 def apply_deadlines(fanin: FanIn, limit: int = 100) -> list[recovery.Expiry]:
-    """Finish every running batch whose deadline has passed, as its `on_deadline` says."""
+    """Finish every open or running batch whose deadline has passed, as its `on_deadline` says."""
     done = []
     with fanin.engine.connect() as conn:
         due = recovery.due_deadlines(conn, limit)
@@ -134,3 +136,95 @@ def reconcile(fanin: FanIn, limit: int = 1000) -> list[recovery.Repair]:
             logger.warning("reconciled batch_id=%s: %s; %s", batch_id, "; ".join(repair.problems),
                            "; ".join(repair.actions) or "reported only", extra={"batch_id": str(batch_id)})  # fmt: skip
     return repairs
+
+
+def seal_lapsed_open_batches(fanin: FanIn, limit: int = 100) -> list[recovery.Sealed]:
+    """Seal every open batch whose producer has been gone for longer than `fanin_open_batch_grace`.
+
+    Each is sealed under its publish lock, the lock a producer or a resumer holds while it writes: a producer
+    that comes back (a rerun with the same key) either got the lock first, and is left alone, or waits for it and
+    then finds the batch sealed. Its successor then runs once, with the children that were written.
+    """
+    grace = fanin.settings.open_batch_grace
+    done = []
+    with fanin.engine.connect() as conn:
+        lapsed = recovery.lapsed_open_batches(conn, grace, limit)
+        conn.commit()
+        for batch_id in lapsed:
+            locked = batches.try_publish_lock(conn, batch_id)
+            conn.commit()  # the session lock outlives the transaction that took it
+            if not locked:
+                continue
+            try:
+                with conn.begin():
+                    sealed = recovery.seal_open_batch(conn, batch_id, lapsed_grace=grace)
+            finally:
+                conn.rollback()
+                batches.release_publish_lock(conn, batch_id)
+                conn.commit()
+            if sealed is not None:
+                done.append(sealed)
+                logger.warning(
+                    "batch_id=%s was open with no producer for over %ss: sealed with %d children%s",
+                    batch_id,
+                    grace,
+                    sealed.planned,
+                    " (all finished: successor created)" if sealed.successor_created else "",
+                    extra={"batch_id": str(batch_id)},
+                )
+    return done
+
+
+def _not_open(fanin: FanIn, batch_id: uuid.UUID, doing: str, why: str = "") -> Exception:
+    """Why `doing` found nothing to do: no such batch, a leaf, or a batch already past it."""
+    with fanin.engine.connect() as conn:
+        found = recovery.batch_state(conn, batch_id)
+    if found is None:
+        return BatchNotFound(f"no fan-in batch with id {batch_id}")
+    state, root = found
+    if root is not None:
+        return BatchNotOpen(f"batch {batch_id} is a leaf counter of batch {root}: {doing} {root} instead")
+    return BatchNotOpen(f"batch {batch_id} is {state}: nothing to {doing}{why}")
+
+
+def seal_batch(fanin: FanIn, batch_id: uuid.UUID) -> recovery.Sealed:
+    """An operator's seal: the open batch takes no more children and finishes when the ones it has do.
+
+    A producer still writing it fails on its next chunk with `BatchClosed` (that chunk is not written).
+    """
+    with fanin.engine.begin() as conn:
+        sealed = recovery.seal_open_batch(conn, batch_id)
+    if sealed is None:
+        raise _not_open(fanin, batch_id, "seal", " (only an open batch can be sealed)")
+    logger.warning(
+        "batch_id=%s sealed by an operator with %d children",
+        batch_id,
+        sealed.planned,
+        extra={"batch_id": str(batch_id)},
+    )
+    return sealed
+
+
+def cancel_batch(fanin: FanIn, batch_id: uuid.UUID, *, proceed: bool = False) -> recovery.Expiry:
+    """End an open or running batch now: the deadline path (`expire_batch`) with reason "cancel".
+
+    Every unfinished child is marked `abandoned` (exc_type `Cancelled`) and revoked. By default the batch ends
+    `cancelled` and only its `on_expire` runs, if it has one (as `on_deadline="abandon"`); `proceed=True` ends it
+    `partial` and runs its successor with what arrived (as `on_deadline="proceed"`).
+    """
+    with fanin.engine.begin() as conn:
+        expiry = recovery.expire_batch(conn, batch_id, reason="cancel", proceed=proceed)
+    if expiry is None:
+        raise _not_open(fanin, batch_id, "cancel")
+    logger.warning(
+        "batch_id=%s cancelled (%s): %d unfinished children abandoned",
+        batch_id,
+        expiry.state,
+        len(expiry.abandoned),
+        extra={"batch_id": str(batch_id)},
+    )
+    try:
+        revoke_children(fanin, expiry.abandoned, batch_id)
+    except Exception:
+        logger.warning("could not revoke the abandoned children of batch_id=%s", batch_id, exc_info=True)
+    return expiry

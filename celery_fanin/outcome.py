@@ -47,7 +47,8 @@ def build_outcome(
     return {
         "batch_id": str(batch.id),
         "step": batch.step,
-        # complete | partial (deadline passed, on_deadline="proceed") | failed_threshold | expired
+        # complete | partial (deadline passed, on_deadline="proceed", or cancelled --proceed) | failed_threshold
+        # | expired | cancelled
         "state": batch.state,
         "partial": batch.state in PARTIAL_STATES,
         "planned": batch.planned,
@@ -89,7 +90,7 @@ def _listed_failures(
 
 
 # Batch states in which the successor runs before every child has finished.
-PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired"})
+PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired", "cancelled"})
 
 
 def failure_entry(row: queries.FailureRow) -> dict[str, Any]:

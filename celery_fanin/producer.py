@@ -8,7 +8,10 @@ Two paths, one rule: children are committed before they are published.
   batch is written `open` holding a producer token in its counter, then each chunk is one transaction (its child
   rows and the counters that wait for them) followed by one bulk publish. Memory is bounded by the chunk. The
   token is released (the batch sealed) when the input is exhausted, so the batch cannot finish early, and its
-  counter always equals the children actually created.
+  counter always equals the children actually created. Each chunk renews the batch's lease (`producer_seen_at`);
+  a producer that dies is resumed by a rerun with its key or sealed by the relay after `fanin_open_batch_grace`,
+  and an input that raises cancels a batch without a key (see `_fill`). A batch sealed or cancelled under a live
+  producer refuses its next chunk (`BatchClosed`).
 
 Above `max_width` children a batch becomes a tree: leaf batches of at most `max_width` children, filled round
 robin in windows of `fanin_tree_fanout` leaves so that concurrent terminal reports spread over several counter
@@ -40,9 +43,9 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import dispatch, publish
-from .exceptions import FanInDatabaseError, InvalidFanIn, summarise
+from .exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
 from .extension import FanIn
-from .store import batches, outbox
+from .store import batches, outbox, recovery
 
 logger = logging.getLogger("celery_fanin.producer")
 
@@ -236,14 +239,25 @@ def _fill(
     start: int,
     digest: bytes,
 ) -> int:
-    """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root."""
+    """Write and publish the rest of `items` chunk by chunk, then seal the open leaves and the root.
+
+    If the input raises (the generator itself, or a child that cannot be encoded), the batch cannot be completed
+    by this call. Without a key nothing can ever resume it, so it is cancelled at once (see `_cancel_unfinishable`)
+    and the error is raised; with a key it stays open for a rerun with the same key to resume, and the relay seals
+    it once its producer has been gone for `fanin_open_batch_grace`.
+    """
     chunk_size = fanin.settings.chunk_size
     index = start
     chunks = _ChunkPublisher(fanin, conn, root.id)
     finished_early = False
     try:
         while True:
-            part = list(itertools.islice(items, chunk_size))
+            try:
+                part = list(itertools.islice(items, chunk_size))
+            except Exception:
+                chunks.close()  # what was written goes out (and is then revoked) before the batch is cancelled
+                _cancel_unfinishable(fanin, conn, root, index)
+                raise
             if not part:
                 break
             # Duplicate task ids are caught here within a chunk, and by the primary key across chunks: a set of
@@ -251,6 +265,8 @@ def _fill(
             seen_ids: set[str] = set()
             for child, _ in part:
                 if child.task_id in seen_ids:
+                    chunks.close()
+                    _cancel_unfinishable(fanin, conn, root, index)
                     raise InvalidFanIn(f"child {index}: two children share the task_id {child.task_id!r}")
                 seen_ids.add(child.task_id)
                 digest = digest_step(digest, child)
@@ -262,10 +278,15 @@ def _fill(
                     for leaf_id in opened:
                         batches.add_leaf(conn, root, leaf_id)
                     if not batches.add_children(conn, root.id, placed, digest, opened=len(opened)):
-                        raise _FinishedEarly
+                        raise _NotOpen
                     for leaf_id in full:
                         batches.seal(conn, leaf_id)
-            except _FinishedEarly:
+            except _NotOpen:
+                if batches.state_of(conn, root.id) != "failed_threshold":
+                    raise BatchClosed(
+                        f"batch {root.id} was sealed or cancelled while this producer was still writing it; "
+                        f"children {index}.. were not written"
+                    ) from None
                 finished_early = True
                 break
             except SQLAlchemyError as exc:
@@ -299,9 +320,54 @@ def _fill(
     return index - start
 
 
-class _FinishedEarly(Exception):
-    """The open batch finished early (it passed its failure threshold): the chunk being written is rolled back and
-    writing stops."""
+class _NotOpen(Exception):
+    """The open batch is no longer open: it finished early (its failure threshold) or was sealed or cancelled by
+    someone else. The chunk being written is rolled back and writing stops."""
+
+
+def _cancel_unfinishable(fanin: FanIn, conn: Connection, root: batches.NewBatch, index: int) -> None:
+    """The input raised at child `index`: without a key, cancel the batch so it does not stay open forever.
+
+    Cancelled rather than sealed: sealing would run the successor on part of the input as though it were all of
+    it. The batch ends `cancelled` (its `on_expire`, if any, runs), the children already sent are revoked, and the
+    caller's exception propagates. With a key the batch is left open for a rerun to resume. If even the cancel
+    cannot be written, the batch stays open and the relay seals it after `fanin_open_batch_grace`.
+    """
+    if root.key is not None:
+        logger.warning(
+            "batch_id=%s (key %r): the input raised at child %d; the batch stays open for a rerun with "
+            "the same key to resume",
+            root.id,
+            root.key,
+            index,
+            extra={"batch_id": str(root.id)},
+        )
+        return
+    try:
+        conn.rollback()
+        with conn.begin():
+            expiry = recovery.expire_batch(conn, root.id, reason="cancel", proceed=False)
+    except SQLAlchemyError:
+        logger.warning(
+            "batch_id=%s: the input raised and the batch could not be cancelled; the relay will seal it",
+            root.id,
+            exc_info=True,
+            extra={"batch_id": str(root.id)},
+        )
+        return
+    if expiry is None:
+        return
+    logger.warning(
+        "batch_id=%s cancelled: the input raised at child %d (%d unfinished children abandoned)",
+        root.id,
+        index,
+        len(expiry.abandoned),
+        extra={"batch_id": str(root.id)},
+    )
+    try:
+        dispatch.revoke_children(fanin, expiry.abandoned, root.id)
+    except Exception:
+        logger.warning("could not revoke the children of cancelled batch_id=%s", root.id, exc_info=True)
 
 
 class _ChunkPublisher:

@@ -38,6 +38,7 @@ class RelayStats:
     children_expired: int = 0
     deadlines_applied: int = 0
     successors_restarted: int = 0
+    open_batches_sealed: int = 0
     repairs: int = 0
     rounds: int = 0
     errors: int = 0
@@ -112,6 +113,7 @@ class Relay:
             self.stats.deadlines_applied += len(maintenance_duties.apply_deadlines(self.fanin))
             self.stats.children_expired += len(maintenance_duties.revoke_expired_children(self.fanin))
             self.stats.successors_restarted += len(maintenance_duties.restart_stalled_successors(self.fanin))
+            self.stats.open_batches_sealed += len(maintenance_duties.seal_lapsed_open_batches(self.fanin))
         if maintenance or (maintenance is None and now >= self._next_reconcile):
             self._next_reconcile = now + settings.reconcile_interval
             self.stats.repairs += len(maintenance_duties.reconcile(self.fanin))

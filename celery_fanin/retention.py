@@ -1,7 +1,7 @@
 """Retention: delete finished batches older than an age, in short transactions, from the CLI or a periodic task.
 
-A batch is deleted once it is finished (complete, partial, failed_threshold or expired), its successor has
-finished too (an expired batch may have none), it finished before the cut-off, and no retry round of it is still
+A batch is deleted once it is finished (any state but open or running), its successor has
+finished too (expired or cancelled: maybe none), it finished before the cut-off, and no retry round of it is still
 running. Its leaves, children, successor and outbox rows go with it (ON DELETE CASCADE). Once no batch is left to
 delete, sagas that finished for good (succeeded, or compensated) before the cut-off are deleted too, with their
 steps and compensations; a saga waiting for an operator is kept, whatever its age. A deleted saga's or batch's

@@ -105,7 +105,7 @@ def _check_finished(n: admin.Node) -> None:
             f"{what} is still {n.state} ({n.remaining} of {n.planned} children unfinished): retry-failed needs a "
             f"finished batch; wait for it (`fanin watch {n.id}`)"
         )
-    if n.successor_state is None and n.state != "expired":
+    if n.successor_state is None and n.state not in batches.ENDED_WITHOUT_SUCCESSOR:
         raise BatchNotFinished(f"{what} is {n.state} but its successor was not created yet: wait for it")
     if n.successor_state is not None and n.successor_state not in successors.FINAL_STATES:
         raise BatchNotFinished(

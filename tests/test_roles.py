@@ -18,6 +18,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from celery import Celery
+from celery.canvas import Signature
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from celery_fanin import (
@@ -85,6 +87,11 @@ def _app(cluster: Cluster, role: str, **conf: object) -> Celery:
     return app
 
 
+def _raising(child: Signature) -> Iterator[Signature]:
+    yield child.clone(args=(0,))
+    raise RuntimeError("source failed")
+
+
 def _child(i: int) -> int:
     return i
 
@@ -112,7 +119,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
     _migrate(cluster)
     producer = _app(cluster, "producer")
     worker = _app(cluster, "worker")
-    relay_app = _app(cluster, "relay", fanin_successor_timeout=0.0)
+    relay_app = _app(cluster, "relay", fanin_successor_timeout=0.0, fanin_open_batch_grace=0.0)
     apps = (producer, worker, relay_app)
     try:
         # --- the producer: every way of writing a batch -------------------------------------------------------
@@ -139,6 +146,11 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
             max_width=2,
             max_failures=0,
         ).apply_async()
+        # A generator that raises: without a key the producer cancels its batch; with one it stays open (the relay
+        # seals it below, its grace being 0 here).
+        for key in (None, f"open-{cluster.suffix}"):
+            with pytest.raises(RuntimeError, match="source failed"):
+                fan_in_group(_raising(child), then=then, app=producer, key=key).apply_async()
         assert (plain.status().planned, tree.status().planned, redrive.status().planned) == (3, 5, 1)
         assert empty.status().successor_state in ("sent", "pending")
 
@@ -177,6 +189,18 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         assert stats.children_published >= 1, "the relay published the children the producer 'did not'"
         assert stats.successors_published >= 4
         assert stats.successors_restarted >= 1, "a sent successor past fanin_successor_timeout was put back"
+        assert stats.open_batches_sealed == 1, "the relay sealed the open batch whose producer let go"
+        with FanIn.of(producer).engine.connect() as conn:
+            ended = conn.execute(
+                text("SELECT key IS NULL, state FROM fanin_batches WHERE key LIKE 'open-%' OR state = 'cancelled'")
+            ).all()
+        # The child each generator yielded before raising was lost with its chunk: both batches are empty, so the
+        # sealed one is complete already.
+        assert sorted(tuple(r) for r in ended) == [(False, "complete"), (True, "cancelled")]
+        with psycopg.connect(
+            make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False), autocommit=True
+        ) as admin:  # the retention check below counts the batches before these
+            admin.execute("DELETE FROM fanin_batches WHERE key LIKE 'open-%' OR state = 'cancelled'")
         for handle in (plain, tree, lost, late, threshold):
             assert handle.status().successor_state in ("sent", "pending"), handle.batch_id
         assert threshold.status().remaining == 0, "the relay abandoned the rest of the tree as the relay role"

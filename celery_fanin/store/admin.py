@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 # Batch states in which nothing is counted any more (a failed_threshold batch may still record late children).
-FINISHED_STATES = ("complete", "partial", "failed_threshold", "expired")
+FINISHED_STATES = ("complete", "partial", "failed_threshold", "expired", "cancelled")
 BATCH_STATES = ("open", "running", *FINISHED_STATES)
 
 
@@ -299,20 +299,22 @@ def highest_round(conn: Connection, original_id: uuid.UUID) -> int:
 
 # --- retention --------------------------------------------------------------------------------------------------
 
-# A root batch retention may delete: finished, with its successor finished too (an expired batch may have none),
+# A root batch retention may delete: finished, with its successor finished too (an expired or cancelled batch may
+# have none),
 # finished before the cut-off, with no retry round still running, and not a step or compensation of a saga that
 # may still roll back (its rollback reads which of the batch's children succeeded). `created_at < cut-off` is
 # implied by the completion time and lets the planner walk the creation index instead of the whole table.
 _PRUNABLE = """
       FROM fanin_batches b
      WHERE b.parent_id IS NULL
-       AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired')
+       AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired', 'cancelled')
        AND b.created_at < now() - make_interval(secs => :age)
        AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
        AND (EXISTS (SELECT 1 FROM fanin_successors s
                      WHERE s.batch_id = b.id AND s.step = b.step
                        AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
-            OR (b.state = 'expired' AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
+            OR (b.state IN ('expired', 'cancelled')
+                AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
        AND NOT EXISTS (SELECT 1 FROM fanin_batches r
                         WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
        AND NOT EXISTS (SELECT 1 FROM fanin_saga_steps st JOIN fanin_sagas g ON g.id = st.saga_id

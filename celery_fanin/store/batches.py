@@ -24,6 +24,8 @@ CHILD_TERMINAL_STATES = frozenset(
 )
 # Not yet terminal: published (or about to be), or started by a worker.
 CHILD_OPEN_STATES = ("pending", "started")
+# Batch states that may end with no successor at all (an abandoned deadline or a cancel, without `on_expire`).
+ENDED_WITHOUT_SUCCESSOR = frozenset({"expired", "cancelled"})
 
 # The namespace of the per-batch advisory lock a producer holds while it publishes its children (two-int form,
 # which does not overlap the single-bigint key space used by migrations).
@@ -257,8 +259,9 @@ def add_children(
     counter waits for its children; the root's `planned` counts every child (its `remaining` counts its direct
     children and its leaves, `opened` of them new in this chunk: see `add_leaf`). `digest` is the chain over
     every child written so far, for resuming and for telling a different child list from the same one under a
-    key. Returns False if the root is no longer open (it passed its failure threshold while being written): the
-    caller must roll this chunk back and stop.
+    key. Each chunk also renews the producer's lease (`producer_seen_at`). Returns False if the root is no longer
+    open (it passed its failure threshold, or was sealed or cancelled by an operator, the relay or its deadline):
+    the caller must roll this chunk back and stop.
 
     The leaves' rows are locked before the root's, the order every terminal report takes them in.
     """
@@ -286,8 +289,10 @@ def add_children(
     result = conn.execute(
         text(
             """
-            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest
+            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest,
+                                     producer_seen_at = now()
              WHERE id = :id AND state = 'open'
+         RETURNING 1
             """
         ),
         {
@@ -298,6 +303,13 @@ def add_children(
         },
     )
     return result.rowcount > 0
+
+
+def state_of(conn: Connection, batch_id: uuid.UUID) -> str | None:
+    """A batch's state now (None if there is no such batch)."""
+    state = conn.execute(text("SELECT state FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar()
+    conn.rollback()
+    return None if state is None else str(state)
 
 
 def add_leaf(conn: Connection, root: NewBatch, leaf_id: uuid.UUID) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .batches import Encoded, insert_successor, record_terminal
+from .batches import _PUBLISH_LOCK_CLASS, Encoded, insert_successor, record_terminal
 
 # --- lost children -------------------------------------------------------------------------------------------
 
@@ -149,7 +149,8 @@ def due_deadlines(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
         text(
             """
             SELECT id FROM fanin_batches
-             WHERE state = 'running' AND deadline_at IS NOT NULL AND deadline_at <= now()
+             WHERE state IN ('open', 'running') AND parent_id IS NULL
+               AND deadline_at IS NOT NULL AND deadline_at <= now()
              ORDER BY deadline_at LIMIT :n
             """
         ),
@@ -161,47 +162,64 @@ def due_deadlines(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
 @dataclass(frozen=True)
 class Expiry:
     batch_id: uuid.UUID
-    on_deadline: str
+    on_deadline: str  # how it was applied: "proceed" or "abandon"
     abandoned: list[str]  # task ids of the children marked abandoned
     successor_created: bool
+    state: str = ""  # the batch's final state: partial, expired or cancelled
 
 
-def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
-    """Apply a passed deadline to a running (or open) batch, once.
+# Why a batch was ended early: the exception its unfinished children are abandoned with.
+_ENDINGS = {
+    "deadline": ("DeadlineExceeded", "the batch deadline passed before this child finished"),
+    "cancel": ("Cancelled", "the batch was cancelled before this child finished"),
+}
+
+
+def expire_batch(
+    conn: Connection, batch_id: uuid.UUID, *, reason: str = "deadline", proceed: bool | None = None
+) -> Expiry | None:
+    """Apply a passed deadline (or a cancel) to a running or open batch, once.
 
     `proceed`: every unfinished child becomes `abandoned` (a failure), the batch is `partial`, and its successor
-    runs with what arrived. `abandon`: the same children are abandoned, the batch is `expired`, and only its
-    `on_expire` signature runs, if it has one. Either way the counter reaches zero here, so later reports from
-    abandoned children are recorded as late and never counted. Returns None if the batch had already finished.
+    runs with what arrived. `abandon`: the same children are abandoned, the batch is `expired` (`cancelled` for a
+    cancel), and only its `on_expire` signature runs, if it has one. Either way the counter reaches zero here, so
+    later reports from abandoned children are recorded as late and never counted, and an open batch's producer
+    can add nothing more. Returns None if the batch had already finished (or, for a deadline, is not yet due).
+
+    `reason="cancel"` ends the batch now whatever its deadline, `proceed` defaulting to False; a deadline follows
+    the batch's `on_deadline` unless `proceed` says otherwise.
 
     Locks are taken in the order every terminal report takes them (child rows, then leaves, then the root), so
     this never deadlocks with live reports; counters are then set from the child rows, under those locks.
     """
+    exc_type, exc_message = _ENDINGS[reason]
     head = conn.execute(
         text(
             """
             SELECT on_deadline, on_expire_message IS NOT NULL AS has_on_expire, parent_task_id FROM fanin_batches
-             WHERE id = :id AND state IN ('open', 'running') AND deadline_at <= now() AND parent_id IS NULL
+             WHERE id = :id AND state IN ('open', 'running') AND parent_id IS NULL
+               AND (CAST(:anytime AS boolean) OR deadline_at <= now())
             """
         ),
-        {"id": batch_id},
+        {"id": batch_id, "anytime": reason == "cancel"},
     ).first()
     if head is None:
         return None
+    if proceed is None:
+        proceed = reason == "deadline" and head.on_deadline == "proceed"
     abandoned = [
         r[0]
         for r in conn.execute(
             text(
                 """
                 UPDATE fanin_children
-                   SET state = 'abandoned', finished_at = now(), exc_type = 'DeadlineExceeded',
-                       exc_message = 'the batch deadline passed before this child finished'
+                   SET state = 'abandoned', finished_at = now(), exc_type = :exc_type, exc_message = :exc_message
                  WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
                    AND state IN ('pending', 'started')
              RETURNING task_id
                 """
             ),
-            {"id": batch_id},
+            {"id": batch_id, "exc_type": exc_type, "exc_message": exc_message},
         )
     ]
     conn.execute(
@@ -213,7 +231,7 @@ def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
     ).first()
     if still is None:
         return None
-    new_state = "partial" if head.on_deadline == "proceed" else "expired"
+    new_state = "partial" if proceed else "cancelled" if reason == "cancel" else "expired"
     conn.execute(
         text(
             """
@@ -235,15 +253,17 @@ def expire_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
         {"id": batch_id, "state": new_state},
     )
     created = None
-    if head.on_deadline == "proceed":
+    if proceed:
         created = insert_successor(conn, batch_id, "then")
     elif head.has_on_expire:
         created = insert_successor(conn, batch_id, "on_expire")
     elif head.parent_task_id:
         # A nested batch abandoned with nothing to run: the outer child it stands for fails now.
-        record_terminal(conn, head.parent_task_id, "failed", exc_type="DeadlineExceeded",
-                        exc_message=f"nested batch {batch_id} was abandoned at its deadline")  # fmt: skip
-    return Expiry(batch_id, head.on_deadline, abandoned, created is not None)
+        how = "cancelled" if reason == "cancel" else "abandoned at its deadline"
+        record_terminal(
+            conn, head.parent_task_id, "failed", exc_type=exc_type, exc_message=f"nested batch {batch_id} was {how}"
+        )
+    return Expiry(batch_id, "proceed" if proceed else "abandon", abandoned, created is not None, new_state)
 
 
 # --- reconciliation --------------------------------------------------------------------------------------------
@@ -262,13 +282,13 @@ class Repair:
 
 
 def batches_to_reconcile(conn: Connection, limit: int = 1000) -> list[uuid.UUID]:
-    """Running batches (leaves before roots, so a leaf finished here is counted in its root's recount), and
-    finished roots whose successor or its outbox row is missing. Open batches are left to their producer."""
+    """Open and running batches (leaves before roots, so a leaf finished here is counted in its root's recount),
+    and finished roots whose successor or its outbox row is missing."""
     rows = conn.execute(
         text(
             """
             SELECT id FROM (
-                SELECT id, parent_id IS NULL AS is_root FROM fanin_batches WHERE state = 'running'
+                SELECT id, parent_id IS NULL AS is_root FROM fanin_batches WHERE state IN ('open', 'running')
                 UNION
                 SELECT b.id, true FROM fanin_batches b
                   LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
@@ -335,14 +355,18 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
     repair = Repair(batch_id)
     if c.created != b.planned:
         repair.problems.append(f"planned {b.planned} children but {c.created} rows exist")
-    if b.state == "running" and c.created == b.planned:
-        if (b.remaining, b.succeeded, b.failed) != (c.open, c.succeeded, c.failed):
+    # An open batch (or leaf) holds its producer's token: one unit more than its unfinished children, and it
+    # never finishes here (sealing it is its producer's, the relay's grace duty's or an operator's call).
+    token = 1 if b.state == "open" else 0
+    if b.state in ("open", "running") and c.created == b.planned:
+        if (b.remaining, b.succeeded, b.failed) != (c.open + token, c.succeeded, c.failed):
             repair.problems.append(
                 f"counter says remaining={b.remaining} succeeded={b.succeeded} failed={b.failed}, children say "
-                f"remaining={c.open} succeeded={c.succeeded} failed={c.failed}"
+                f"remaining={c.open + token} succeeded={c.succeeded} failed={c.failed}"
             )
             repair.actions.append("counters recomputed from child rows")
-        if c.open == 0:
+        finish = c.open == 0 and not token
+        if finish:
             if not repair.problems:
                 repair.problems.append("all children are terminal but the batch was still running")
             repair.actions.append("batch finished")
@@ -350,9 +374,9 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
             # Leave one unit for fanin_settle to take, so that finishing goes the way a last report's would.
             conn.execute(
                 text("UPDATE fanin_batches SET remaining = :r, succeeded = :s, failed = :f WHERE id = :id"),
-                {"id": batch_id, "r": c.open + (1 if c.open == 0 else 0), "s": c.succeeded, "f": c.failed},
+                {"id": batch_id, "r": c.open + token + (1 if finish else 0), "s": c.succeeded, "f": c.failed},
             )
-            if c.open == 0:
+            if finish:
                 conn.execute(text("SELECT * FROM fanin_settle(:id, 0, 0)"), {"id": batch_id})
     state_now = conn.execute(text("SELECT state FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar_one()
     if b.parent_id is None and state_now in ("complete", "partial", "failed_threshold"):
@@ -446,3 +470,91 @@ def abandon_after_threshold(conn: Connection, batch_id: uuid.UUID) -> list[str]:
         {"id": batch_id},
     )
     return abandoned
+
+
+# --- open batches whose producer is gone -----------------------------------------------------------------------
+
+# Whether a live session holds a batch's publish lock: its producer (or a resumer) is still writing it.
+_PUBLISH_LOCK_HELD = """
+    EXISTS (SELECT 1 FROM pg_locks l
+             WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :cls AND l.objsubid = 2
+               AND l.objid = CAST(hashtext(b.id::text) AS oid)
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+"""
+
+
+def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100) -> list[uuid.UUID]:
+    """Open root batches whose producer has been gone for longer than the grace.
+
+    "Gone" is the signal the relay already trusts for publishing orphaned children: nobody holds the batch's
+    publish lock (a session advisory lock, released by the producer once it sealed, or by Postgres when its
+    connection dies). "For longer than the grace" is measured from `producer_seen_at`: every chunk a producer
+    writes renews it, and this call first renews it for every open batch whose lock is held, so the grace runs
+    from (about) the moment the producer let go, not from its last chunk.
+    """
+    params = {"cls": _PUBLISH_LOCK_CLASS, "grace": grace_seconds, "n": limit}
+    conn.execute(
+        text(
+            "UPDATE fanin_batches b SET producer_seen_at = now() "
+            f"WHERE b.state = 'open' AND b.parent_id IS NULL AND {_PUBLISH_LOCK_HELD}"
+        ),
+        params,
+    )
+    rows = conn.execute(
+        text(
+            "SELECT b.id FROM fanin_batches b "
+            "WHERE b.state = 'open' AND b.parent_id IS NULL "
+            "AND b.producer_seen_at < now() - make_interval(secs => :grace) "
+            f"AND NOT {_PUBLISH_LOCK_HELD} ORDER BY b.producer_seen_at LIMIT :n"
+        ),
+        params,
+    )
+    return [r[0] for r in rows]
+
+
+@dataclass(frozen=True)
+class Sealed:
+    batch_id: uuid.UUID
+    planned: int  # the children it was sealed with
+    successor_created: bool  # every child had already finished: its successor was created by the seal
+
+
+def seal_open_batch(conn: Connection, batch_id: uuid.UUID, *, lapsed_grace: float | None = None) -> Sealed | None:
+    """Seal an open root batch and its open leaves: it takes no more children and finishes when they have.
+
+    The same transition as a producer's own seal (`fanin_seal`, leaves first), so a batch whose children have
+    all finished gets its successor here, once. With `lapsed_grace`, only if its producer was still last seen
+    longer ago than that (checked under the row lock, so a resumer that wrote a chunk since is not sealed under).
+    Returns None if the batch is not an open root (or has not lapsed).
+    """
+    leaves = [
+        r[0]
+        for r in conn.execute(
+            text("SELECT id FROM fanin_batches WHERE parent_id = :id AND state = 'open' ORDER BY id FOR UPDATE"),
+            {"id": batch_id},
+        )
+    ]
+    head = conn.execute(
+        text(
+            """
+            SELECT planned FROM fanin_batches
+             WHERE id = :id AND state = 'open' AND parent_id IS NULL
+               AND (CAST(:grace AS double precision) IS NULL
+                    OR producer_seen_at < now() - make_interval(secs => CAST(:grace AS double precision)))
+               FOR UPDATE
+            """
+        ),
+        {"id": batch_id, "grace": lapsed_grace},
+    ).first()
+    if head is None:
+        return None
+    for leaf_id in leaves:
+        conn.execute(text("SELECT * FROM fanin_seal(:id)"), {"id": leaf_id}).all()
+    row = conn.execute(text("SELECT * FROM fanin_seal(:id)"), {"id": batch_id}).one()
+    return Sealed(batch_id, head.planned, bool(row.successor_created))
+
+
+def batch_state(conn: Connection, batch_id: uuid.UUID) -> tuple[str, uuid.UUID | None] | None:
+    """A batch's state and its root (for a leaf), to explain why it could not be sealed or cancelled."""
+    row = conn.execute(text("SELECT state, parent_id FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    return None if row is None else (row.state, row.parent_id)

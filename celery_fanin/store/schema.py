@@ -68,6 +68,8 @@ batches = Table(
     Column("last_settle_moved", Boolean, nullable=False),
     # A leaf of a root with a failure threshold: each failure is added to the root as it is counted (0012).
     Column("fail_up", Boolean, nullable=False),
+    # When an open batch's producer was last known alive (its last chunk, or a relay seeing its lock held; 0013).
+    Column("producer_seen_at", DateTime(timezone=True), nullable=False),
 )
 
 children = Table(

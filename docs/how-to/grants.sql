@@ -15,8 +15,11 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
 -- Producers: write a batch and its children, publish them, send an empty (or already finished) batch's successor.
 GRANT SELECT, INSERT ON fanin_batches, fanin_children TO fanin_producer;
 GRANT UPDATE (planned, remaining, digest, published_upto, state, succeeded, failed, completed_at, max_failures,
-              last_settle_moved)
+              last_settle_moved, producer_seen_at)
     ON fanin_batches TO fanin_producer;
+-- A streamed batch whose generator raises (no key) is cancelled by its producer: its unfinished children are
+-- marked abandoned.
+GRANT UPDATE (state, finished_at, exc_type, exc_message) ON fanin_children TO fanin_producer;
 GRANT SELECT, INSERT ON fanin_successors, fanin_outbox TO fanin_producer;
 GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_producer;
 GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_producer;
@@ -45,7 +48,8 @@ GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, t
 -- The relay: the outbox, children no producer published, lost children, deadlines, stalled successors and
 -- reconciliation. It never creates batches or children.
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_relay;
-GRANT UPDATE (published_upto, remaining, succeeded, failed, state, completed_at, max_failures, last_settle_moved)
+GRANT UPDATE (published_upto, remaining, succeeded, failed, state, completed_at, max_failures, last_settle_moved,
+              producer_seen_at)
     ON fanin_batches TO fanin_relay;
 GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, result_content_type,
               result_content_encoding, exc_type, exc_message, late_state, late_at, late_reports, redrives,

@@ -5,7 +5,7 @@ DELETE FROM fanin_batches
  WHERE id IN (
        SELECT b.id FROM fanin_batches b
         WHERE b.parent_id IS NULL                        -- roots only: a tree's leaves go with their root
-          AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired')
+          AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired', 'cancelled')
           AND b.created_at < now() - interval '30 days'  -- implied by the next line; lets the index help
           AND coalesce(b.completed_at, b.created_at) < now() - interval '30 days'
           AND NOT EXISTS (SELECT 1 FROM fanin_successors s  -- its successor, if any, has finished
