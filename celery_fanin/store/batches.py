@@ -27,9 +27,15 @@ CHILD_OPEN_STATES = ("pending", "started")
 # Batch states that may end with no successor at all (an abandoned deadline or a cancel, without `on_expire`).
 ENDED_WITHOUT_SUCCESSOR = frozenset({"expired", "cancelled"})
 
-# The namespace of the per-batch advisory lock a producer holds while it publishes its children (two-int form,
-# which does not overlap the single-bigint key space used by migrations).
-_PUBLISH_LOCK_CLASS = 0x66616E69  # "fani"
+# The per-batch advisory lock a producer holds while it publishes its children is keyed by the batch id's first
+# 64 bits, in the two-int form (which does not overlap the single-bigint key space used by migrations): two batches
+# share a lock only if their random ids share 64 bits. `PUBLISH_LOCK_OF` matches a batch `b` to its lock in pg_locks.
+PUBLISH_LOCK_OF = """
+    l.locktype = 'advisory' AND l.objsubid = 2
+    AND l.classid = CAST(CAST(CAST('x' || substr(replace(b.id::text, '-', ''), 1, 8) AS bit(32)) AS integer) AS oid)
+    AND l.objid = CAST(CAST(CAST('x' || substr(replace(b.id::text, '-', ''), 9, 8) AS bit(32)) AS integer) AS oid)
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
 
 
 @dataclass(frozen=True)
@@ -462,7 +468,8 @@ def terminal_record(row: Sequence[Any]) -> TerminalRecord:
 
 
 def _lock_key(batch_id: uuid.UUID) -> dict[str, object]:
-    return {"cls": _PUBLISH_LOCK_CLASS, "id": str(batch_id)}
+    key = batch_id.bytes
+    return {"k1": int.from_bytes(key[0:4], "big", signed=True), "k2": int.from_bytes(key[4:8], "big", signed=True)}
 
 
 def hold_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
@@ -471,21 +478,15 @@ def hold_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
     Taken inside the creating transaction, it outlives the commit; it is released by `release_publish_lock` or by
     the connection closing when the producer dies, which is how the relay knows the producer is gone.
     """
-    conn.execute(
-        text("SELECT pg_advisory_lock(:cls, hashtext(:id))"), {"cls": _PUBLISH_LOCK_CLASS, "id": str(batch_id)}
-    )
+    conn.execute(text("SELECT pg_advisory_lock(:k1, :k2)"), _lock_key(batch_id))
 
 
 def try_publish_lock(conn: Connection, batch_id: uuid.UUID) -> bool:
-    return bool(
-        conn.execute(text("SELECT pg_try_advisory_lock(:cls, hashtext(:id))"), _lock_key(batch_id)).scalar_one()
-    )
+    return bool(conn.execute(text("SELECT pg_try_advisory_lock(:k1, :k2)"), _lock_key(batch_id)).scalar_one())
 
 
 def release_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
-    conn.execute(
-        text("SELECT pg_advisory_unlock(:cls, hashtext(:id))"), {"cls": _PUBLISH_LOCK_CLASS, "id": str(batch_id)}
-    )
+    conn.execute(text("SELECT pg_advisory_unlock(:k1, :k2)"), _lock_key(batch_id))
 
 
 def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int | None) -> None:

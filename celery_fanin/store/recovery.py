@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .batches import _PUBLISH_LOCK_CLASS, Encoded, insert_successor, record_terminal
+from .batches import PUBLISH_LOCK_OF, Encoded, insert_successor, record_terminal
 
 # --- lost children -------------------------------------------------------------------------------------------
 
@@ -475,12 +475,7 @@ def abandon_after_threshold(conn: Connection, batch_id: uuid.UUID) -> list[str]:
 # --- open batches whose producer is gone -----------------------------------------------------------------------
 
 # Whether a live session holds a batch's publish lock: its producer (or a resumer) is still writing it.
-_PUBLISH_LOCK_HELD = """
-    EXISTS (SELECT 1 FROM pg_locks l
-             WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :cls AND l.objsubid = 2
-               AND l.objid = CAST(hashtext(b.id::text) AS oid)
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-"""
+_PUBLISH_LOCK_HELD = f"EXISTS (SELECT 1 FROM pg_locks l WHERE l.granted AND {PUBLISH_LOCK_OF})"
 
 
 def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100) -> list[uuid.UUID]:
@@ -492,7 +487,7 @@ def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100
     writes renews it, and this call first renews it for every open batch whose lock is held, so the grace runs
     from (about) the moment the producer let go, not from its last chunk.
     """
-    params = {"cls": _PUBLISH_LOCK_CLASS, "grace": grace_seconds, "n": limit}
+    params = {"grace": grace_seconds, "n": limit}
     conn.execute(
         text(
             "UPDATE fanin_batches b SET producer_seen_at = now() "

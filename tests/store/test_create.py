@@ -22,9 +22,18 @@ from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from tests.conftest import REDIS_CLAIM_KEY
 
-from .helpers import QUEUE, TABLES, Tasks, define_tasks, fetch_all, fetch_one, queued_messages, row_counts, wait_for
-
-PUBLISH_LOCK_CLASS = batches._PUBLISH_LOCK_CLASS  # the producer's per-batch advisory lock (two-int form)
+from .helpers import (
+    QUEUE,
+    TABLES,
+    Tasks,
+    create,
+    define_tasks,
+    fetch_all,
+    fetch_one,
+    queued_messages,
+    row_counts,
+    wait_for,
+)
 
 
 def _assert_nothing_written_or_published(store_engine: Engine, broker: redis.Redis) -> None:
@@ -39,17 +48,38 @@ def _broker_keys(broker: redis.Redis) -> list[bytes]:
 
 
 def _publish_locks_held(store_engine: Engine) -> int:
+    """Two-int advisory locks held in this database: only producers' publish locks take that form here (a failed
+    creation leaves no batch row to match a lock against, so every such lock is counted)."""
     with store_engine.connect() as conn:
         return conn.execute(
             text(
                 """
                 SELECT count(*) FROM pg_locks
-                 WHERE locktype = 'advisory' AND classid::bigint = :cls AND objsubid = 2
+                 WHERE locktype = 'advisory' AND objsubid = 2
                    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
                 """
-            ),
-            {"cls": PUBLISH_LOCK_CLASS},
+            )
         ).scalar_one()
+
+
+def test_the_publish_lock_of_a_batch_is_found_by_its_id(store_engine: Engine) -> None:
+    """The relay tells a live producer from a dead one by matching each batch to its lock in pg_locks."""
+    batch, _, _ = create(store_engine, 1)
+    other = uuid.UUID(int=batch.id.int ^ 1)  # shares its first 64 bits: the only way to share a lock
+    held = (
+        f"SELECT count(*) FROM fanin_batches b WHERE EXISTS (SELECT 1 FROM pg_locks l WHERE {batches.PUBLISH_LOCK_OF})"
+    )
+    with store_engine.connect() as holder:
+        batches.hold_publish_lock(holder, batch.id)
+        holder.commit()
+        with store_engine.connect() as conn:
+            assert conn.execute(text(held)).scalar_one() == 1
+            assert not batches.try_publish_lock(conn, batch.id)
+            assert not batches.try_publish_lock(conn, other)
+            assert batches.try_publish_lock(conn, uuid.uuid4())
+            conn.rollback()
+        batches.release_publish_lock(holder, batch.id)
+        holder.commit()
 
 
 def _children(store_engine: Engine, batch_id: str) -> list[dict[str, Any]]:
