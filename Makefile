@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install bench
+.PHONY: demo test chaos lint install bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,13 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python -m example_app.demo
 
-## Run the whole test suite against the local PostgreSQL, Redis and RabbitMQ.
+## Run the test suite against the local PostgreSQL, Redis and RabbitMQ (it never restarts or stops them).
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not chaos"
+
+## The fault-injection suite: it RESTARTS this machine's PostgreSQL, Redis and RabbitMQ (opt-in; CI runs it).
+chaos: install
+	$(BIN)/python -m pytest tests/chaos -m chaos -s
 
 lint: install
 	$(BIN)/ruff check celery_fanin tests example_app bench
