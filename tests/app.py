@@ -166,7 +166,7 @@ def slow_successor(outcome: dict[str, Any], label: str, seconds: float) -> None:
 @app.task
 def slow_once_successor(outcome: dict[str, Any], label: str, seconds: float) -> None:
     """Sleeps `seconds` on its first run only (a run its worker's death interrupts), then records its run."""
-    if _attempt("slow_once_successor", outcome) == 1:
+    if _successor_attempt("slow_once_successor", outcome) == 1:
         sleepy(seconds)
     record_run(outcome, label)
 
@@ -184,7 +184,7 @@ def failing_successor(outcome: dict[str, Any], label: str) -> None:
 # --- a successor's lifecycle (tests/e2e/test_successor_lifecycle.py, test_pools.py) ------------------------------
 
 
-def _attempt(kind: str, outcome: dict[str, Any]) -> int:
+def _successor_attempt(kind: str, outcome: dict[str, Any]) -> int:
     """Counts the executions of a successor's body, per batch (the guard must admit each retry)."""
     return int(_redis().incr(f"e2e:{kind}:{outcome['batch_id']}"))
 
@@ -192,7 +192,7 @@ def _attempt(kind: str, outcome: dict[str, Any]) -> int:
 @app.task(bind=True, max_retries=5)
 def retrying_successor(self: Any, outcome: dict[str, Any], label: str, retries: int) -> int:
     """Retries itself `retries` times with no delay (the retry can arrive before this attempt's postrun)."""
-    if _attempt("retrying_successor", outcome) <= retries:
+    if _successor_attempt("retrying_successor", outcome) <= retries:
         raise self.retry(countdown=0)
     record_run(outcome, label)
     return int(self.request.retries)
@@ -201,7 +201,7 @@ def retrying_successor(self: Any, outcome: dict[str, Any], label: str, retries: 
 @app.task(bind=True, autoretry_for=(ConnectionError,), retry_backoff=0.1, retry_jitter=False, max_retries=3)
 def autoretry_successor(self: Any, outcome: dict[str, Any], label: str, failures: int) -> int:
     """Fails `failures` times with a retryable error (autoretry_for, retry_backoff); past max_retries for good."""
-    if _attempt("autoretry_successor", outcome) <= failures:
+    if _successor_attempt("autoretry_successor", outcome) <= failures:
         raise ConnectionError(f"{label}: transient failure")
     record_run(outcome, label)
     return int(self.request.retries)
@@ -219,7 +219,7 @@ def ignoring_successor(outcome: dict[str, Any], label: str) -> None:
 @app.task(bind=True)
 def replacing_successor(self: Any, outcome: dict[str, Any], label: str, as_chain: bool = False) -> Any:
     """Replaces itself with `record_run` (or a chain ending in it): the replacement's end is the successor's."""
-    _attempt("replacing_successor", outcome)
+    _successor_attempt("replacing_successor", outcome)
     replacement = record_run.si(outcome, f"{label}-replacement")
     if as_chain:
         replacement = ok.si(1) | replacement
@@ -235,7 +235,7 @@ def replacing_child(self: Any, i: int) -> Any:
 @app.task(bind=True, acks_late=True)
 def requeueing_successor(self: Any, outcome: dict[str, Any], label: str) -> None:
     """Rejects its first delivery with requeue=True (acks_late, so the broker redelivers it), then runs."""
-    if _attempt("requeueing_successor", outcome) == 1:
+    if _successor_attempt("requeueing_successor", outcome) == 1:
         raise Reject("not now", requeue=True)
     record_run(outcome, label)
 
