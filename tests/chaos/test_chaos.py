@@ -1,14 +1,19 @@
 """The chaos suite: many concurrent batches while a driver kills and restarts every component.
 
-Faults, drawn at random from a printed seed: SIGKILL of a pool process; SIGKILL of a whole worker (one worker
-runs with acks_late and task_reject_on_worker_lost, one without) and a replacement started; SIGKILL of a relay
-and a new one started; a second relay started or stopped; PostgreSQL restarted; the broker restarted (Redis
-without persistence: every queued message is lost; RabbitMQ: stop_app/start_app); and child messages published
-a second time. Afterwards, for every batch in the database: its successor's body ran exactly once (recorded by
-the successor itself), succeeded + failed == planned, the counters equal what the child rows say (no child
-counted twice), every child that fails by design is failed, and nothing is left unfinished.
+Faults, drawn at random from a printed seed after each kind has been applied once: SIGKILL of a pool process;
+SIGKILL of a whole worker (one prefork worker runs with acks_late and task_reject_on_worker_lost, one without, one
+is a thread pool) and a replacement started; SIGKILL of a relay and a new one started; a second relay started or
+stopped; PostgreSQL restarted; PostgreSQL down for 60 s; the broker restarted (Redis without persistence: every
+queued message is lost; RabbitMQ: stop_app/start_app); child messages published a second time; and successors
+published again (duplicate deliveries, of running and of finished successors). Every successor retries itself
+once. Each fault is verified to have happened (the process is gone, the server's start time or connection
+changed); a fault that cannot be applied fails the run.
 
-CI runs the default size (about two minutes per broker); `--chaos-scale 5` runs a longer, larger one, and
+Afterwards, for every batch in the database: its successor's body ran exactly once (recorded by the successor
+itself), succeeded + failed == planned, the counters equal what the child rows say (no child counted twice),
+every child that fails by design is failed, and nothing is left unfinished.
+
+CI runs the default size (about three minutes per broker); `--chaos-scale 5` runs a longer, larger one, and
 `--chaos-seed N` replays a run's fault sequence.
 """
 
@@ -26,11 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import amqp
 import psycopg
 import pytest
+import redis
 from celery import Celery
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.engine import make_url
 
 from celery_fanin import FanIn, FanInDatabaseError, fan_in_group, publish
 from celery_fanin.store.batches import Encoded
@@ -41,6 +49,10 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 RABBITMQ_URL = os.environ.get("FANIN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 MODES = ("ok", "ok", "ok", "fail", "flaky", "slow")
+
+
+class Skipped(Exception):
+    """A fault found nothing to act on this time (no unfinished child yet): drawn again later, not counted."""
 
 
 @dataclass
@@ -57,6 +69,20 @@ class Chaos:
 
     def __init__(self, env: dict[str, str], tmp: Path, rng: random.Random, run: Run) -> None:
         self.env = {**env, "FANIN_TEST_REAPER_INTERVAL": "1", "FANIN_TEST_SUCCESSOR_TIMEOUT": "10"}
+        # The faults restart this machine's PostgreSQL and broker: they must be the ones this run uses.
+        db = make_url(env["FANIN_DATABASE_URL"])
+        if (db.host, db.port or 5432) not in (("127.0.0.1", 5432), ("localhost", 5432)):
+            raise AssertionError(f"the chaos suite restarts the local PostgreSQL cluster; this run uses {db.host}")
+        self.admin_url = db.set(drivername="postgresql").render_as_string(hide_password=False)
+        self.pg_version = os.listdir("/etc/postgresql")[0]
+        broker = (
+            make_url(env["FANIN_TEST_BROKER"].replace("redis://", "postgresql://", 1))
+            if run.broker == "redis"
+            else None
+        )
+        self.redis_host = (broker.host if broker else None) or "127.0.0.1"
+        self.redis_port = (broker.port if broker else None) or 6379
+        self.outage = 60.0
         self.tmp = tmp
         self.rng = rng
         self.run = run
@@ -71,7 +97,8 @@ class Chaos:
 
     def start_worker(self, kind: str) -> None:
         extra = {"FANIN_TEST_ACKS_LATE": "1"} if kind == "acks_late" else {}
-        proc = start_worker({**self.env, **extra}, self._log(f"worker-{kind}"), concurrency=2)
+        pool = "threads" if kind == "threads" else "prefork"
+        proc = start_worker({**self.env, **extra}, self._log(f"worker-{kind}"), concurrency=2, pool=pool)
         self.workers[kind] = proc
         self.all.append(proc)
 
@@ -80,22 +107,27 @@ class Chaos:
         self.relays.append(proc)
         self.all.append(proc)
 
-    # --- faults -------------------------------------------------------------------------------------------
+    # --- faults: each raises if it could not be applied, and checks that it happened ---------------------------
 
     def kill_pool_process(self) -> None:
-        worker = self.workers[self.rng.choice(sorted(self.workers))]
-        pids = worker.pool_pids()
-        if pids:
-            os.kill(self.rng.choice(pids), 9)
+        prefork = sorted(kind for kind in self.workers if kind != "threads")
+        worker = self.workers[self.rng.choice(prefork)]
+        pids = wait_for(worker.pool_pids, 20, 0.1, "a pool process to kill")
+        pid = self.rng.choice(pids)
+        os.kill(pid, 9)
+        wait_for(lambda: pid not in worker.pool_pids(), 10, 0.05, f"pool process {pid} gone")
 
     def kill_worker(self) -> None:
         kind = self.rng.choice(sorted(self.workers))
-        self.workers[kind].kill()
+        victim = self.workers[kind]
+        victim.kill()
+        assert victim.proc.poll() is not None, "the worker survived SIGKILL"
         self.start_worker(kind)
 
     def kill_relay(self) -> None:
         victim = self.rng.choice(self.relays)
         victim.kill()
+        assert victim.proc.poll() is not None, "the relay survived SIGKILL"
         self.relays.remove(victim)
         self.start_relay()
 
@@ -103,26 +135,75 @@ class Chaos:
         if len(self.relays) < 2:
             self.start_relay()
         else:
-            self.relays.pop().stop()
+            victim = self.relays.pop()
+            victim.stop()
+            assert victim.proc.poll() is not None, "the second relay did not stop"
+
+    def _postgres_started_at(self) -> Any:
+        with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
+        assert row is not None
+        return row[0]
+
+    def _pg_ctl(self, action: str, *extra: str) -> None:
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", self.pg_version, "main", action, *extra],
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
 
     def restart_postgres(self) -> None:
-        version = os.listdir("/etc/postgresql")[0]
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart", "-m", "fast"],
-                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        before = self._postgres_started_at()
+        self._pg_ctl("restart", "-m", "fast")
+        after = wait_for(self._started_at_or_none, 60, 0.2, "PostgreSQL back")
+        assert after != before, "PostgreSQL was not restarted"
+
+    def postgres_outage(self) -> None:
+        """PostgreSQL down for `outage` seconds (60 at every scale): reports wait, nothing is lost or run twice."""
+        before = self._postgres_started_at()
+        self._pg_ctl("stop", "-m", "fast")
+        assert self._started_at_or_none() is None, "PostgreSQL still answers after stop"
+        time.sleep(self.outage)  # the fault is the passing of time with the server down
+        self._pg_ctl("start")
+        after = wait_for(self._started_at_or_none, 60, 0.2, "PostgreSQL back")
+        assert after != before
+
+    def _started_at_or_none(self) -> Any:
+        try:
+            return self._postgres_started_at()
+        except psycopg.OperationalError:
+            return None
 
     def restart_broker(self) -> None:
         if self.run.broker == "redis":
-            subprocess.run(["redis-cli", "-h", "127.0.0.1", "shutdown", "nosave"], capture_output=True, timeout=30)
+            client = redis.Redis(host=self.redis_host, port=self.redis_port, socket_timeout=5)
+            before = client.info("server")["run_id"]
+            subprocess.run(["redis-cli", "-h", self.redis_host, "-p", str(self.redis_port), "shutdown", "nosave"],
+                           capture_output=True, timeout=30)  # fmt: skip
             subprocess.run(
-                ["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", "6379", "--save", "",
-                 "--appendonly", "no", "--dir", "/var/lib/redis", "--logfile", "/var/log/redis/ci.log"],
+                ["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", str(self.redis_port),
+                 "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis", "--logfile", "/var/log/redis/ci.log"],
                 check=True, capture_output=True, timeout=30,
             )  # fmt: skip
-            wait_for(lambda: subprocess.run(["redis-cli", "ping"], capture_output=True).stdout.strip() == b"PONG",
-                     30, 0.1, "redis back")  # fmt: skip
+
+            def run_id() -> str | None:
+                try:
+                    return str(client.info("server")["run_id"])
+                except redis.RedisError:
+                    return None
+
+            after = wait_for(run_id, 30, 0.1, "redis back")
+            assert after != before, "Redis was not restarted"
         else:
+            url = make_url(self.env["FANIN_TEST_BROKER"].replace("amqp://", "postgresql://", 1))
+            watcher = amqp.Connection(f"{url.host}:{url.port or 5672}", userid=url.username or "guest",
+                                      password=url.password or "guest", connect_timeout=5)  # fmt: skip
+            watcher.connect()
             subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=60)
             subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+            try:  # the broker closed every connection it had: one opened before cannot be used any more
+                with pytest.raises((OSError, amqp.exceptions.AMQPError)):
+                    watcher.channel().basic_publish(amqp.Message(b"x"), routing_key="chaos-check")
+                    watcher.drain_events(timeout=2)
+            finally:
+                watcher.collect()
 
     def duplicate_children(self, producer: Any) -> None:
         """Publish some unfinished children's stored messages again, as a broker redelivery would."""
@@ -131,11 +212,23 @@ class Chaos:
                 "SELECT batch_id, idx, task_id, message, content_type, content_encoding FROM fanin_children "
                 "WHERE state IN ('pending', 'started') ORDER BY random() LIMIT 5"
             ).fetchall()
+        if not rows:
+            raise Skipped("no unfinished child to publish again")
         app = producer
         with publish.producer(app) as prod:
             for batch_id, idx, task_id, body, ct, ce in rows:
                 sig = publish.decode_signature(app, Encoded(ct, ce, bytes(body)))
                 publish.publish_children(app, prod, batch_id, [(idx, task_id, sig)])
+
+    def duplicate_successors(self) -> None:
+        """Put sent successors' outbox rows back in line: the relay publishes them again (running or finished)."""
+        with psycopg.connect(self.env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+            n = conn.execute(
+                "UPDATE fanin_outbox SET sent_at = NULL WHERE id IN (SELECT id FROM fanin_outbox"
+                " WHERE sent_at IS NOT NULL ORDER BY random() LIMIT 3)"
+            ).rowcount
+        if n == 0:
+            raise Skipped("no successor sent yet")
 
     def stop_all(self) -> None:
         for proc in self.all:
@@ -201,6 +294,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
     try:
         chaos.start_worker("acks_late")
         chaos.start_worker("acks_early")
+        chaos.start_worker("threads")
         chaos.start_relay()
         producer = threading.Thread(target=_create_batches,
                                     args=(capp, run, n_batches, width, random.Random(seed + 1), stop))  # fmt: skip
@@ -213,18 +307,39 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             "restart postgres": (chaos.restart_postgres, 1),
             f"restart {broker}": (chaos.restart_broker, 1),
             "publish children twice": (lambda: chaos.duplicate_children(capp), 3),
+            "publish successors again": (chaos.duplicate_successors, 2),
         }
         names = list(faults)
         weights = [faults[n][1] for n in names]
-        deadline = time.monotonic() + duration
-        while time.monotonic() < deadline:
-            name = rng.choices(names, weights)[0]
+        # Every kind once, in a random order, then random draws; the 60 s outage once, a third of the way in.
+        first = rng.sample(names, len(names))
+        failures: list[str] = []
+        outage_at = time.monotonic() + duration / 3
+        deadline = time.monotonic() + duration + chaos.outage
+        while time.monotonic() < deadline or first:
+            if outage_at is not None and time.monotonic() >= outage_at:
+                outage_at = None
+                name, apply = "postgres down 60 s", chaos.postgres_outage
+            else:
+                name = first[0] if first else rng.choices(names, weights)[0]
+                apply = faults[name][0]
             try:
-                faults[name][0]()
+                apply()
+            except Skipped:
+                if first and name == first[0]:
+                    first.append(first.pop(0))  # try the other kinds first; this one comes round again
+                time.sleep(0.5)
+                continue
+            except Exception as exc:  # a fault that cannot be applied is a failed run, not a quieter one
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                _ensure_services(broker)
+            else:
                 run.faults[name] += 1
-            except Exception as exc:  # a fault that could not be applied is reported, not fatal
-                run.faults[f"{name} (failed: {type(exc).__name__})"] += 1
+            if first and name == first[0]:
+                first.pop(0)
             time.sleep(rng.uniform(1.0, 3.0))
+        assert not failures, "faults that could not be applied:\n" + "\n".join(failures)
+        assert outage_at is None and all(run.faults[n] >= 1 for n in names), f"faults applied: {dict(run.faults)}"
         producer.join(120)
         assert not producer.is_alive(), "the producer did not finish creating batches"
         # Faults over: every component is up again; wait for the recovery timeouts to finish every batch.
@@ -311,6 +426,7 @@ def _report(run: Run, rows: list[dict[str, Any]]) -> None:
 
 def _check(rows: list[dict[str, Any]], run: Run) -> None:
     assert len(rows) >= run.batches_created > 0
+    assert sum(r["fail_children"] for r in rows) > 0, "no child failing by design was found: the check below is void"
     problems = []
     for r in rows:
         bid = r["batch_id"]
