@@ -194,13 +194,14 @@ def test_mark_failed_keeps_the_row_pending_and_not_claimable_until_its_backoff(
     with store_engine.begin() as conn:
         [row] = outbox.claim(conn, 10)
         outbox.mark_failed(conn, row, "ConnectionError: " + "x" * 5000, 30.0)
+        marked_at = conn.execute(text("SELECT now()")).scalar_one()  # the clock mark_failed's statement read
     with store_engine.connect() as conn:
         after = _outbox(conn, outbox_id)
         assert outbox.backlog(conn)[0] == 1
     assert (after["sent_at"], after["attempts"], after["successor_state"]) == (None, 1, "pending")
     assert after["last_error"].startswith("ConnectionError: xxx")
     assert len(after["last_error"]) == 2000
-    assert timedelta(seconds=25) < after["due_in"] <= timedelta(seconds=30)
+    assert after["available_at"] - marked_at == timedelta(seconds=30)  # exactly the backoff, not a window
     with store_engine.begin() as conn:
         assert outbox.claim(conn, 10) == []
         assert outbox.claim(conn, 10, ids=[outbox_id]) == []
