@@ -70,7 +70,8 @@ def database_url() -> Iterator[str]:
         admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
     base = ADMIN_URL.rsplit("/", 1)[0]
     url = f"{base}/{name}"
-    os.environ["FANIN_DATABASE_URL"] = url
+    # Not put in os.environ: a test that needs the database asks for a fixture, and hands the URL to the processes
+    # it starts (e2e_env), so that no test passes only because another one ran first.
     app = Celery("fanin-migrate")
     app.conf.fanin_database_url = url
     fanin = FanIn(app)

@@ -3,7 +3,6 @@ its successor and the successor starts."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -11,10 +10,14 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group, metrics
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches, successors
+
+# Far longer than the test takes: no batch turns stuck by itself while it runs, only when the test ages it.
+STUCK_AFTER = 600.0
 
 
 def scrape(server: metrics.MetricsServer) -> dict[str, float]:
@@ -38,7 +41,7 @@ def relay(app: Celery) -> Relay:
 @pytest.fixture
 def server(app: Celery, relay: Relay, monkeypatch: pytest.MonkeyPatch) -> Iterator[metrics.MetricsServer]:
     monkeypatch.setattr(metrics, "LAG_SECONDS", 0.0)  # count rows as soon as they are committed
-    srv = metrics.serve(FanIn.of(app), 0, "127.0.0.1", relay=relay, stuck_after=1.0)
+    srv = metrics.serve(FanIn.of(app), 0, "127.0.0.1", relay=relay, stuck_after=STUCK_AFTER)
     yield srv
     srv.stop()
 
@@ -61,7 +64,12 @@ def test_metrics_follow_a_batch(app: Celery, server: metrics.MetricsServer, rela
     created = scrape(server)
     assert (created["fanin_batches_open"], created["fanin_batches_stuck"]) == (1, 0)
 
-    time.sleep(1.3)  # no child starts or finishes for longer than stuck_after
+    # Quiet for longer than stuck_after, without waiting for it: the batch is made older than that.
+    with FanIn.of(app).engine.begin() as conn:
+        conn.execute(
+            text("UPDATE fanin_batches SET created_at = created_at - make_interval(secs => :s) WHERE id = :b"),
+            {"s": 2 * STUCK_AFTER, "b": handle.batch_id},
+        )
     assert scrape(server)["fanin_batches_stuck"] == 1
 
     _finish(app, ids[0], "succeeded")

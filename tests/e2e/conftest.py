@@ -92,11 +92,14 @@ def producer(e2e_env: dict[str, str]) -> Any:
     from celery_fanin import FanIn
     from tests.app import app
 
+    changed = ("fanin_database_url", "broker_url", "task_default_queue")
+    before = {key: app.conf[key] for key in changed}  # restored afterwards: the app is shared by the session
     app.conf.fanin_database_url = e2e_env["FANIN_DATABASE_URL"]
     app.conf.broker_url = e2e_env["FANIN_TEST_BROKER"]
     app.conf.task_default_queue = e2e_env.get("FANIN_TEST_QUEUE", "celery")
     yield app
     FanIn.of(app).dispose()
+    app.conf.update(before)
     # The app is shared by every test of the session, and Celery picks its broker pool once, from the broker_url
     # of the time: forget it, so that the next test's broker_url (another broker, another Redis db) is the one used.
     # (Not closed: kombu keeps the pool in a process-wide registry and hands the same one out again.)

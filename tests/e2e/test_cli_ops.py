@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from celery_fanin import FanIn, FanInResult, fan_in_group, retention
 from tests import app as tasks
+from tests.e2e import clock
 from tests.e2e.test_cli import celery
 from tests.workers import wait_for
 
@@ -188,7 +189,9 @@ def test_failures_lists_failed_and_lost_children(e2e_env: dict[str, str], produc
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.ok.s(0), tasks.fail.s(1), tasks.ok.s(2).set(queue=NOBODY), tasks.fail.s(3)],
-                          then=tasks.record_run.s("failures"), child_timeout=3).apply_async()  # fmt: skip
+                          then=tasks.record_run.s("failures"), child_timeout=clock.LONG).apply_async()  # fmt: skip
+    clock.wait_finished(producer, handle.batch_id, {0, 1, 3})  # child 2 is lost, and only it
+    clock.expire_child_timeout(producer, handle.batch_id)
     handle.wait(timeout=60)
 
     data = _json(e2e_env, "failures", handle.batch_id)

@@ -62,11 +62,11 @@ def _run_demo(args: list[str], env: dict[str, str]) -> tuple[int, str]:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
-def test_demo_report_matches_partner_rules(database_url: str, clean_redis: str, tmp_path: Path) -> None:
+def test_demo_report_matches_partner_rules(clean_db: str, clean_redis: str, tmp_path: Path) -> None:
     label = f"e2e-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
-        "FANIN_DATABASE_URL": database_url,
+        "FANIN_DATABASE_URL": clean_db,
         "FANIN_BROKER_URL": clean_redis,
         # Fewer failures inline in the outcome than the run has: the report must read the rest from Postgres.
         "FANIN_OUTCOME_FAILURES_LIMIT": "3",
@@ -79,7 +79,7 @@ def test_demo_report_matches_partner_rules(database_url: str, clean_redis: str, 
 
     warehouse, partner_api = _load("warehouse"), _load("partner_api")
     ids = [r["external_id"] for r in warehouse.DataWarehouseClient().execute(RECORDS) if r["external_id"]]
-    with psycopg.connect(database_url, row_factory=dict_row) as conn:
+    with psycopg.connect(clean_db, row_factory=dict_row) as conn:
         local = {
             r["external_id"]
             for r in conn.execute("SELECT external_id FROM example_users WHERE external_id = ANY(%s)", (ids,))

@@ -14,6 +14,7 @@ from sqlalchemy import text
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
+from tests.e2e import clock
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -75,7 +76,9 @@ def test_child_never_delivered_is_counted_lost_and_its_late_report_is_not(
     processes.worker()
     processes.relay()
     children = [tasks.ok.s(0), tasks.ok.s(1).set(queue="nobody-consumes-this")]
-    handle = fan_in_group(children, then=tasks.record_run.s("lost"), child_timeout=2).apply_async()
+    handle = fan_in_group(children, then=tasks.record_run.s("lost"), child_timeout=clock.LONG).apply_async()
+    clock.wait_finished(producer, handle.batch_id, {0})  # the healthy child is never raced by the timeout
+    clock.expire_child_timeout(producer, handle.batch_id)
     status = handle.wait(timeout=60)
     assert (status.succeeded, status.failed) == (1, 1)
     outcome = successor_runs(handle.batch_id)[0]["outcome"]
@@ -101,22 +104,29 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
     processes.relay()
     children = [tasks.sleepy_once.s("redrive-me", 60, 0.1), tasks.ok.s(1)]
     handle = fan_in_group(
-        children, then=tasks.record_run.s("redriven"), child_timeout=4, on_lost="redrive"
+        children, then=tasks.record_run.s("redriven"), child_timeout=clock.LONG, on_lost="redrive"
     ).apply_async()
     wait_for(
         lambda: _sql(producer, "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND state = 'started'",
                      b=handle.batch_id),
         20, message="the long child to start",
     )  # fmt: skip
+    clock.wait_finished(producer, handle.batch_id, {1})
     first.kill()  # the whole worker, main process included: without acks_late the message is gone
+    # Past the timeout for the run that died with its worker; the redrive starts a new hour: exactly one redrive.
+    clock.expire_child_timeout(producer, handle.batch_id)
+    wait_for(
+        lambda: _sql(producer, "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND redrives = 1",
+                     b=handle.batch_id),
+        30, message="the lost child to be redriven",
+    )  # fmt: skip
     processes.worker()
     status = handle.wait(timeout=60)
     assert (status.succeeded, status.failed) == (2, 0)
     row = _sql(producer, "SELECT redrives, starts FROM fanin_children WHERE batch_id = :b AND idx = 0",
                b=handle.batch_id)[0]  # fmt: skip
-    # At least one redrive; a slow worker start can make the reaper redrive once more before the run starts.
     # The redriven run ends sooner than starts are written: its terminal report carries its start.
-    assert row.redrives >= 1 and row.starts >= 2
+    assert (row.redrives, row.starts) == (1, 2)
     assert len(successor_runs(handle.batch_id)) == 1
 
 
@@ -127,8 +137,10 @@ def test_deadline_proceed_runs_successor_with_partial_outcome(
     processes.relay()
     children = [tasks.ok.s(0), tasks.ok.s(1), tasks.ok.s(2).set(queue="nobody-consumes-this")]
     handle = fan_in_group(
-        children, then=tasks.record_run.s("deadline"), deadline=timedelta(seconds=2), child_timeout=0
+        children, then=tasks.record_run.s("deadline"), deadline=timedelta(seconds=clock.LONG), child_timeout=0
     ).apply_async()
+    clock.wait_finished(producer, handle.batch_id, {0, 1})  # the deadline never races the healthy children
+    clock.pass_deadline(producer, handle.batch_id)
     status = handle.wait(timeout=60)
     assert status.state == "partial"
     outcome = successor_runs(handle.batch_id)[0]["outcome"]
@@ -142,9 +154,11 @@ def test_deadline_abandon_runs_on_expire_only(producer: Any, processes: Any, suc
     processes.relay()
     children = [tasks.ok.s(0), tasks.ok.s(1).set(queue="nobody-consumes-this")]
     handle = fan_in_group(
-        children, then=tasks.record_run.s("then"), deadline=timedelta(seconds=2), on_deadline="abandon",
+        children, then=tasks.record_run.s("then"), deadline=timedelta(seconds=clock.LONG), on_deadline="abandon",
         on_expire=tasks.record_run.s("expired"), child_timeout=0,
     ).apply_async()  # fmt: skip
+    clock.wait_finished(producer, handle.batch_id, {0})
+    clock.pass_deadline(producer, handle.batch_id)
     status = handle.wait(timeout=60)
     assert status.state == "expired"
     runs = successor_runs(handle.batch_id)

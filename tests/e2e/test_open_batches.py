@@ -97,11 +97,12 @@ def stream_producers(e2e_env: dict[str, str], tmp_path: Path) -> Iterator[Callab
 
 
 def _stream(children: Iterator[Signature], **options: Any) -> FanInResult:
+    chunk_size = tasks.app.conf.get("fanin_chunk_size")
     tasks.app.conf.fanin_chunk_size = 5
     try:
         return fan_in_group(children, then=tasks.record_run.s("stream"), **options).apply_async()
     finally:
-        tasks.app.conf.fanin_chunk_size = None
+        tasks.app.conf.fanin_chunk_size = chunk_size
 
 
 # --- a producer that dies mid-stream ---------------------------------------------------------------------------

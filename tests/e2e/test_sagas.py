@@ -274,9 +274,9 @@ def test_manual_step_waits_for_an_operator_ack(producer: Any, processes: Any, sa
     assert twice.exit_code != 0 and "not waiting for a manual action" in twice.output
 
 
-def test_example_app_order_saga(database_url: str, clean_redis: str, tmp_path: Path) -> None:
+def test_example_app_order_saga(clean_db: str, clean_redis: str, tmp_path: Path) -> None:
     """The example in example_app/README.md, as documented: one order ships, one rolls back and asks an operator."""
-    env = {**os.environ, "FANIN_DATABASE_URL": database_url, "FANIN_BROKER_URL": clean_redis,
+    env = {**os.environ, "FANIN_DATABASE_URL": clean_db, "FANIN_BROKER_URL": clean_redis,
            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # fmt: skip
     celery = [sys.executable, "-m", "celery", "-A", "example_app"]
     commands = {

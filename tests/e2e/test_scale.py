@@ -86,12 +86,13 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     assert open_status.state == "open" and open_status.planned == 2000  # four chunks committed, three published
     processes.worker()
     processes.relay()
+    chunk_size = tasks.app.conf.get("fanin_chunk_size")
     tasks.app.conf.fanin_chunk_size = 500
     try:
         handle = fan_in_group((tasks.ok.s(i) for i in range(3000)), then=tasks.record_run.s("resumed"),
                               key="resume-me").apply_async()  # fmt: skip
     finally:
-        tasks.app.conf.fanin_chunk_size = None
+        tasks.app.conf.fanin_chunk_size = chunk_size
     assert handle.batch_id == batch_id
     final = handle.wait(timeout=180)
     assert (final.planned, final.succeeded, final.failed) == (3000, 3000, 0)

@@ -91,9 +91,10 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
 @pytest.fixture
 def small_outcomes(producer: Any) -> Iterator[int]:
     """The in-process relay of these tests lists at most 8 KiB of failures in an outcome."""
+    before = producer.conf.get("fanin_outcome_max_bytes")
     producer.conf.fanin_outcome_max_bytes = 8192
     yield 8192
-    producer.conf.fanin_outcome_max_bytes = None  # the default again
+    producer.conf.fanin_outcome_max_bytes = before
 
 
 def test_an_outcome_with_many_large_failures_stops_at_its_byte_budget_and_the_rest_stream_from_postgres(

@@ -5,7 +5,6 @@ child's path (many starts per statement), flushes on demand, and survives a brok
 from __future__ import annotations
 
 import threading
-import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -67,14 +66,18 @@ def test_recorder_writes_many_starts_per_statement(app: Celery, engine: Engine) 
     batch, children, _ = create(engine, 50)
     fanin = FanIn.of(app)
     writes: list[int] = []
-    recorder = StartRecorder(fanin, interval=0.3)
+    # An interval no burst outlasts, however slow the machine: the stretch ends only with the flush.
+    recorder = StartRecorder(fanin, interval=3600.0)
+    cond = recorder._cond = _TimedWaitsCondition()
     original = recorder._write
     recorder._write = lambda batch_: (writes.append(len(batch_)), original(batch_))[1]  # type: ignore[method-assign]
     now = datetime.now(timezone.utc)
     for c in children:  # a burst, as a pool process running short children produces
         recorder.add(batches.Start(c.task_id, 0, "w@host", now))
-    assert recorder.flush(timeout=10)
-    assert sum(writes) == 50 and len(writes) <= 2, writes  # one stretch, one statement (two if split mid-burst)
+    wait_for(lambda: cond.waiting_out(60), 10, "the writer to wait out its interval", interval=0.005)
+    assert writes == []
+    assert recorder.flush(timeout=30)
+    assert writes == [50]  # one stretch, one statement
     assert {r["state"] for r in _children(engine, batch.id)} == {"started"}
 
 
@@ -121,14 +124,34 @@ def test_short_children_wake_the_writer_once_per_stretch_and_write_nothing(app: 
 
 def test_recorder_waits_for_its_interval_unless_flushed(app: Celery, engine: Engine) -> None:
     batch, children, _ = create(engine, 1)
-    recorder = StartRecorder(FanIn.of(app), interval=5.0)
+    """An interval far longer than the test may run: the writer timing its stretch cannot have written, and a
+    flush that returns True before its own (much shorter) timeout did not wait the interval out."""
+    recorder = StartRecorder(FanIn.of(app), interval=3600.0)
+    cond = recorder._cond = _TimedWaitsCondition()
     recorder.add(batches.Start(children[0].task_id, 0, "w@host", datetime.now(timezone.utc)))
-    time.sleep(0.3)  # shorter than the interval: proves the write is deferred, not how long anything takes
+    wait_for(lambda: cond.waiting_out(60), 10, "the writer to wait out its interval", interval=0.005)
     assert _children(engine, batch.id)[0]["state"] == "pending"
-    started = time.monotonic()
-    assert recorder.flush(timeout=10)
-    assert time.monotonic() - started < 4.0, "flush writes at once instead of waiting out the interval"
+    assert recorder.flush(timeout=30), "flush waited out the interval instead of writing at once"
     assert _children(engine, batch.id)[0]["state"] == "started"
+
+
+class _TimedWaitsCondition(threading.Condition):
+    """Tells whether the writer is blocked waiting out a long interval (a wait with a timeout, not yet woken)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed_wait: float | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timed_wait = timeout
+        try:
+            return super().wait(timeout)
+        finally:
+            self.timed_wait = None
+
+    def waiting_out(self, at_least: float) -> bool:
+        with self:  # the writer holds the lock until its wait releases it
+            return self.timed_wait is not None and self.timed_wait >= at_least
 
 
 def test_recorder_reconnects_after_the_connection_is_killed(app: Celery, engine: Engine) -> None:
@@ -140,8 +163,8 @@ def test_recorder_reconnects_after_the_connection_is_killed(app: Celery, engine:
     # Kill every report connection of this database (what a PostgreSQL restart does to them).
     with engine.connect() as conn:
         conn.exec_driver_sql(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE application_name = 'celery-fanin worker' AND pid <> pg_backend_pid()"
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'celery-fanin worker' AND pid <> pg_backend_pid()"
         )
     recorder.add(batches.Start(children[1].task_id, 0, "w@host", datetime.now(timezone.utc)))
     assert recorder.flush(timeout=20)
