@@ -54,6 +54,8 @@ class BatchStatus:
     successor_state: str | None  # None until the last child's terminal outcome creates the successor
     successor_runs: int
     successor_duplicates: int
+    # Terminal reports refused because their message's batch, index or task name disagreed with the child's row.
+    refused_reports: int = 0
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,7 @@ def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
         successor_state=succ.state if succ else None,
         successor_runs=succ.runs if succ else 0,
         successor_duplicates=succ.duplicates if succ else 0,
+        refused_reports=batch.refused_reports,
     )
 
 

@@ -9,6 +9,8 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_create_successor(uuid, text, text, text),
                            fanin_record_terminal(text, text, bytea, text, text, text, text),
                            fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
+                           fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
+                                                 timestamptz, integer, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
                            fanin_seal(uuid) FROM PUBLIC;
 
@@ -33,7 +35,8 @@ GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO
 GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, result_content_type,
               result_content_encoding, exc_type, exc_message, late_state, late_at, late_reports)
     ON fanin_children TO fanin_worker;
-GRANT UPDATE (remaining, succeeded, failed, state, completed_at, last_settle_moved) ON fanin_batches TO fanin_worker;
+GRANT UPDATE (remaining, succeeded, failed, state, completed_at, last_settle_moved, refused_reports)
+    ON fanin_batches TO fanin_worker;
 GRANT INSERT ON fanin_successors, fanin_outbox TO fanin_worker;
 GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_type, exc_message, result,
               result_content_type, result_content_encoding, lease_until, attempt, run_owner)
@@ -41,6 +44,8 @@ GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_ty
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
+                          fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
+                                                timestamptz, integer, text),
                           fanin_record_starts(text[], integer[], text[], timestamptz[]),
                           fanin_settle(uuid, integer, integer), fanin_fail_up(uuid, integer),
                           fanin_create_successor(uuid, text, text, text) TO fanin_worker;
