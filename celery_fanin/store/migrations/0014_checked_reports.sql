@@ -64,3 +64,30 @@ BEGIN
     RETURN QUERY SELECT false, false, NULL::integer, false, FOUND;
 END
 $$;
+
+-- Least privilege by construction. The functions that move a child or a counter run with their owner's rights (the
+-- schema owner, who ran this migration) and a search path pinned to this schema, so the runtime roles need
+-- EXECUTE on the entry points they call and no write at all to the counters, the successors or the outbox: a
+-- worker's credential cannot decrement a batch except through a child's transition (docs/how-to/grants.sql,
+-- tests/test_roles.py). PostgreSQL gives PUBLIC EXECUTE on every new function; a SECURITY DEFINER function
+-- must not keep it, so it is revoked here rather than left to the grants file.
+DO $$
+DECLARE
+    f text;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'fanin_settle(uuid, integer, integer)',
+        'fanin_fail_up(uuid, integer)',
+        'fanin_create_successor(uuid, text, text, text)',
+        'fanin_record_terminal(text, text, bytea, text, text, text, text)',
+        'fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text)',
+        'fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer, text)',
+        'fanin_record_starts(text[], integer[], text[], timestamptz[])',
+        'fanin_seal(uuid)'
+    ] LOOP
+        EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = pg_catalog, %I, pg_temp', f,
+                       current_schema());
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$$;
