@@ -668,7 +668,7 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
                 id: str | None = None, **_: Any) -> None:  # fmt: skip
     marker = _Marker.from_mapping(getattr(message, "headers", None))
     fanin = _fanin_for(getattr(sender, "app", None))
-    if marker is None or fanin is None or not id:
+    if marker is None or fanin is None or not id or _unverified(fanin, "unknown task", id, exc):
         return
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exc)
@@ -682,12 +682,22 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
     marker = _Marker.from_mapping(headers)
     fanin = _fanin_for(getattr(sender, "app", None))
     task_id = headers.get("id")
-    if marker is None or fanin is None or not task_id:
+    if marker is None or fanin is None or not task_id or _unverified(fanin, "rejected", task_id, exc):
         return
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exc)
     else:
         record_child(fanin, marker.child_id(task_id), marker, "rejected", exc=exc)
+
+
+def _unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None) -> bool:
+    """True, and logged, when the app signs its messages (``task_serializer = "auth"``) and this one's body was
+    never verified (refused, undecodable, or for a task the worker does not know): its headers are anyone's, so
+    it must not end the child it names. The genuine message, signed, still counts the child when it runs."""
+    if fanin.app.conf.task_serializer != "auth":
+        return False
+    logger.warning("%s message for task_id=%s not counted: its signature was not verified (%s)", what, task_id, exc)
+    return True
 
 
 def _report_decode_errors() -> None:
