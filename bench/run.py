@@ -392,19 +392,27 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     from celery import Celery
 
     from celery_fanin import FanIn, hooks
+    from celery_fanin.store.batches import Claim
 
+    claims: dict[str, Claim] = {}
+    if kind in ("fanin", "fanin_sql"):  # what each child's message says it is, read before the clock starts
+        with psycopg.connect(url, autocommit=True) as db:
+            rows = db.execute(
+                "SELECT task_id, batch_id::text, idx, task_name FROM fanin_children WHERE task_id = ANY(%s)", (ids,)
+            )
+            claims = {r[0]: Claim(r[1], r[2], r[3]) for r in rows}
     if kind == "fanin":
         app = Celery("bench-reporter", set_as_current=False)
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
-        marker = hooks._Marker(batch_id, None, None)
+        markers = [hooks._Marker(c.batch_id, c.index, None, task_name=c.task_name) for c in map(claims.get, ids) if c]
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
         fanin.reports.record_starts([])
         ready.release()
         go.wait()
         start = time.time()
-        for i, task_id in enumerate(ids):
+        for i, (task_id, marker) in enumerate(zip(ids, markers, strict=True)):
             hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
     elif kind == "raw_engine":
         from sqlalchemy import create_engine, text
@@ -428,7 +436,8 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         go.wait()
         start = time.time()
         for task_id in ids:
-            conn.execute(RECORD_TERMINAL_SQL, terminal_params(task_id, "succeeded", None, None, None)).fetchone()
+            params = terminal_params(task_id, "succeeded", None, None, None, claim=claims[task_id])
+            conn.execute(RECORD_TERMINAL_SQL, params).fetchone()
         conn.close()
     else:
         conn = psycopg.connect(url, autocommit=True)

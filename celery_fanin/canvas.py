@@ -54,6 +54,8 @@ class BatchStatus:
     successor_state: str | None  # None until the last child's terminal outcome creates the successor
     successor_runs: int
     successor_duplicates: int
+    # Terminal reports refused because their message's batch, index or task name disagreed with the child's row.
+    refused_reports: int = 0
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,7 @@ def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
         successor_state=succ.state if succ else None,
         successor_runs=succ.runs if succ else 0,
         successor_duplicates=succ.duplicates if succ else 0,
+        refused_reports=batch.refused_reports,
     )
 
 
@@ -328,12 +331,23 @@ class Policy:
             raise InvalidFanIn("child_timeout must be a positive timedelta or number of seconds (0 or None: none)")
         if self.on_lost not in ("fail", "redrive"):
             raise InvalidFanIn(f"on_lost must be 'fail' or 'redrive', not {self.on_lost!r}")
-        if not isinstance(self.max_redrives, int) or isinstance(self.max_redrives, bool) or self.max_redrives < 0:
-            raise InvalidFanIn(f"max_redrives must be a whole number >= 0, not {self.max_redrives!r}")
+        if (
+            not isinstance(self.max_redrives, int)
+            or isinstance(self.max_redrives, bool)
+            or not 0 <= self.max_redrives <= _MAX_INT
+        ):
+            raise InvalidFanIn(
+                f"max_redrives must be a whole number >= 0 (at most {_MAX_INT}), not {self.max_redrives!r}"
+            )
+        if self.child_timeout is not None and self.child_timeout.total_seconds() > _MAX_SECONDS:
+            raise InvalidFanIn(f"child_timeout must be at most {_MAX_SECONDS:.0f} seconds")
         if self.deadline is not None:
             if isinstance(self.deadline, timedelta):
-                if self.deadline <= timedelta(0):
-                    raise InvalidFanIn("deadline must be a positive timedelta or a datetime in the future")
+                if self.deadline <= timedelta(0) or self.deadline.total_seconds() > _MAX_SECONDS:
+                    raise InvalidFanIn(
+                        f"deadline must be a positive timedelta of at most {_MAX_SECONDS:.0f} seconds, or a datetime"
+                        " in the future"
+                    )
             elif isinstance(self.deadline, datetime):
                 if _aware(self.deadline) <= datetime.now(timezone.utc):
                     raise InvalidFanIn(f"deadline {self.deadline.isoformat()} is in the past")
@@ -350,8 +364,8 @@ class Policy:
         if mf is not None:
             if isinstance(mf, bool) or not isinstance(mf, (int, float)):
                 raise InvalidFanIn(f"max_failures must be a count (int >= 0) or a ratio (0 < float < 1), not {mf!r}")
-            if isinstance(mf, int) and mf < 0:
-                raise InvalidFanIn(f"max_failures must be >= 0, not {mf}")
+            if isinstance(mf, int) and not 0 <= mf <= _MAX_INT:
+                raise InvalidFanIn(f"max_failures must be >= 0 and at most {_MAX_INT}, not {mf}")
             if isinstance(mf, float) and not 0 < mf < 1:
                 raise InvalidFanIn(f"a max_failures ratio must be between 0 and 1 (exclusive), not {mf}")
         if self.on_failure is not None:
@@ -387,7 +401,19 @@ def _as_timedelta(value: timedelta | float | int | None, what: str) -> timedelta
         raise InvalidFanIn(f"{what} must be a timedelta or a number of seconds, not {value!r}")
     if value < 0:
         raise InvalidFanIn(f"{what} must not be negative")
+    if not math.isfinite(value) or value > _MAX_SECONDS:
+        raise InvalidFanIn(f"{what} must be a finite number of seconds, at most {_MAX_SECONDS:.0f}, not {value!r}")
     return timedelta(seconds=value) if value else None
+
+
+# What the store's columns hold: counts are PostgreSQL integers, durations and times must stay representable.
+_MAX_INT = 2**31 - 1
+_MAX_SECONDS = 100 * 365 * 24 * 3600.0  # a century: beyond it a timeout or deadline is a mistake
+
+
+def _check_text(value: str, what: str) -> None:
+    if "\x00" in value:
+        raise InvalidFanIn(f"{what} must not contain NUL characters")
 
 
 _DEFAULT = object()
@@ -476,10 +502,13 @@ class FanInGroup:
             raise InvalidFanIn("step must be a non-empty string")
         if len(step) > MAX_STEP_LENGTH:
             raise InvalidFanIn(f"step is {len(step)} characters long; at most {MAX_STEP_LENGTH} are allowed")
+        _check_text(step, "step")
         if isinstance(self.children, (Signature, str, bytes)) or not isinstance(self.children, Iterable):
             raise InvalidFanIn("children must be an iterable of task signatures")
         if self.key is not None and (not isinstance(self.key, str) or not self.key or len(self.key) > 500):
             raise InvalidFanIn("key must be a non-empty string of at most 500 characters")
+        if self.key is not None:
+            _check_text(self.key, "key")
         if self.max_width is not None and (
             not isinstance(self.max_width, int) or isinstance(self.max_width, bool) or self.max_width < 1
         ):

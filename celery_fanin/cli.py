@@ -150,6 +150,7 @@ def _render(data: dict[str, Any]) -> None:
         ("deadline", deadline),
         ("successor", f"{data['successor_state'] or 'not created'} ({data['successor_task_id']})"),
         ("duplicate deliveries", data["successor_duplicates"]),
+        ("refused reports", data.get("refused_reports", 0)),
     ):
         table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     console.print(table)

@@ -12,6 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .exceptions import FanInError, summarise
 from .extension import FanIn
+from .redact import redact
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,7 +33,7 @@ def _errors_as_exit(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FanInError as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(redact(str(exc))) from exc
         except SQLAlchemyError as exc:
             raise click.ClickException(f"database error: {summarise(exc)}") from exc
 

@@ -172,7 +172,7 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         pending = queries.unfinished_children(conn, batch_id)
         conn.rollback()
     for row in pending:
-        marker = hooks._Marker(str(batch_id), row.idx, None)
+        marker = hooks._Marker(str(batch_id), row.idx, None, task_name=row.task_name)
         if row.state == "started":
             # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
             # which logged it. On a worker it would have been recorded as failed.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .redact import redact
+
 
 class FanInError(Exception):
     """Base class of every celery-fanin error."""
@@ -42,5 +44,5 @@ class BatchNotOpen(FanInError):
 
 def summarise(exc: BaseException) -> str:
     """The first line of a driver error: enough to act on, without SQLAlchemy's multi-line background notes."""
-    text = str(getattr(exc, "orig", None) or exc).strip()
+    text = redact(str(getattr(exc, "orig", None) or exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -11,7 +11,9 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
+from . import redact
 from .exceptions import FanInNotConfigured
 from .store.reports import ReportConnection, connect_options
 
@@ -94,7 +96,12 @@ class Settings:
 
 def normalise_database_url(url: str) -> str:
     """Accept `postgresql://` and `postgres://` URLs and select the psycopg 3 driver SQLAlchemy needs."""
-    parsed = make_url(url.replace("postgres://", "postgresql://", 1) if url.startswith("postgres://") else url)
+    redact.remember(url)  # before anything can quote it back (a parse error, a driver error)
+    try:
+        parsed = make_url(url.replace("postgres://", "postgresql://", 1) if url.startswith("postgres://") else url)
+        parsed.port  # noqa: B018  (parsed on access: a bad port is a configuration error here, not later)
+    except (ValueError, ArgumentError) as exc:
+        raise FanInNotConfigured(f"fanin_database_url is not a valid URL: {redact.redact(str(exc))}") from None
     if parsed.get_backend_name() != "postgresql":
         raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
     if parsed.drivername in ("postgresql", "postgresql+psycopg2"):
@@ -123,6 +130,7 @@ class FanIn:
 
     def __new__(cls, app: Celery) -> FanIn:
         app = _unproxy(app)
+        redact.guard_loggers()  # on every call: modules imported since (the relay's, the CLI's) log too
         with _REGISTRY_LOCK:
             existing = _REGISTRY.get(app)
             if existing is not None:
@@ -141,6 +149,7 @@ class FanIn:
         sagas.register(app)
         retention.register(app)
         eager.install()  # task_always_eager: children and successors run inline are counted as on a worker
+        redact.guard_loggers()
         return self
 
     def __init__(self, app: Celery) -> None:  # all the work is in __new__, which runs once per app

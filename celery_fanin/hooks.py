@@ -50,7 +50,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import retry, starts, successor_runs
 from .exceptions import FanInNotConfigured
 from .extension import FanIn
-from .publish import HEADER_BATCH, HEADER_CHAIN, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, encode_result
+from .publish import (
+    HEADER_BATCH,
+    HEADER_CHAIN,
+    HEADER_INDEX,
+    HEADER_STEP,
+    HEADER_SUCCESSOR,
+    HEADER_TASK,
+    encode_result,
+)
 from .store import batches
 from .store.reports import ReportConnection
 
@@ -66,13 +74,18 @@ _install_lock = threading.Lock()
 class _Marker:
     """The fan-in headers of one task message: a child (batch + index) or a successor (batch + step)."""
 
-    __slots__ = ("batch_id", "index", "step", "chain")
+    __slots__ = ("batch_id", "index", "step", "chain", "task_name")
 
-    def __init__(self, batch_id: str, index: int | None, step: str | None, chain: str | None = None) -> None:
+    def __init__(
+        self, batch_id: str, index: int | None, step: str | None, chain: str | None = None, task_name: str | None = None
+    ) -> None:
         self.batch_id = batch_id
         self.index = index
         self.step = step
         self.chain = chain  # a chain child's task id (its last task's), on each of the chain's tasks
+        # The task the child was published as, which its report claims (None: unknown, a chain from before
+        # HEADER_TASK existed): the message's own task name, or HEADER_TASK on a chain's tasks and replacements.
+        self.task_name = task_name
 
     def child_id(self, task_id: str) -> str:
         """The task id of the child this message reports for: its own, or its chain's."""
@@ -86,7 +99,14 @@ class _Marker:
         """The message headers that carry this marker (what a replacement task must be given)."""
         if self.is_successor:
             return {HEADER_SUCCESSOR: self.batch_id, HEADER_STEP: self.step}
-        return {HEADER_BATCH: self.batch_id, HEADER_INDEX: self.index}
+        headers: dict[str, Any] = {HEADER_BATCH: self.batch_id, HEADER_INDEX: self.index}
+        if self.task_name is not None:
+            headers[HEADER_TASK] = self.task_name  # a replacement reports as the task it replaced
+        return headers
+
+    def claim(self) -> batches.Claim:
+        """What this message says its child is, which the store checks before counting the report."""
+        return batches.Claim(self.batch_id, self.index, self.task_name)
 
     @classmethod
     def from_mapping(cls, data: Any) -> _Marker | None:
@@ -100,7 +120,14 @@ class _Marker:
         if batch_id:
             index = get(HEADER_INDEX, None)
             chain = get(HEADER_CHAIN, None)
-            return cls(str(batch_id), int(index) if index is not None else None, None, str(chain) if chain else None)
+            named = get(HEADER_TASK, None) or (None if chain else get("task", None))
+            return cls(
+                str(batch_id),
+                int(index) if index is not None else None,
+                None,
+                str(chain) if chain else None,
+                named if isinstance(named, str) else None,
+            )
         return None
 
 
@@ -160,6 +187,8 @@ def _fanin_for(app: Celery | None) -> FanIn | None:
 REPORTS_GIVEN_UP = Counter(
     "fanin_worker_reports_given_up", "Reports a worker gave up after fanin_report_timeout.", ["kind"]
 )
+# Terminal reports the store refused: the message's batch, index or task name disagree with the child's row.
+_REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
 
 
 def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:
@@ -309,11 +338,12 @@ def record_child(
         except EncodeError as err:  # the child succeeded; only its value cannot be kept
             logger.warning("result of task_id=%s cannot be encoded, stored as none: %s", task_id, err)
     exc_type, exc_message = _exc_fields(exc)
+    claim = marker.claim()
     rec: batches.TerminalRecord | None = _report_with_retries(
         fanin,
         f"terminal outcome of task {task_id}",
         lambda reports: reports.record_terminal(
-            task_id, state, result=result, exc_type=exc_type, exc_message=exc_message, start=start
+            task_id, state, result=result, exc_type=exc_type, exc_message=exc_message, start=start, claim=claim
         ),
     )
     extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
@@ -324,6 +354,11 @@ def record_child(
                      marker.index, task_id, state, rec.remaining, extra=extra)  # fmt: skip
         if rec.successor_created:
             logger.info("batch complete batch_id=%s: successor created", marker.batch_id, extra=extra)
+    elif rec.refused:
+        _REFUSED.inc()
+        why = "forged or misrouted message"
+        what = (task_id, marker.index, marker.batch_id, marker.task_name, why)
+        logger.warning("report refused: task_id=%s is not child %s of batch %s as task %s (%s)", *what, extra=extra)
     else:
         logger.info("late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
                     marker.batch_id, marker.index, task_id, state, extra=extra)  # fmt: skip
@@ -633,7 +668,7 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
                 id: str | None = None, **_: Any) -> None:  # fmt: skip
     marker = _Marker.from_mapping(getattr(message, "headers", None))
     fanin = _fanin_for(getattr(sender, "app", None))
-    if marker is None or fanin is None or not id:
+    if marker is None or fanin is None or not id or _unverified(fanin, "unknown task", id, exc):
         return
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exc)
@@ -647,12 +682,22 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
     marker = _Marker.from_mapping(headers)
     fanin = _fanin_for(getattr(sender, "app", None))
     task_id = headers.get("id")
-    if marker is None or fanin is None or not task_id:
+    if marker is None or fanin is None or not task_id or _unverified(fanin, "rejected", task_id, exc):
         return
     if marker.is_successor:
         record_successor(fanin, marker, "failed", exc)
     else:
         record_child(fanin, marker.child_id(task_id), marker, "rejected", exc=exc)
+
+
+def _unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None) -> bool:
+    """True, and logged, when the app signs its messages (``task_serializer = "auth"``) and this one's body was
+    never verified (refused, undecodable, or for a task the worker does not know): its headers are anyone's, so
+    it must not end the child it names. The genuine message, signed, still counts the child when it runs."""
+    if fanin.app.conf.task_serializer != "auth":
+        return False
+    logger.warning("%s message for task_id=%s not counted: its signature was not verified (%s)", what, task_id, exc)
+    return True
 
 
 def _report_decode_errors() -> None:

@@ -173,7 +173,7 @@ class BatchOutcome:
                 retry_of=str(outcome["retry_of"]) if outcome.get("retry_of") else None,
                 app=app,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
             raise ValueError(f"not a celery-fanin outcome: {exc!r}") from exc
 
     @property

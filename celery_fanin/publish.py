@@ -66,6 +66,9 @@ HEADER_SUCCESSOR = "fanin_successor"
 HEADER_STEP = "fanin_step"
 # On every task of a chain child: the child's task id (the chain's last task's), which each task reports for.
 HEADER_CHAIN = "fanin_chain"
+# On a chain child's tasks and on a replacement: the task name the child was published as (its row's task_name),
+# which its report names instead of the running task's own (see docs/concepts/trust.md).
+HEADER_TASK = "fanin_task"
 
 # Redis commands buffered per pipeline round trip. RabbitMQ: at MAX_UNCONFIRMED messages written and not yet
 # confirmed, one call waits until CONFIRM_WINDOW fewer are (room for the producer's chunks in flight).
@@ -654,9 +657,9 @@ def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signatu
     task id (`HEADER_CHAIN`, the last task's id), so that the last task's outcome counts the child and a failure
     of any earlier task counts it as failed. Only the first task's message is published here; the worker that
     runs each task publishes the next with the options it carries, headers included."""
-    marker = {HEADER_BATCH: bid, HEADER_INDEX: idx, HEADER_CHAIN: task_id}
-    shared = sig.options.get("headers") or {}  # the chain's own headers go on each of its tasks
     tasks = chain_tasks(sig)
+    marker = {HEADER_BATCH: bid, HEADER_INDEX: idx, HEADER_CHAIN: task_id, HEADER_TASK: tasks[-1].task}
+    shared = sig.options.get("headers") or {}  # the chain's own headers go on each of its tasks
     steps = []
     for i, task in enumerate(tasks):
         step = task.clone()

@@ -42,6 +42,10 @@ app.conf.update(
     task_reject_on_worker_lost=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
     worker_hijack_root_logger=False,
 )
+if os.environ.get("FANIN_TEST_SIGNING_DIR"):  # message signing (tests/e2e/test_signing.py)
+    from tests.signing import configure_signing
+
+    configure_signing(app, os.environ["FANIN_TEST_SIGNING_DIR"])
 FanIn(app)
 
 RUNS_TABLE_DDL = """

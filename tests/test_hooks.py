@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 
 from celery_fanin.hooks import _Marker, _ReceivedMarkers
+from celery_fanin.publish import HEADER_TASK
+from celery_fanin.store.batches import Claim
 
 
 class _Request:
@@ -62,3 +64,31 @@ def test_the_bound_drops_the_oldest_entry() -> None:
     assert len(markers) == 3
     assert markers.pop("t0") is None
     assert markers.pop("t3") is not None
+
+
+# --- what a report claims (the store counts it only if the child row agrees: migration 0014) -------------------
+
+
+def test_a_plain_child_claims_its_own_task_name() -> None:
+    marker = _Marker.from_mapping({"task": "proj.add", "fanin_batch": "b", "fanin_index": 2})
+    assert marker is not None and marker.claim() == Claim("b", 2, "proj.add")
+
+
+def test_a_chain_childs_tasks_claim_the_chains_last_task() -> None:
+    """Any task of a chain child reports for the chain (its last task's id and name), whichever of them ran."""
+    headers = {"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1", "fanin_task": "p.last"}
+    marker = _Marker.from_mapping(headers)
+    assert marker is not None and marker.child_id("first-id") == "c1" and marker.claim() == Claim("b", 0, "p.last")
+    # A chain published before HEADER_TASK: its earlier task cannot say the child's name; batch and index still hold.
+    old = _Marker.from_mapping({"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1"})
+    assert old is not None and old.claim() == Claim("b", 0, None)
+
+
+def test_a_replacement_claims_the_task_it_replaced() -> None:
+    """Task.replace keeps the task id and changes the name: the replacement carries the replaced name on."""
+    original = _Marker.from_mapping({"task": "proj.original", "fanin_batch": "b", "fanin_index": 1})
+    assert original is not None
+    carried = original.headers()
+    assert carried[HEADER_TASK] == "proj.original"
+    replacement = _Marker.from_mapping({"task": "proj.replacement", **carried})
+    assert replacement is not None and replacement.claim() == Claim("b", 1, "proj.original")

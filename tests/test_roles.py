@@ -349,3 +349,82 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
     finally:
         for app in apps:
             FanIn.of(app).dispose()
+
+
+# The functions that move a child or a counter: SECURITY DEFINER, owned by the schema owner, search path pinned.
+COUNTER_FUNCTIONS = (
+    "fanin_settle(uuid,integer,integer)",
+    "fanin_fail_up(uuid,integer)",
+    "fanin_create_successor(uuid,text,text,text)",
+    "fanin_record_terminal(text,text,bytea,text,text,text,text)",
+    "fanin_record_terminal(text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)",
+    "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,"
+    "text)",
+    "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
+    "fanin_seal(uuid)",
+)
+
+
+def _report_sql(task_id: str, batch_id: str, index: int, name: str) -> str:
+    return (
+        f"SELECT * FROM fanin_report_terminal('{task_id}', '{batch_id}', {index}, '{name}', 'succeeded', NULL, NULL,"
+        " NULL, NULL, NULL, NULL, NULL, NULL)"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> None:
+    """Role by role: the worker moves a batch only by a child's matching transition; no runtime role writes a
+    counter, a successor row's creation or the outbox directly, or calls the settle functions themselves."""
+    _migrate(cluster)
+    producer = _app(cluster, "producer")
+    try:
+        child = producer.signature("roles.child")
+        ids = [f"definer-{cluster.suffix}-{i}" for i in range(2)]
+        children = [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(ids)]
+        handle = fan_in_group(children, then=producer.signature("roles.successor"), app=producer).apply_async()
+        bid = handle.batch_id
+        with psycopg.connect(cluster.url("owner")) as conn:
+            rows = conn.execute(
+                "SELECT p.oid::regprocedure::text, p.prosecdef, pg_get_userbyid(p.proowner), p.proconfig"
+                " FROM pg_proc p WHERE p.proname LIKE 'fanin\\_%'"
+            ).fetchall()
+        found = {r[0]: r[1:] for r in rows}
+        for fn in COUNTER_FUNCTIONS:
+            definer, owner, config = found[fn]
+            assert definer and owner == cluster.role("owner"), fn
+            assert config and any(c.startswith("search_path=pg_catalog, public, pg_temp") for c in config), fn
+
+        worker = cluster.url("worker")
+        # No direct write to a counter, a child, a successor's creation or the outbox; no settle of its own.
+        _refused(worker, f"UPDATE fanin_batches SET remaining = remaining - 1 WHERE id = '{bid}'")
+        _refused(worker, f"UPDATE fanin_children SET state = 'succeeded' WHERE batch_id = '{bid}'")
+        _refused(worker, f"SELECT * FROM fanin_settle('{bid}', 1, 0)")
+        _refused(worker, f"SELECT fanin_fail_up('{bid}', 1)")
+        _refused(worker, f"SELECT fanin_create_successor('{bid}', 'x', 'y', 'then')")
+        _refused(worker, f"INSERT INTO fanin_successors (batch_id, step, task_id) VALUES ('{bid}', 'x', 'y')")
+        _refused(worker, f"INSERT INTO fanin_outbox (batch_id, step) VALUES ('{bid}', 'x')")
+        # Through the function, a report that does not match its child moves nothing, even from a session that
+        # shadows the tables with temporary ones (the pinned search path puts pg_temp last).
+        with psycopg.connect(worker, autocommit=True) as conn:
+            conn.execute("CREATE TEMP TABLE fanin_batches (id uuid, remaining integer)")
+            forged = conn.execute(_report_sql(ids[0], bid, 1, "roles.child")).fetchone()
+            assert forged is not None and forged[4] is True, "refused"
+            assert handle.status().remaining == 2 and handle.status().refused_reports == 1
+            counted = conn.execute(_report_sql(ids[0], bid, 0, "roles.child")).fetchone()
+            assert counted is not None and counted[0] is True and handle.status().remaining == 1
+
+        producer_url, relay = cluster.url("producer"), cluster.url("relay")
+        for url in (producer_url, relay):
+            _refused(url, f"SELECT fanin_create_successor('{bid}', 'x', 'y', 'then')")
+            _refused(url, f"SELECT fanin_fail_up('{bid}', 1)")
+        _refused(producer_url, f"SELECT * FROM fanin_settle('{bid}', 1, 0)")
+        _refused(producer_url, _report_sql(ids[1], bid, 1, "roles.child"))
+        # A role granted nothing (PUBLIC's default EXECUTE is revoked by the migration itself).
+        _refused(cluster.url("maintenance"), _report_sql(ids[1], bid, 1, "roles.child"))
+        _refused(
+            cluster.url("maintenance"), "SELECT fanin_record_starts(ARRAY['x'], ARRAY[0], ARRAY['w'], ARRAY[now()])"
+        )
+        assert handle.status().remaining == 1
+    finally:
+        FanIn.of(producer).dispose()

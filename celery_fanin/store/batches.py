@@ -98,6 +98,8 @@ class TerminalRecord:
     remaining: int | None
     successor_created: bool
     late: bool = False
+    # The report named a child by its task id but its batch, index or task name differ (migration 0014).
+    refused: bool = False
 
 
 def create_batch(
@@ -384,13 +386,31 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 # The statements a worker sends, each a whole transaction in autocommit (one round trip). They are driver-level
 # SQL (psycopg's named placeholders) because the worker hooks send them over a psycopg connection of their own
 # (see `store.reports`); `record_terminal` below sends the same text through SQLAlchemy.
+# A worker's report names the child's batch, index and task name as its message carries them, and counts only
+# if the child row agrees (`fanin_report_terminal`, migration 0014). The recovery paths, which read the child from
+# the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal`, by task id).
 RECORD_TERMINAL_SQL = (
+    "SELECT counted, late, remaining, successor_created, refused FROM fanin_report_terminal("
+    "%(task_id)s, %(batch_id)s, %(index)s, %(task_name)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s,"
+    " %(exc_message)s, %(started_at)s, %(attempt)s, %(worker)s)"
+)
+RECOVERY_TERMINAL_SQL = (
     "SELECT counted, late, remaining, successor_created FROM fanin_record_terminal("
     "%(task_id)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s, %(exc_message)s,"
     " %(started_at)s, %(attempt)s, %(worker)s)"
 )
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
 RECORD_STARTS_SQL = "SELECT fanin_record_starts(%(task_ids)s, %(attempts)s, %(workers)s, %(started_at)s)"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a report's message says the child is: its batch, index and (when known) the task it was published
+    as. The store counts the report only if the child row agrees."""
+
+    batch_id: str
+    index: int | None
+    task_name: str | None
 
 
 @dataclass(frozen=True)
@@ -410,14 +430,20 @@ def terminal_params(
     exc_type: str | None,
     exc_message: str | None,
     start: Start | None = None,
+    claim: Claim | None = None,
 ) -> dict[str, object]:
-    """The parameters of RECORD_TERMINAL_SQL; refuses a state that is not terminal before anything is sent.
+    """The parameters of RECORD_TERMINAL_SQL (with `claim`) or RECOVERY_TERMINAL_SQL; refuses a state that is not
+    terminal before anything is sent.
 
     `start`: the child's start, when it was not written yet (see `celery_fanin.starts`): recorded with the outcome.
     """
     if state not in CHILD_TERMINAL_STATES:
         raise ValueError(f"not a terminal child state: {state!r}")
+    checked: dict[str, object] = {}
+    if claim is not None:
+        checked = {"batch_id": claim.batch_id, "index": claim.index, "task_name": claim.task_name}
     return {
+        **checked,
         "started_at": start.started_at if start else None,
         "attempt": start.attempt if start else None,
         "worker": start.worker if start else None,
@@ -448,8 +474,12 @@ def record_terminal(
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
+    claim: Claim | None = None,
 ) -> TerminalRecord:
     """Count one child's terminal outcome, at most once however often it is reported: one round trip.
+
+    With `claim` (a report from a message), only if the child has the claimed batch, index and task name;
+    without (recovery, which read the child from the store), by task id.
 
     Invariant (see `fanin_record_terminal` in migrations/0006 and `fanin_settle` in 0009): a child row moves
     from pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is
@@ -457,14 +487,17 @@ def record_terminal(
     below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its
     successor and outbox row (a root), and is the only one that sends NOTIFY.
     """
-    params = terminal_params(task_id, state, result, exc_type, exc_message)
-    return terminal_record(conn.exec_driver_sql(RECORD_TERMINAL_SQL, params).one())
+    params = terminal_params(task_id, state, result, exc_type, exc_message, claim=claim)
+    sql = RECOVERY_TERMINAL_SQL if claim is None else RECORD_TERMINAL_SQL
+    return terminal_record(conn.exec_driver_sql(sql, params).one())
 
 
 def terminal_record(row: Sequence[Any]) -> TerminalRecord:
-    """The row RECORD_TERMINAL_SQL returns: (counted, late, remaining, successor_created)."""
-    counted, late, remaining, successor_created = row
-    return TerminalRecord(bool(counted), remaining, bool(successor_created), bool(late))
+    """The row RECORD_TERMINAL_SQL returns: (counted, late, remaining, successor_created, refused), or
+    RECOVERY_TERMINAL_SQL's (the same without refused)."""
+    counted, late, remaining, successor_created = row[:4]
+    refused = bool(row[4]) if len(row) > 4 else False
+    return TerminalRecord(bool(counted), remaining, bool(successor_created), bool(late), refused)
 
 
 def _lock_key(batch_id: uuid.UUID) -> dict[str, object]:

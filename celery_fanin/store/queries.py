@@ -34,6 +34,7 @@ class BatchRow:
     child_timeout_seconds: float | None = None
     round: int = 1  # a retry round's number (1 otherwise), and the batch of round 1 it retries
     retry_of: uuid.UUID | None = None
+    refused_reports: int = 0  # reports whose message disagreed with the child they named (migration 0014)
 
     def message_for(self, kind: str) -> Encoded:
         """The stored signature a successor of `kind` runs: `then`, or `on_expire` / `on_failure` instead of it."""
@@ -71,7 +72,7 @@ BATCH_COLUMNS = """
     b.created_at, b.completed_at, b.deadline_at, b.on_expire_message, b.on_expire_content_type,
     b.on_expire_content_encoding, b.on_failure_message, b.on_failure_content_type,
     b.on_failure_content_encoding, extract(epoch FROM b.child_timeout) AS child_timeout_seconds,
-    b.round, b.retry_of
+    b.round, b.retry_of, b.refused_reports
 """
 SUCCESSOR_COLUMNS = """
     s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
@@ -92,6 +93,7 @@ def batch_row(r: Any) -> BatchRow | None:
         _encoded(r.on_expire_message, r.on_expire_content_type, r.on_expire_content_encoding),
         _encoded(r.on_failure_message, r.on_failure_content_type, r.on_failure_content_encoding),
         float(r.child_timeout_seconds) if r.child_timeout_seconds is not None else None, r.round, r.retry_of,
+        r.refused_reports,
     )  # fmt: skip
 
 

@@ -26,6 +26,8 @@ from sqlalchemy.engine import make_url
 from .batches import (
     RECORD_STARTS_SQL,
     RECORD_TERMINAL_SQL,
+    RECOVERY_TERMINAL_SQL,
+    Claim,
     Encoded,
     Start,
     TerminalRecord,
@@ -83,11 +85,12 @@ class ReportConnection:
         exc_type: str | None = None,
         exc_message: str | None = None,
         start: Start | None = None,
+        claim: Claim | None = None,
     ) -> TerminalRecord:
         """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
-        start, if it was not written yet)."""
-        params = terminal_params(task_id, state, result, exc_type, exc_message, start)
-        return terminal_record(self._run(RECORD_TERMINAL_SQL, params))
+        start, if it was not written yet). The hooks always pass `claim`: what the message says the child is."""
+        params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
+        return terminal_record(self._run(RECOVERY_TERMINAL_SQL if claim is None else RECORD_TERMINAL_SQL, params))
 
     def record_starts(self, starts: Sequence[Start]) -> int:
         """Many children's starts in one round trip, committed asynchronously; how many children moved."""

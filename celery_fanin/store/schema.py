@@ -70,6 +70,8 @@ batches = Table(
     Column("fail_up", Boolean, nullable=False),
     # When an open batch's producer was last known alive (its last chunk, or a relay seeing its lock held; 0013).
     Column("producer_seen_at", DateTime(timezone=True), nullable=False),
+    # Terminal reports refused: their message's batch, index or task name disagreed with the child (0014).
+    Column("refused_reports", Integer, nullable=False),
 )
 
 children = Table(

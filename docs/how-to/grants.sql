@@ -2,13 +2,16 @@
 -- idempotent). Rows are only ever deleted by retention; the stored task signatures (`message`, `*_message`) are
 -- written once by producers and never updated, so no role but the owner can rewrite what a worker will run.
 
--- The functions that count a child and settle its batch run with the caller's privileges: keep them to the
--- roles below.
+-- The functions that count a child and settle its batch run with their owner's rights (SECURITY DEFINER, search
+-- path pinned: migration 0014), so EXECUTE on them is the right to move a batch, and only on their terms. The
+-- migration revokes them from PUBLIC already; this repeats it for a database migrated before.
 REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_fail_up(uuid, integer),
                            fanin_create_successor(uuid, text, text, text),
                            fanin_record_terminal(text, text, bytea, text, text, text, text),
                            fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
+                           fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
+                                                 timestamptz, integer, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
                            fanin_seal(uuid) FROM PUBLIC;
 
@@ -24,26 +27,22 @@ GRANT SELECT, INSERT ON fanin_successors, fanin_outbox TO fanin_producer;
 GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_producer;
 GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_producer;
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_producer;
-GRANT EXECUTE ON FUNCTION fanin_seal(uuid), fanin_settle(uuid, integer, integer), fanin_fail_up(uuid, integer),
-                          fanin_create_successor(uuid, text, text, text) TO fanin_producer;
+GRANT EXECUTE ON FUNCTION fanin_seal(uuid) TO fanin_producer;
 
--- Workers: a child's start and terminal outcome, the counter it settles, the successor it may create, and the
--- successor's own run (its start guard, state and result). Read access for BatchOutcome.results().
+-- Workers: a child's start and terminal outcome, through the functions only (no write to a child, a counter, a
+-- successor row's creation or the outbox), and the successor's own run: its start guard, lease, state and result
+-- are columns of its row the worker updates (store/successors.py; none of them moves a counter). Read access for
+-- BatchOutcome.results(). fanin_record_terminal (by task id) is for a nested batch's successor, which finishes
+-- the outer child it stands for.
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
-GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, result_content_type,
-              result_content_encoding, exc_type, exc_message, late_state, late_at, late_reports)
-    ON fanin_children TO fanin_worker;
-GRANT UPDATE (remaining, succeeded, failed, state, completed_at, last_settle_moved) ON fanin_batches TO fanin_worker;
-GRANT INSERT ON fanin_successors, fanin_outbox TO fanin_worker;
 GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_type, exc_message, result,
               result_content_type, result_content_encoding, lease_until, attempt, run_owner)
     ON fanin_successors TO fanin_worker;
-GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
-                          fanin_record_starts(text[], integer[], text[], timestamptz[]),
-                          fanin_settle(uuid, integer, integer), fanin_fail_up(uuid, integer),
-                          fanin_create_successor(uuid, text, text, text) TO fanin_worker;
+                          fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
+                                                timestamptz, integer, text),
+                          fanin_record_starts(text[], integer[], text[], timestamptz[]) TO fanin_worker;
 
 -- The relay: the outbox, children no producer published, lost children, deadlines, stalled successors and
 -- reconciliation. It never creates batches or children.
@@ -61,8 +60,7 @@ GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fa
 GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_relay;
 GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
-                          fanin_settle(uuid, integer, integer), fanin_seal(uuid), fanin_fail_up(uuid, integer),
-                          fanin_create_successor(uuid, text, text, text) TO fanin_relay;
+                          fanin_settle(uuid, integer, integer), fanin_seal(uuid) TO fanin_relay;
 
 -- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
 -- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the

@@ -1,0 +1,132 @@
+"""A worker's terminal report counts only when its message's batch, index and task name match the child's row.
+
+A message carrying a pending child's task id but another batch, index or task name is refused: no child, counter,
+successor or outbox row moves, the refusal is counted on the child's own batch (`status` shows it), and the same
+child's genuine report still counts afterwards.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import Engine
+
+from celery_fanin.store import batches, queries
+
+from .helpers import create, json_encoded, new_batch, snapshot
+
+
+def _report(
+    engine: Engine, task_id: str, claim: batches.Claim, state: str = "succeeded", result: object = 1
+) -> batches.TerminalRecord:
+    with engine.begin() as conn:
+        return batches.record_terminal(conn, task_id, state, result=json_encoded(result), claim=claim)
+
+
+def _refused(engine: Engine, batch_id: uuid.UUID) -> int:
+    with engine.connect() as conn:
+        found = queries.batch(conn, batch_id)
+    assert found is not None
+    return found.refused_reports
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        pytest.param({"batch_id": "00000000-0000-4000-8000-000000000000"}, id="another batch"),
+        pytest.param({"index": 1}, id="another index"),
+        pytest.param({"index": None}, id="no index"),
+        pytest.param({"task_name": "t.forged"}, id="another task name"),
+    ],
+)
+def test_a_report_whose_message_disagrees_with_the_child_is_refused_and_changes_nothing(
+    store_engine: Engine, wrong: dict[str, object]
+) -> None:
+    batch, children, _ = create(store_engine, 2)
+    child = children[0]
+    good = batches.Claim(str(batch.id), 0, child.task_name)
+    forged = batches.Claim(**{**good.__dict__, **wrong})  # type: ignore[arg-type]
+    before = snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"}))
+
+    rec = _report(store_engine, child.task_id, forged, result="forged")
+
+    assert rec == batches.TerminalRecord(counted=False, remaining=None, successor_created=False, refused=True)
+    assert snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"})) == before
+    assert _refused(store_engine, batch.id) == 1  # counted on the child's own batch
+    # The genuine report still counts the child.
+    assert _report(store_engine, child.task_id, good).counted
+    assert _report(store_engine, children[1].task_id, batches.Claim(str(batch.id), 1, "t.child")).successor_created
+
+
+def test_a_late_report_that_disagrees_is_refused_not_recorded_late(store_engine: Engine) -> None:
+    batch, children, _ = create(store_engine, 2)
+    good = batches.Claim(str(batch.id), 0, "t.child")
+    assert _report(store_engine, children[0].task_id, good).counted
+    late = _report(store_engine, children[0].task_id, good, state="failed")
+    assert (late.late, late.refused) == (True, False)
+    refused = _report(store_engine, children[0].task_id, batches.Claim(str(batch.id), 0, "t.other"), state="failed")
+    assert (refused.counted, refused.late, refused.refused) == (False, False, True)
+    assert _refused(store_engine, batch.id) == 1
+
+
+def test_an_unknown_task_id_is_neither_counted_nor_refused(store_engine: Engine) -> None:
+    batch, _, _ = create(store_engine, 1)
+    rec = _report(store_engine, f"nobody-{uuid.uuid4()}", batches.Claim(str(batch.id), 0, "t.child"))
+    assert (rec.counted, rec.late, rec.refused) == (False, False, False)
+    assert _refused(store_engine, batch.id) == 0
+
+
+def test_a_claim_without_a_task_name_checks_batch_and_index(store_engine: Engine) -> None:
+    """A chain child published before HEADER_TASK existed: its earlier task's failure names no child task."""
+    batch, children, _ = create(store_engine, 2)
+    assert _report(store_engine, children[0].task_id, batches.Claim(str(batch.id), 1, None)).refused
+    assert _report(store_engine, children[0].task_id, batches.Claim(str(batch.id), 0, None), state="failed").counted
+
+
+def test_the_report_connection_sends_the_claim(store_engine: Engine, app: object) -> None:
+    """The hooks' own path (`ReportConnection`, one statement): a forged claim is refused there too."""
+    from celery_fanin import FanIn
+
+    fanin = FanIn.of(app)  # type: ignore[arg-type]
+    batch, children, _ = create(store_engine, 1)
+    forged = fanin.reports.record_terminal(
+        children[0].task_id, "succeeded", result=json_encoded(1), claim=batches.Claim(str(uuid.uuid4()), 0, "t.child")
+    )
+    assert forged.refused and not forged.counted
+    good = fanin.reports.record_terminal(
+        children[0].task_id, "succeeded", result=json_encoded(1), claim=batches.Claim(str(batch.id), 0, "t.child")
+    )
+    assert good.counted and good.successor_created
+
+
+def test_a_tree_child_is_claimed_by_its_root_and_index(store_engine: Engine) -> None:
+    """A tree's children are rows of its leaves; their messages name the root and the index in the whole batch."""
+    batch, children = new_batch(4)
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children, leaves=2)
+    other, _, _ = create(store_engine, 1)
+    assert _report(store_engine, children[3].task_id, batches.Claim(str(other.id), 3, "t.child")).refused
+    assert _report(store_engine, children[3].task_id, batches.Claim(str(batch.id), 2, "t.child")).refused
+    claims = [batches.Claim(str(batch.id), i, "t.child") for i in range(4)]
+    recs = [_report(store_engine, c.task_id, claim) for c, claim in zip(children, claims, strict=True)]
+    assert all(r.counted for r in recs) and recs[-1].successor_created
+    # Counted on the child's own batch (the tree's root, which `status` reads), not on the batch the message named.
+    assert (_refused(store_engine, batch.id), _refused(store_engine, other.id)) == (2, 0)
+
+
+def test_the_worker_hook_logs_a_refused_report(
+    store_engine: Engine, app: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    from celery_fanin import FanIn, hooks
+
+    fanin = FanIn.of(app)  # type: ignore[arg-type]
+    batch, children, _ = create(store_engine, 1)
+    forged = hooks._Marker(str(batch.id), 0, None, task_name="t.forged")
+    with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
+        rec = hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
+    assert rec is not None and rec.refused and not rec.counted
+    assert "report refused" in caplog.text and children[0].task_id in caplog.text
+    genuine = hooks._Marker(str(batch.id), 0, None, task_name="t.child")
+    rec = hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
+    assert rec is not None and rec.counted and rec.successor_created
