@@ -31,7 +31,15 @@ from celery.result import EagerResult
 from ..broker import publish
 from ..codec import decode_signature
 from ..context import FanIn
-from ..protocol import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, Marker, request_header
+from ..protocol import (
+    HEADER_BATCH,
+    HEADER_INDEX,
+    HEADER_STEP,
+    HEADER_SUCCESSOR,
+    ChildState,
+    Marker,
+    request_header,
+)
 from ..relay.payload import build_outcome
 from ..store import batches, outbox, queries
 from ..worker import hooks
@@ -162,21 +170,21 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         conn.rollback()
     for row in pending:
         marker = Marker(str(batch_id), row.idx, None, task_name=row.task_name)
-        if row.state == "started":
+        if row.state == ChildState.STARTED:
             # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
             # which logged it. On a worker it would have been recorded as failed.
             hooks.record_child(
                 fanin,
                 row.task_id,
                 marker,
-                "failed",
+                ChildState.FAILED,
                 exc=EagerPropagated(
                     "the child raised with task_eager_propagates on; its exception was logged by the producer"
                 ),
             )
             continue
         if row.task_name not in app.tasks:
-            hooks.record_child(fanin, row.task_id, marker, "unknown", exc=NotRegistered(row.task_name))
+            hooks.record_child(fanin, row.task_id, marker, ChildState.UNKNOWN, exc=NotRegistered(row.task_name))
             continue
         sig = decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
         if publish.is_chain(sig):

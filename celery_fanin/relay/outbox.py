@@ -16,6 +16,7 @@ from ..broker import publish
 from ..broker.control import revoke_children
 from ..codec import decode_signature
 from ..context import FanIn
+from ..protocol import BatchState
 from ..store import batches, outbox, recovery
 from .payload import build_outcome
 
@@ -92,7 +93,7 @@ def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox
     settings = fanin.settings
     outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
     publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, sig, outcome)  # type: ignore[arg-type]
-    if batch.state != "failed_threshold":
+    if batch.state != BatchState.FAILED_THRESHOLD:
         return []
     return recovery.abandon_after_threshold(conn, batch.id)
 

@@ -40,9 +40,11 @@ from typing import Any
 
 import psycopg
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
-from celery import Celery, chord, signals
+from celery import Celery, chord, current_app, signals
+from celery.app.trace import build_tracer
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.worker.consumer.consumer import Consumer
 from kombu.exceptions import EncodeError
 from prometheus_client import Counter
 from sqlalchemy.exc import SQLAlchemyError
@@ -51,7 +53,7 @@ from .. import retry
 from ..codec import encode_result
 from ..context import FanIn
 from ..exceptions import FanInNotConfigured
-from ..protocol import Marker
+from ..protocol import ChildState, Marker, SuccessorState
 from ..store import batches
 from ..store.reports import ReportConnection
 from . import starts, successor_runs
@@ -315,7 +317,7 @@ def record_successor(
     """Record a successor's final state: fenced to `live`'s run, or unfenced from the main process."""
     exc_type, exc_message = _exc_fields(exc)
     result = None
-    if state == "succeeded":
+    if state == SuccessorState.SUCCEEDED:
         try:
             result = encode_result(fanin.app, value)
         except EncodeError as err:
@@ -425,7 +427,7 @@ def _retry_guard(retry: Callable[..., Any]) -> Callable[..., Any]:
         if live is None or live.ended or self.request.is_eager:
             return retry(self, args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
-        with _handed_over(live, "retrying", Retry, _due_at(eta, delay)):
+        with _handed_over(live, SuccessorState.RETRYING, Retry, _due_at(eta, delay)):
             return retry(self, args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
     retry_guarded._fanin_guard = True  # type: ignore[attr-defined]
@@ -449,7 +451,7 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
         live = successor_runs.request_run(self.request) if marker.is_successor else None
         if live is None or live.ended:
             return on_replace(self, sig)
-        with _handed_over(live, "replaced", Ignore):
+        with _handed_over(live, SuccessorState.REPLACED, Ignore):
             return on_replace(self, sig)
 
     on_replace_guarded._fanin_guard = True  # type: ignore[attr-defined]
@@ -501,13 +503,13 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
         if child_id != task_id:
             return  # a chain's earlier task: the worker publishes the next, and the last one reports
         start = starts.take_start(fanin, task_id)
-        record_child(fanin, task_id, marker, "succeeded", value=retval, has_value=True, start=start)
+        record_child(fanin, task_id, marker, ChildState.SUCCEEDED, value=retval, has_value=True, start=start)
     elif state == "FAILURE":
         exc = retval if isinstance(retval, BaseException) else None
-        terminal = "time_limit" if isinstance(exc, SoftTimeLimitExceeded) else "failed"
+        terminal = ChildState.TIME_LIMIT if isinstance(exc, SoftTimeLimitExceeded) else ChildState.FAILED
         record_child(fanin, child_id, marker, terminal, exc=exc, start=starts.take_start(fanin, child_id))
     elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
-        record_child(fanin, child_id, marker, "rejected", exc=retval, start=starts.take_start(fanin, child_id))
+        record_child(fanin, child_id, marker, ChildState.REJECTED, exc=retval, start=starts.take_start(fanin, child_id))
     # RETRY, IGNORED, REJECTED with requeue: the child is not finished; another attempt reports.
 
 
@@ -519,19 +521,19 @@ def _successor_postrun(
         return  # a duplicate the guard refused, or a run already handed over (a retry, a replacement)
     exc = retval if isinstance(retval, BaseException) else None
     if state == "SUCCESS":
-        record_successor(fanin, marker, "succeeded", value=retval, live=live)
+        record_successor(fanin, marker, SuccessorState.SUCCEEDED, value=retval, live=live)
     elif state == "FAILURE":
-        record_successor(fanin, marker, "failed", exc, live=live)
+        record_successor(fanin, marker, SuccessorState.FAILED, exc, live=live)
     elif state == "RETRY":  # the retry hand-over was not installed (eager runs): the retry comes after this
         when = getattr(retval, "when", None)
         eta = when if isinstance(when, datetime) else None
-        successor_runs.hand_over(live, "retrying", _due_at(eta, None if eta else float(when or 0)))
+        successor_runs.hand_over(live, SuccessorState.RETRYING, _due_at(eta, None if eta else float(when or 0)))
     elif state == "REJECTED" and isinstance(retval, Reject) and retval.requeue:
-        successor_runs.hand_over(live, "requeued")  # Celery requeues the message after this returns
+        successor_runs.hand_over(live, SuccessorState.REQUEUED)  # Celery requeues the message after this returns
     elif state == "REJECTED":
-        record_successor(fanin, marker, "failed", exc, live=live)
+        record_successor(fanin, marker, SuccessorState.FAILED, exc, live=live)
     elif state == "IGNORED":
-        record_successor(fanin, marker, "ignored", live=live)
+        record_successor(fanin, marker, SuccessorState.IGNORED, live=live)
     else:  # no state: the pool process is being stopped; its lease lapses and the relay runs the successor again
         successor_runs.abandon(live)
 
@@ -572,9 +574,9 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
     fanin = _fanin_for(getattr(sender, "app", None))
     if marker is None or fanin is None:
         return
-    state = "time_limit" if isinstance(exception, TimeLimitExceeded) else "worker_lost"
+    state = ChildState.TIME_LIMIT if isinstance(exception, TimeLimitExceeded) else ChildState.WORKER_LOST
     if marker.is_successor:
-        record_successor(fanin, marker, "failed", exception)
+        record_successor(fanin, marker, SuccessorState.FAILED, exception)
     else:
         record_child(fanin, marker.child_id(task_id), marker, state, exc=exception)
 
@@ -590,9 +592,9 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
     reason = "expired" if expired else "terminated" if terminated else "revoked"
     exc = _Revoked(reason)
     if marker.is_successor:
-        record_successor(fanin, marker, "revoked", exc)
+        record_successor(fanin, marker, SuccessorState.REVOKED, exc)
     else:
-        record_child(fanin, marker.child_id(request.id), marker, "revoked", exc=exc)
+        record_child(fanin, marker.child_id(request.id), marker, ChildState.REVOKED, exc=exc)
 
 
 class _Revoked(Exception):
@@ -607,9 +609,9 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
     if marker is None or fanin is None or not id or _unverified(fanin, "unknown task", id, exc):
         return
     if marker.is_successor:
-        record_successor(fanin, marker, "failed", exc)
+        record_successor(fanin, marker, SuccessorState.FAILED, exc)
     else:
-        record_child(fanin, marker.child_id(id), marker, "unknown", exc=exc)
+        record_child(fanin, marker.child_id(id), marker, ChildState.UNKNOWN, exc=exc)
 
 
 @_in_event_loop
@@ -621,9 +623,9 @@ def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | N
     if marker is None or fanin is None or not task_id or _unverified(fanin, "rejected", task_id, exc):
         return
     if marker.is_successor:
-        record_successor(fanin, marker, "failed", exc)
+        record_successor(fanin, marker, SuccessorState.FAILED, exc)
     else:
-        record_child(fanin, marker.child_id(task_id), marker, "rejected", exc=exc)
+        record_child(fanin, marker.child_id(task_id), marker, ChildState.REJECTED, exc=exc)
 
 
 def _unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None) -> bool:
@@ -643,8 +645,6 @@ def _report_decode_errors() -> None:
     accept (`task_rejected`), no signal fires, and the child would wait for `child_timeout`. Its headers are
     readable, so the wrapper reports it as `task_rejected` would. Wrapped once per worker process, at `worker_init`.
     """
-    from celery.worker.consumer.consumer import Consumer
-
     original = Consumer.on_decode_error
     if getattr(original, "_fanin_reports", False):
         return
@@ -679,9 +679,6 @@ def _on_worker_shutdown(**_: Any) -> None:
 def _on_worker_process_init(**_: Any) -> None:
     # A pool child started as a fresh interpreter (spawn) rebuilt its task classes: guard them and rebuild the
     # tracers, which read `before_start` once when they are built.
-    from celery import current_app
-    from celery.app.trace import build_tracer
-
     app = current_app._get_current_object()
     if _fanin_for(app) is not None and guard_tasks(app):
         for name, task in app.tasks.items():
