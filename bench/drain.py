@@ -91,9 +91,26 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
     if kind == "fanin-nosync":  # the worker's connections are opened after this, so they take it
         _synchronous_commit(env["FANIN_DATABASE_URL"], "off")
     worker_env = {**env, "BENCH_TRACK_STARTED": "0" if kind == "fanin-nostart" else "1"}
-    worker = Proc(["worker", "-P", "prefork", "-c", "2", "-l", "WARNING", "-Q", env["BENCH_QUEUE"],
-                   "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"drain-{os.getpid()}@%h"],
-                  worker_env, log_dir / f"drain-{kind}.log")  # fmt: skip
+    worker = Proc(
+        [
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "-l",
+            "WARNING",
+            "-Q",
+            env["BENCH_QUEUE"],
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-n",
+            f"drain-{os.getpid()}@%h",
+        ],
+        worker_env,
+        log_dir / f"drain-{kind}.log",
+    )
     key = f"bench:done:{run}"
     first = None
     deadline = time.monotonic() + 120 + n / 50
@@ -132,8 +149,9 @@ def _synchronous_commit(url: str, value: str) -> None:
 
     with psycopg.connect(url, autocommit=True) as conn:
         name = conn.info.dbname
-        conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = {}").format(sql.Identifier(name),
-                                                                                    sql.Literal(value)))  # fmt: skip
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET synchronous_commit = {}").format(sql.Identifier(name), sql.Literal(value))
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             purge_queue(redis_url, queue)
             FanIn(app).dispose()
-    print(f"{'kind':<14} {'children/s, median (min-max)':<30} CPU per child (µs, median): "
-          + " ".join(f"{role:>8}" for role in CpuMeter.ROLES))  # fmt: skip
+    print(
+        f"{'kind':<14} {'children/s, median (min-max)':<30} CPU per child (µs, median): "
+        + " ".join(f"{role:>8}" for role in CpuMeter.ROLES)
+    )
     for kind in kinds:
         rates = [f["rate"] for f in runs[kind]]
-        cpu = [statistics.median(f[role] for f in runs[kind] if role in f) if any(role in f for f in runs[kind])
-               else float("nan") for role in CpuMeter.ROLES]  # fmt: skip
+        cpu = [
+            statistics.median(f[role] for f in runs[kind] if role in f)
+            if any(role in f for f in runs[kind])
+            else float("nan")
+            for role in CpuMeter.ROLES
+        ]
         rate = f"{statistics.median(rates):.0f} ({min(rates):.0f}-{max(rates):.0f})"
         print(f"{kind:<14} {rate:<30} {'':<27} " + " ".join(f"{c:8.0f}" for c in cpu))
     return 0

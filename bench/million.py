@@ -44,11 +44,16 @@ def _counts(url: str, batch_id: str) -> dict[str, Any]:
             "SELECT state, runs, duplicates FROM fanin_successors WHERE batch_id = %s", (batch_id,)
         ).fetchone()
     return {
-        "child_rows": rows, "distinct_indexes": distinct, "rows_succeeded": succeeded, "rows_failed": failed,
-        "rows_open": open_, "leaves": leaves[0] if leaves else None,
-        "successor": None if successor is None else {"state": successor[0], "runs": successor[1],
-                                                     "duplicates": successor[2]},
-    }  # fmt: skip
+        "child_rows": rows,
+        "distinct_indexes": distinct,
+        "rows_succeeded": succeeded,
+        "rows_failed": failed,
+        "rows_open": open_,
+        "leaves": leaves[0] if leaves else None,
+        "successor": None
+        if successor is None
+        else {"state": successor[0], "runs": successor[1], "duplicates": successor[2]},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +79,28 @@ def main(argv: list[str] | None = None) -> int:
         marks = redis.Redis.from_url(redis_url)
         try:
             if args.e2e:
-                procs.append(Proc(["worker", "-P", "prefork", "-c", str(args.concurrency), "-l", "WARNING", "-Q",
-                                   queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-n",
-                                   f"million-{os.getpid()}@%h"], env, log_dir / "million-worker.log"))  # fmt: skip
+                procs.append(
+                    Proc(
+                        [
+                            "worker",
+                            "-P",
+                            "prefork",
+                            "-c",
+                            str(args.concurrency),
+                            "-l",
+                            "WARNING",
+                            "-Q",
+                            queue,
+                            "--without-gossip",
+                            "--without-mingle",
+                            "--without-heartbeat",
+                            "-n",
+                            f"million-{os.getpid()}@%h",
+                        ],
+                        env,
+                        log_dir / "million-worker.log",
+                    )
+                )
                 procs.append(Proc(["fanin", "relay"], env, log_dir / "million-relay.log"))
                 procs[1].wait_for("relay started", 60)
 
@@ -89,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             dispatched = time.time()
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             report: dict[str, Any] = {
-                "n": args.n, "e2e": args.e2e, "dispatch_s": round(dispatched - start, 1),
-                "dispatch_children_per_s": round(args.n / (dispatched - start)), "producer_peak_rss_mb": round(rss_mb),
-            }  # fmt: skip
+                "n": args.n,
+                "e2e": args.e2e,
+                "dispatch_s": round(dispatched - start, 1),
+                "dispatch_children_per_s": round(args.n / (dispatched - start)),
+                "producer_peak_rss_mb": round(rss_mb),
+            }
             print(json.dumps(report), flush=True)
             if args.e2e:
                 report["worker"] = f"celery worker -P prefork -c {args.concurrency}"
@@ -107,15 +134,25 @@ def main(argv: list[str] | None = None) -> int:
                     if time.time() - last >= 60:
                         last = time.time()
                         s = handle.status()
-                        print(f"[{last - start:7.0f}s] {s.state}: succeeded {s.succeeded}, failed {s.failed}, "
-                              f"remaining {s.remaining}", flush=True)  # fmt: skip
+                        print(
+                            f"[{last - start:7.0f}s] {s.state}: succeeded {s.succeeded}, failed {s.failed}, "
+                            f"remaining {s.remaining}",
+                            flush=True,
+                        )
                 report["e2e_s"] = round(finished - start, 1)
                 report["worker_children_per_s"] = round(args.n / (finished - start))
                 time.sleep(1.0)  # the successor's own state is recorded right after its body returns
             status = handle.status()
-            report.update({"planned": status.planned, "published": status.published, "state": status.state,
-                           "succeeded": status.succeeded, "failed": status.failed,
-                           "child_executions": int(marks.get(f"bench:done:{run}") or 0)})  # fmt: skip
+            report.update(
+                {
+                    "planned": status.planned,
+                    "published": status.published,
+                    "state": status.state,
+                    "succeeded": status.succeeded,
+                    "failed": status.failed,
+                    "child_executions": int(marks.get(f"bench:done:{run}") or 0),
+                }
+            )
             report.update(_counts(url, handle.batch_id))
         finally:
             for proc in reversed(procs):

@@ -83,8 +83,13 @@ def redis_database() -> Iterator[str]:
 def harness_env(db_url: str, redis_url: str, broker: str, queue: str) -> dict[str, str]:
     """The environment `bench.tasks` is configured from, for this process and the workers and relays it starts."""
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-    settings = {"FANIN_DATABASE_URL": db_url, "BENCH_BROKER": broker, "BENCH_BACKEND": redis_url,
-                "BENCH_REDIS": redis_url, "BENCH_QUEUE": queue}  # fmt: skip
+    settings = {
+        "FANIN_DATABASE_URL": db_url,
+        "BENCH_BROKER": broker,
+        "BENCH_BACKEND": redis_url,
+        "BENCH_REDIS": redis_url,
+        "BENCH_QUEUE": queue,
+    }
     os.environ.update(settings)
     return {**os.environ, "PYTHONPATH": path, **settings}
 
@@ -97,8 +102,12 @@ class Proc:
         self._file = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "bench.tasks", *args],
-            cwd=ROOT, env=env, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_for(self, marker: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -174,8 +183,12 @@ class Bench:
         timeout = 120 + n / 50
         out = subprocess.run(
             [sys.executable, "-m", "bench.dispatch", contender, str(n), run],
-            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"dispatch of {contender} failed:\n{out.stderr[-3000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -203,8 +216,10 @@ class Bench:
                         errors.append(f"N={n} rep={rep} {contender}: {exc!r}"[:2000])
                         continue
                     runs[contender].append(r)
-                    progress(f"N={n} rep={rep} {contender}: dispatch {r['dispatch_s']:.3f}s e2e {r['e2e_s']:.3f}s "
-                             f"rss {r['rss_peak_mb']:.0f}MB")  # fmt: skip
+                    progress(
+                        f"N={n} rep={rep} {contender}: dispatch {r['dispatch_s']:.3f}s e2e {r['e2e_s']:.3f}s "
+                        f"rss {r['rss_peak_mb']:.0f}MB"
+                    )
             for contender in CONTENDERS:
                 if runs[contender]:
                     figures[contender][str(n)] = {k: summary([r[k] for r in runs[contender]]) for k in FIGURE_KEYS}
@@ -246,10 +261,15 @@ class Bench:
                     self.marks.delete(f"bench:done:{run}")
             progress(f"latency: {len(lat['fanin'])} batches of {size} each")
         return {
-            c: {"p50_ms": percentile(v, 0.5), "p99_ms": percentile(v, 0.99), "max_ms": max(v), "batches": len(v),
-                "batch_size": size}
+            c: {
+                "p50_ms": percentile(v, 0.5),
+                "p99_ms": percentile(v, 0.99),
+                "max_ms": max(v),
+                "batches": len(v),
+                "batch_size": size,
+            }
             for c, v in lat.items()
-        }  # fmt: skip
+        }
 
     def db_counts(self, progress: Callable[[str], None]) -> dict[str, Any]:
         """Statements and round trips per child event, counted in the workers (see bench/tasks.py)."""
@@ -261,8 +281,9 @@ class Bench:
         self.marks.delete("bench:sql")
         stat.reset()
         run = f"count-{uuid.uuid4().hex[:6]}"
-        fan_in_group([child.s(i, run, n).set(ignore_result=True) for i in range(n)], then=mark.s(run),
-                     app=app).apply_async()  # fmt: skip
+        fan_in_group(
+            [child.s(i, run, n).set(ignore_result=True) for i in range(n)], then=mark.s(run), app=app
+        ).apply_async()
         self.wait_mark(f"bench:start:{run}", 120)
         time.sleep(1.0)  # the successor's own state update, flushed after its postrun
         raw = {k.decode(): int(v) for k, v in self.marks.hgetall("bench:sql").items()}
@@ -303,9 +324,14 @@ class Bench:
             handle = fan_in_group(sigs, then=mark.s(run), app=app, **options).apply_async()
             purge_queue(self.env["BENCH_BROKER"], parked, delete=True)
             with psycopg.connect(url, autocommit=True) as db:
-                ids = [r[0] for r in db.execute(
-                    "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
-                    "WHERE id = %s OR parent_id = %s) ORDER BY idx", (handle.batch_id, handle.batch_id))]  # fmt: skip
+                ids = [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
+                        "WHERE id = %s OR parent_id = %s) ORDER BY idx",
+                        (handle.batch_id, handle.batch_id),
+                    )
+                ]
             return handle.batch_id, [ids[i::reporters] for i in range(reporters)]
 
         with psycopg.connect(url, autocommit=True) as db:
@@ -383,8 +409,11 @@ class PgStatStatements:
                 "SELECT query, calls FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
                 "WHERE datname = current_database()) AND query NOT ILIKE '%pg_stat_statements%' ORDER BY calls DESC"
             ).fetchall()
-        return {"available": True, "statements_per_child": sum(r[1] for r in rows) / children,
-                "top": [{"calls": r[1], "query": r[0][:160]} for r in rows[:10]]}  # fmt: skip
+        return {
+            "available": True,
+            "statements_per_child": sum(r[1] for r in rows) / children,
+            "top": [{"calls": r[1], "query": r[0][:160]} for r in rows[:10]],
+        }
 
 
 def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go: Any, out: Any) -> None:
@@ -419,8 +448,9 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     elif kind == "raw_engine":
         from sqlalchemy import create_engine, text
 
-        engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"), pool_pre_ping=True,
-                               isolation_level="READ COMMITTED")  # fmt: skip
+        engine = create_engine(
+            url.replace("postgresql://", "postgresql+psycopg://"), pool_pre_ping=True, isolation_level="READ COMMITTED"
+        )
         stmt = text("UPDATE bench_hot SET n = n - 1 WHERE id = 1 AND n > 0 RETURNING n")
         with engine.connect():
             pass
@@ -477,10 +507,15 @@ def machine() -> dict[str, Any]:
     import celery
     import kombu
 
-    mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal")), "0")  # fmt: skip
-    versions = {"python": platform.python_version(), "celery": celery.__version__, "kombu": kombu.__version__,
-                "psycopg": psycopg.__version__}  # fmt: skip
+    mem = next(
+        (line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")), "0"
+    )
+    versions = {
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "psycopg": psycopg.__version__,
+    }
     with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
         versions["postgresql"] = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
     versions["redis"] = str(redis.Redis.from_url(REDIS_SERVER).info("server")["redis_version"])
@@ -493,8 +528,12 @@ def machine() -> dict[str, Any]:
             versions["rabbitmq"] = props.get("version", "?")
     except Exception:  # noqa: BLE001 - not needed on a Redis run
         versions["rabbitmq"] = "unreachable"
-    return {"nproc": os.cpu_count(), "memory_gib": round(int(mem) / 1024 / 1024, 1), "platform": platform.platform(),
-            "versions": versions}  # fmt: skip
+    return {
+        "nproc": os.cpu_count(),
+        "memory_gib": round(int(mem) / 1024 / 1024, 1),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
 
 
 def evaluate(report: dict[str, Any]) -> dict[str, Any]:
@@ -514,22 +553,29 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "at_n": int(n),
         "dispatch_speedup_vs_group": {"value": speedup, "target": ">= 5", "met": speedup >= 5},
-        "e2e_ratio_vs_group": {"value": med("fanin", "e2e_s") / med("group", "e2e_s"), "target": "<= 1.0",
-                               "met": med("fanin", "e2e_s") / med("group", "e2e_s") <= 1.0},
-        "e2e_ratio_vs_chord": {"value": med("fanin", "e2e_s") / med("chord", "e2e_s"), "target": "<= 0.8",
-                               "met": med("fanin", "e2e_s") / med("chord", "e2e_s") <= 0.8},
+        "e2e_ratio_vs_group": {
+            "value": med("fanin", "e2e_s") / med("group", "e2e_s"),
+            "target": "<= 1.0",
+            "met": med("fanin", "e2e_s") / med("group", "e2e_s") <= 1.0,
+        },
+        "e2e_ratio_vs_chord": {
+            "value": med("fanin", "e2e_s") / med("chord", "e2e_s"),
+            "target": "<= 0.8",
+            "met": med("fanin", "e2e_s") / med("chord", "e2e_s") <= 0.8,
+        },
         "successor_p50_ms": {"value": lat["p50_ms"], "target": "<= 10", "met": lat["p50_ms"] <= 10},
         "successor_p99_ms": {"value": lat["p99_ms"], "target": "<= 50", "met": lat["p99_ms"] <= 50},
         "roundtrips_per_terminal_event": {"value": rt, "target": "== 1", "met": rt is not None and rt <= 1.0},
         "throughput_ratio_vs_raw_update": {"value": tput["ratio"], "target": ">= 0.8", "met": tput["ratio"] >= 0.8},
-    }  # fmt: skip
+    }
 
 
 def table(report: dict[str, Any]) -> str:
     lines = []
     c = report["contenders"]
-    lines.append(f"{'N':>7} {'contender':<7} {'dispatch s (min-max)':>26} {'end to end s (min-max)':>28} "
-                 f"{'peak RSS MB':>12}")  # fmt: skip
+    lines.append(
+        f"{'N':>7} {'contender':<7} {'dispatch s (min-max)':>26} {'end to end s (min-max)':>28} {'peak RSS MB':>12}"
+    )
     for n in sorted(set(c["group"]) | set(c["chord"]) | set(c["fanin"]), key=int):
         for contender in CONTENDERS:
             if n not in c[contender]:
@@ -543,22 +589,32 @@ def table(report: dict[str, Any]) -> str:
             )
     lat = report["latency"]
     for contender, v in lat.items():
-        lines.append(f"successor latency {contender}: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms, "
-                     f"max {v['max_ms']:.1f} ms over {v['batches']} batches of {v['batch_size']}")  # fmt: skip
+        lines.append(
+            f"successor latency {contender}: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms, "
+            f"max {v['max_ms']:.1f} ms over {v['batches']} batches of {v['batch_size']}"
+        )
     db = report["db"]
-    lines.append(f"per terminal event: {db['terminal_statements_per_event']} statements, "
-                 f"{db['terminal_roundtrips_per_event']} round trips; per child, all fan-in work (start + terminal): "
-                 f"{db['all_statements_per_child']:.2f} statements, "
-                 f"{db['all_roundtrips_per_child']:.2f} round trips")  # fmt: skip
+    lines.append(
+        f"per terminal event: {db['terminal_statements_per_event']} statements, "
+        f"{db['terminal_roundtrips_per_event']} round trips; per child, all fan-in work (start + terminal): "
+        f"{db['all_statements_per_child']:.2f} statements, "
+        f"{db['all_roundtrips_per_child']:.2f} round trips"
+    )
     t = report["throughput"]
-    lines.append(f"terminal events, one batch, {t['reporters']} reporters, medians of {len(t['rounds'])} rounds: "
-                 f"{t['fanin_events_per_s']:.0f}/s; raw single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio "
-                 f"{_ratio(t, 'ratio')}); same UPDATE through SQLAlchemy engine.begin() "
-                 f"{t['raw_update_engine_per_s']:.0f}/s")  # fmt: skip
-    lines.append(f"the same function called bare from psycopg (no worker hook): {t['fanin_sql_events_per_s']:.0f}/s "
-                 f"(ratio {_ratio(t, 'sql_ratio')})")  # fmt: skip
-    lines.append(f"the same {t['events']} events on a tree of 16 leaf counters: {t['fanin_tree_events_per_s']:.0f}/s "
-                 f"(ratio {_ratio(t, 'tree_ratio')} of the raw single-row UPDATE)")  # fmt: skip
+    lines.append(
+        f"terminal events, one batch, {t['reporters']} reporters, medians of {len(t['rounds'])} rounds: "
+        f"{t['fanin_events_per_s']:.0f}/s; raw single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio "
+        f"{_ratio(t, 'ratio')}); same UPDATE through SQLAlchemy engine.begin() "
+        f"{t['raw_update_engine_per_s']:.0f}/s"
+    )
+    lines.append(
+        f"the same function called bare from psycopg (no worker hook): {t['fanin_sql_events_per_s']:.0f}/s "
+        f"(ratio {_ratio(t, 'sql_ratio')})"
+    )
+    lines.append(
+        f"the same {t['events']} events on a tree of 16 leaf counters: {t['fanin_tree_events_per_s']:.0f}/s "
+        f"(ratio {_ratio(t, 'tree_ratio')} of the raw single-row UPDATE)"
+    )
     for name, target in report["targets"].items():
         if isinstance(target, dict):
             value = target["value"]
@@ -596,41 +652,56 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 out.append(f"| {int(n):,} | {names[contender]} | failed (see the JSON's errors) | | |")
                 continue
             d, e, r = f["dispatch_s"], f["e2e_s"], f["rss_peak_mb"]
-            out.append(f"| {int(n):,} | {names[contender]} | {d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f}) | "
-                       f"{e['median']:.3f} ({e['min']:.3f}–{e['max']:.3f}) | {r['median']:.0f} |")  # fmt: skip
+            out.append(
+                f"| {int(n):,} | {names[contender]} | {d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f}) | "
+                f"{e['median']:.3f} ({e['min']:.3f}–{e['max']:.3f}) | {r['median']:.0f} |"
+            )
     lat, db, t = report["latency"], report["db"], report["throughput"]
-    out += ["", "| successor latency (last child's terminal commit → successor's first line) | p50 | p99 | max |",
-            "|---|---:|---:|---:|"]  # fmt: skip
+    out += [
+        "",
+        "| successor latency (last child's terminal commit → successor's first line) | p50 | p99 | max |",
+        "|---|---:|---:|---:|",
+    ]
     for contender, x in lat.items():
-        out.append(f"| {names[contender]}, {x['batches']} batches of {x['batch_size']} | {x['p50_ms']:.1f} ms | "
-                   f"{x['p99_ms']:.1f} ms | {x['max_ms']:.1f} ms |")  # fmt: skip
-    out += ["", f"| per child of a {db['children']}-child batch, counted at the worker's psycopg driver | statements |"
-            " round trips |", "|---|---:|---:|",
-            f"| terminal event (`fanin_record_terminal`, autocommit) | {db['terminal_statements_per_event']:.2f} | "
-            f"{db['terminal_roundtrips_per_event']:.2f} |",
-            f"| start (a thread writes many per statement, or the terminal report carries it) | "
-            f"{db['start_statements_per_child'] or 0:.2f} | {db['start_roundtrips_per_child'] or 0:.2f} |",
-            f"| all fan-in work per child | {db['all_statements_per_child']:.2f} | "
-            f"{db['all_roundtrips_per_child']:.2f} |",
-            "", f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes, "
-            f"{len(t['rounds'])} rounds | events/s, median | ratio to raw, median (min–max) |", "|---|---:|---:|",
-            f"| one flat batch, the workers' own path (`WorkerHooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
-            f"{_ratio(t, 'ratio')} |",
-            f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
-            f"{_ratio(t, 'sql_ratio')} |",
-            f"| a tree of 16 leaf counters (`max_width={max(1, t['events'] // 16)}`) | "
-            f"{t['fanin_tree_events_per_s']:.0f} | {_ratio(t, 'tree_ratio')} |",
-            f"| raw single-row `UPDATE`, one round trip | {t['raw_update_per_s']:.0f} | 1.00 |",
-            f"| the same `UPDATE` through SQLAlchemy `engine.begin()` + pre-ping | "
-            f"{t['raw_update_engine_per_s']:.0f} | {_ratio(t, 'engine_ratio')} |",
-            "", f"| target (at N = {report['targets']['at_n']:,}, this run) | result | |",
-            "|---|---:|---|"]  # fmt: skip
+        out.append(
+            f"| {names[contender]}, {x['batches']} batches of {x['batch_size']} | {x['p50_ms']:.1f} ms | "
+            f"{x['p99_ms']:.1f} ms | {x['max_ms']:.1f} ms |"
+        )
+    out += [
+        "",
+        f"| per child of a {db['children']}-child batch, counted at the worker's psycopg driver | statements |"
+        " round trips |",
+        "|---|---:|---:|",
+        f"| terminal event (`fanin_record_terminal`, autocommit) | {db['terminal_statements_per_event']:.2f} | "
+        f"{db['terminal_roundtrips_per_event']:.2f} |",
+        f"| start (a thread writes many per statement, or the terminal report carries it) | "
+        f"{db['start_statements_per_child'] or 0:.2f} | {db['start_roundtrips_per_child'] or 0:.2f} |",
+        f"| all fan-in work per child | {db['all_statements_per_child']:.2f} | {db['all_roundtrips_per_child']:.2f} |",
+        "",
+        f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes, "
+        f"{len(t['rounds'])} rounds | events/s, median | ratio to raw, median (min–max) |",
+        "|---|---:|---:|",
+        f"| one flat batch, the workers' own path (`WorkerHooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
+        f"{_ratio(t, 'ratio')} |",
+        f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
+        f"{_ratio(t, 'sql_ratio')} |",
+        f"| a tree of 16 leaf counters (`max_width={max(1, t['events'] // 16)}`) | "
+        f"{t['fanin_tree_events_per_s']:.0f} | {_ratio(t, 'tree_ratio')} |",
+        f"| raw single-row `UPDATE`, one round trip | {t['raw_update_per_s']:.0f} | 1.00 |",
+        f"| the same `UPDATE` through SQLAlchemy `engine.begin()` + pre-ping | "
+        f"{t['raw_update_engine_per_s']:.0f} | {_ratio(t, 'engine_ratio')} |",
+        "",
+        f"| target (at N = {report['targets']['at_n']:,}, this run) | result | |",
+        "|---|---:|---|",
+    ]
     for name, target in report["targets"].items():
         if isinstance(target, dict):
             value = target["value"]
             shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-            out.append(f"| {name.replace('_', ' ')} {target['target']} | {shown} | "
-                       f"{'met' if target['met'] else '**missed**'} |")  # fmt: skip
+            out.append(
+                f"| {name.replace('_', ' ')} {target['target']} | {shown} | "
+                f"{'met' if target['met'] else '**missed**'} |"
+            )
     return "\n".join(out)
 
 
@@ -658,8 +729,10 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         figs = report["contenders"][contender]
         ns = sorted(figs, key=int)
         med = [figs[n]["e2e_s"]["median"] for n in ns]
-        err = [[m - figs[n]["e2e_s"]["min"] for n, m in zip(ns, med, strict=True)],
-               [figs[n]["e2e_s"]["max"] - m for n, m in zip(ns, med, strict=True)]]  # fmt: skip
+        err = [
+            [m - figs[n]["e2e_s"]["min"] for n, m in zip(ns, med, strict=True)],
+            [figs[n]["e2e_s"]["max"] - m for n, m in zip(ns, med, strict=True)],
+        ]
         ax.errorbar([int(n) for n in ns], med, yerr=err, marker="o", capsize=3, label=contender)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -680,16 +753,24 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--broker", choices=("redis", "rabbitmq"), default="redis")
-    p.add_argument("--n", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 10000, 100000],
-                   help="comma-separated batch sizes (default 1000,10000,100000)")  # fmt: skip
+    p.add_argument(
+        "--n",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1000, 10000, 100000],
+        help="comma-separated batch sizes (default 1000,10000,100000)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per contender and N (default 3)")
     p.add_argument("--latency-batches", type=int, default=200)
     p.add_argument("--latency-size", type=int, default=10)
     p.add_argument("--count-children", type=int, default=200)
     p.add_argument("--throughput-children", type=int, default=8000)
     p.add_argument("--reporters", type=int, default=16)
-    p.add_argument("--throughput-rounds", type=int, default=3,
-                   help="rounds of the throughput phase, each on fresh batches (default 3)")  # fmt: skip
+    p.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=3,
+        help="rounds of the throughput phase, each on fresh batches (default 3)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--smoke", action="store_true", help="tiny N, one repeat: checks the harness, measures nothing")
     p.add_argument(
@@ -727,8 +808,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         FanIn(app).migrate()
         marks = redis.Redis.from_url(redis_url)
-        worker_args = ["worker", "-P", "prefork", "-c", "2", "-l", "WARNING", "-Q", queue, "--without-gossip",
-                       "--without-mingle", "--without-heartbeat", "-n", f"bench-{os.getpid()}@%h"]  # fmt: skip
+        worker_args = [
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "-l",
+            "WARNING",
+            "-Q",
+            queue,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-n",
+            f"bench-{os.getpid()}@%h",
+        ]
         # The timed runs use a worker without the statement counters (they cost a Redis write per fan-in child);
         # the counting phase swaps in one that has them.
         worker = Proc(worker_args, env, log_dir / "worker.log")

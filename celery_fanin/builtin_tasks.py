@@ -34,8 +34,15 @@ from .protocol import (
 from .sagas.driver import kick, settle_stage, settle_step
 from .store import sagas as store
 
-# Database errors worth retrying a saga's internal task for (a restart, a failover), not bugs.
-_RETRYABLE = (OperationalError, InterfaceError, FanInDatabaseError)
+# A saga's successors retry database errors (a restart, a failover), not bugs.
+_SAGA_TASK_OPTIONS: dict[str, Any] = {
+    "bind": True,
+    "shared": False,
+    "autoretry_for": (OperationalError, InterfaceError, FanInDatabaseError),
+    "retry_backoff": True,
+    "retry_backoff_max": 60,
+    "max_retries": 20,
+}
 
 _registered: weakref.WeakSet[Celery] = weakref.WeakSet()
 _register_lock = threading.Lock()
@@ -58,31 +65,30 @@ def register(app: Celery) -> None:
         if request_header(self.request, HEADER_SUCCESSOR):
             # A pipeline stage: the batch that just finished (its outcome is args[0]) starts the next one.
             outcome = args[0]
-            group.key = f"then:{outcome['batch_id']}:{outcome['step']}"
-            handle = group.apply_async()
+            handle = group.replace(key=f"then:{outcome['batch_id']}:{outcome['step']}").apply_async()
             return {"batch_id": handle.batch_id}
         if request_header(self.request, HEADER_BATCH):
             # A child: the inner batch's successor will report this child; until then it is not finished.
-            group.key = f"nested:{self.request.id}"
-            group.parent_task_id = self.request.id
-            group.apply_async()
+            group.replace(key=f"nested:{self.request.id}", parent_task_id=self.request.id).apply_async()
             raise Ignore()
         # Called on its own (not through a fan-in): just start the group.
         return {"batch_id": group.apply_async().batch_id}
 
-    @app.task(name=SAGA_STEP_DONE_TASK, bind=True, shared=False, autoretry_for=_RETRYABLE, retry_backoff=True,
-              retry_backoff_max=60, max_retries=20)  # fmt: skip
+    @app.task(name=SAGA_STEP_DONE_TASK, **_SAGA_TASK_OPTIONS)
     def saga_step_done(self: Any, outcome: dict[str, Any], saga_id: str, position: int) -> dict[str, Any]:
         """The successor of every saga step's batch: advance the saga, or start its rollback."""
         fanin = FanIn.of(self.app)
         sid = uuid.UUID(saga_id)
         settle_step(fanin, sid, position)
         kick(fanin, sid)
-        return {"saga_id": saga_id, "step": position, "succeeded": outcome.get("succeeded"),
-                "failed": outcome.get("failed")}  # fmt: skip
+        return {
+            "saga_id": saga_id,
+            "step": position,
+            "succeeded": outcome.get("succeeded"),
+            "failed": outcome.get("failed"),
+        }
 
-    @app.task(name=COMPENSATION_DONE_TASK, bind=True, shared=False, autoretry_for=_RETRYABLE, retry_backoff=True,
-              retry_backoff_max=60, max_retries=20)  # fmt: skip
+    @app.task(name=COMPENSATION_DONE_TASK, **_SAGA_TASK_OPTIONS)
     def compensation_done(self: Any, outcome: dict[str, Any]) -> dict[str, Any]:
         """The successor of every compensation batch: move each saga waiting on it to its next stage."""
         fanin = FanIn.of(self.app)
@@ -91,8 +97,11 @@ def register(app: Celery) -> None:
         for saga_id, stage in waiting:
             settle_stage(fanin, saga_id, stage)
             kick(fanin, saga_id)
-        return {"succeeded": outcome.get("succeeded"), "failed": outcome.get("failed"),
-                "sagas": [str(s) for s, _ in waiting]}  # fmt: skip
+        return {
+            "succeeded": outcome.get("succeeded"),
+            "failed": outcome.get("failed"),
+            "sagas": [str(s) for s, _ in waiting],
+        }
 
     @app.task(name=PRUNE_TASK, bind=True, shared=False)
     def prune_task(
@@ -104,5 +113,6 @@ def register(app: Celery) -> None:
         max_seconds: float | None = None,
     ) -> dict[str, Any]:
         """Delete finished batches older than `older_than` (see `celery_fanin.ops.retention.prune`)."""
-        return prune(FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit,
-                     max_seconds=max_seconds).as_dict()  # fmt: skip
+        return prune(
+            FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit, max_seconds=max_seconds
+        ).as_dict()

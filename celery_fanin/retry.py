@@ -1,14 +1,5 @@
-"""One retry policy for every store call that must outlive a PostgreSQL outage: transient errors only, jittered
-exponential backoff, bounded by time or by attempts.
-
-A transient error is one that running the same statement again can cure: the connection broke or could not be
-made (the server restarted, a network cut, too many connections, the server starting up), or PostgreSQL aborted
-the transaction to break a deadlock or a serialization conflict. Anything else (a programming error, a missing
-table, a permission, bad data) is raised at once: retrying it only delays the error.
-
-`call` runs any callable; `transaction` runs a callable inside `engine.begin()`, a fresh transaction (and a
-connection checked out again, pre-pinged) per attempt. The workers' reports use `call` around the report
-connection, which drops its connection after an error so that the next attempt reconnects.
+"""One retry policy for every store call that must outlive a PostgreSQL outage: transient errors only,
+jittered exponential backoff, bounded by time or by attempts (docs/concepts/worker.md).
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
 """A pytest plugin for applications that use celery-fanin: a migrated database, a wired app, eager fan-ins.
 
-Off unless enabled, like ``celery.contrib.pytest``. Enable it in one of these ways::
-
-    # pytest.ini / pyproject.toml [tool.pytest.ini_options] / setup.cfg [tool:pytest]
-    celery_fanin = true
-
-    # or on the command line, or in a conftest.py
-    pytest -p celery_fanin.testing
-    pytest_plugins = ["celery_fanin.testing"]
-
-The `pytest11` entry point only registers a small gate that reads the ini option; the fixtures below exist only
-once the plugin is enabled, so installing celery-fanin adds nothing to other test suites.
-
-Fixtures:
-
-- ``fanin_database_url`` (session): a migrated PostgreSQL database. The ``fanin_test_database_url`` ini option
-  or the ``FANIN_TEST_DATABASE_URL`` environment variable names one (its fan-in tables are emptied before each
-  test that uses ``fanin_database``: point it at a test database only); without either, a private embedded
-  server (``pip install "celery-fanin[embedded]"``) is started in a temporary directory for the session.
-- ``fanin_database`` (function): the same URL, with every fan-in table emptied.
-- ``fanin_celery_config`` (function): the configuration of ``fanin_app``; override it to change it. By default
-  an in-memory broker and ``task_always_eager = True``.
-- ``fanin_app`` (function): a Celery app wired with ``FanIn`` on ``fanin_database``. Override it to test your own
-  app: set ``app.conf.fanin_database_url = fanin_database`` and call ``FanIn(app)``.
-- ``fanin_run`` (function): ``fanin_run(fan_in_group(...))`` runs the fan-in to completion in this process (its
-  children, then its successor, inline and eagerly, recorded in the database as a worker records them) and
-  returns the handle; ``handle.status()`` has the counts, ``handle.successor().result`` the successor's return
-  value.
+Off unless enabled (``celery_fanin = true`` in the ini file, or ``-p celery_fanin.testing``); the fixtures and
+their options are in docs/how-to/testing.md.
 """
 
 from __future__ import annotations
@@ -59,10 +34,15 @@ DATABASE_ENV = "FANIN_TEST_DATABASE_URL"
 
 def _add_ini(parser: pytest.Parser) -> None:
     # addini tolerates a second registration of the same name: the gate and the plugin may both be loaded.
-    parser.addini(ENABLE_INI, "enable the celery-fanin pytest plugin (fixtures fanin_app, fanin_run, ...)", "bool",
-                  default=False)  # fmt: skip
-    parser.addini(DATABASE_INI, "PostgreSQL URL of a test database for the celery-fanin fixtures (emptied before "
-                  f"each test); default ${DATABASE_ENV}, else an embedded server", default="")  # fmt: skip
+    parser.addini(
+        ENABLE_INI, "enable the celery-fanin pytest plugin (fixtures fanin_app, fanin_run, ...)", "bool", default=False
+    )
+    parser.addini(
+        DATABASE_INI,
+        "PostgreSQL URL of a test database for the celery-fanin fixtures (emptied before "
+        f"each test); default ${DATABASE_ENV}, else an embedded server",
+        default="",
+    )
 
 
 class _Gate:
@@ -128,10 +108,13 @@ def fanin_database_url(pytestconfig: pytest.Config) -> Iterator[str]:
 def fanin_database(fanin_database_url: str) -> str:
     """The session database with every fan-in table emptied."""
     with psycopg.connect(libpq_conninfo(fanin_database_url), autocommit=True) as conn:
-        tables = [r[0] for r in conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'fanin\\_%%' "
-            "AND tablename <> 'fanin_migrations'"
-        )]  # fmt: skip
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'fanin\\_%%' "
+                "AND tablename <> 'fanin_migrations'"
+            )
+        ]
         if tables:
             names = sql.SQL(", ").join(sql.Identifier(t) for t in tables)
             conn.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY CASCADE").format(names))

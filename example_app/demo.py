@@ -208,8 +208,9 @@ def follow(console: Console, handle: FanInResult, running: list[Service], timeou
             status = handle.status()
             done = status.planned - status.remaining
             label = "sync_user tasks" if status.remaining else f"report: {status.successor_state or 'queued'}"
-            progress.update(bar, total=status.planned, completed=done, ok=status.succeeded, failed=status.failed,
-                            description=label)  # fmt: skip
+            progress.update(
+                bar, total=status.planned, completed=done, ok=status.succeeded, failed=status.failed, description=label
+            )
             if status.finished:
                 return status
             for service in running:
@@ -288,9 +289,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-spawn", action="store_true", help="use an already running worker and relay (docker compose)"
     )
     parser.add_argument(
-        "--embedded", action="store_true",
+        "--embedded",
+        action="store_true",
         help="use a private embedded PostgreSQL and the SQLAlchemy broker even if services are reachable",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.records < 0:
         parser.error("--records must not be negative")

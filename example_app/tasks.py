@@ -124,8 +124,13 @@ def schedule_partner_sync(
             db.release_claim(conn, run_label)
             raise
         db.mark_scheduled(conn, run_label, run.handle.batch_id, run.scanned, run.planned)
-    logger.info("partner sync %s: %d of %d rows fanned out as batch %s", run_label, run.planned, run.scanned,
-                run.handle.batch_id)  # fmt: skip
+    logger.info(
+        "partner sync %s: %d of %d rows fanned out as batch %s",
+        run_label,
+        run.planned,
+        run.scanned,
+        run.handle.batch_id,
+    )
     return run
 
 
@@ -174,6 +179,12 @@ def write_report(outcome: Mapping[str, Any], run_label: str) -> dict[str, Any]:
     )
     with db.connect(database_url()) as conn:
         db.save_report(conn, report)
-    logger.info("partner sync %s: %d planned, %d synced, %d discarded, %d failed", run_label, report.planned,
-                report.synced, report.discarded, report.failed)  # fmt: skip
+    logger.info(
+        "partner sync %s: %d planned, %d synced, %d discarded, %d failed",
+        run_label,
+        report.planned,
+        report.synced,
+        report.discarded,
+        report.failed,
+    )
     return report.as_dict()

@@ -70,8 +70,19 @@ def _celery_message(i: int) -> Message:
 
 def _messages() -> list[tuple[str, Message]]:
     when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
-    odd_headers = {"s": "é", "b": True, "i": 1, "big": 2**40, "f": 1.5, "d": Decimal("1.25"), "t": when, "n": None,
-                   "l": [1, "a", None, [True]], "m": {"x": {"y": 1}}, "bytes": b"\x00\x01"}  # fmt: skip
+    odd_headers = {
+        "s": "é",
+        "b": True,
+        "i": 1,
+        "big": 2**40,
+        "f": 1.5,
+        "d": Decimal("1.25"),
+        "t": when,
+        "n": None,
+        "l": [1, "a", None, [True]],
+        "m": {"x": {"y": 1}},
+        "bytes": b"\x00\x01",
+    }
     return [
         ("celery task", _celery_message(7)),
         ("text body, unicode", Message("héllo wörld")),
@@ -94,7 +105,7 @@ def _messages() -> list[tuple[str, Message]]:
                 app_id="a",
                 cluster_id="c",
             ),
-        ),  # fmt: skip
+        ),
         ("empty body", Message(b"", application_headers={"x": 1})),
         ("body over frame_max", Message(b"0123456789" * 1000, application_headers={"k": "v"})),
         ("body exactly one frame", Message(b"a" * (4096 - 8))),
@@ -159,15 +170,41 @@ class _Text(str):
 
 def _tripwires() -> list[dict[str, Any]]:
     """Header tables that differ from the one before in ways equality alone would miss."""
-    base = {"lang": "py", "task": "t", "id": "1", "n": 1, "flag": True, "timelimit": [None, None], "stamps": {},
-            "f": 0.0, "big": 2**31 - 1}  # fmt: skip
-    steps: list[dict[str, Any]] = [{}, {"id": "2"}, {"id": "3"}, {"n": True}, {"n": 1, "flag": 1},
-                                   {"flag": True, "timelimit": [None, 0]}, {"timelimit": [None, False]},
-                                   {"timelimit": (None, False)}, {"stamps": {"k": 1}}, {"stamps": {"k": True}},
-                                   {"stamps": {"k": True, "j": "x"}}, {"stamps": {"j": "x", "k": True}},
-                                   {"f": -0.0}, {"f": float("nan")}, {"big": 2**31}, {"big": -(2**31)},
-                                   {"task": "é"}, {"task": _Text("é")}, {"lang": b"py"}, {"id": None},
-                                   {"id": "4", "extra": "added"}, {"id": "5"}]  # fmt: skip
+    base = {
+        "lang": "py",
+        "task": "t",
+        "id": "1",
+        "n": 1,
+        "flag": True,
+        "timelimit": [None, None],
+        "stamps": {},
+        "f": 0.0,
+        "big": 2**31 - 1,
+    }
+    steps: list[dict[str, Any]] = [
+        {},
+        {"id": "2"},
+        {"id": "3"},
+        {"n": True},
+        {"n": 1, "flag": 1},
+        {"flag": True, "timelimit": [None, 0]},
+        {"timelimit": [None, False]},
+        {"timelimit": (None, False)},
+        {"stamps": {"k": 1}},
+        {"stamps": {"k": True}},
+        {"stamps": {"k": True, "j": "x"}},
+        {"stamps": {"j": "x", "k": True}},
+        {"f": -0.0},
+        {"f": float("nan")},
+        {"big": 2**31},
+        {"big": -(2**31)},
+        {"task": "é"},
+        {"task": _Text("é")},
+        {"lang": b"py"},
+        {"id": None},
+        {"id": "4", "extra": "added"},
+        {"id": "5"},
+    ]
     tables, current = [], dict(base)
     for change in steps:
         current = {**current, **change}
@@ -180,16 +217,27 @@ def _tripwires() -> list[dict[str, Any]]:
 def test_a_stream_of_tripwires_encodes_as_py_amqp() -> None:
     encoder = amqp_properties.PropertiesEncoder()
     for i, table in enumerate(_tripwires()):
-        msg = Message(b"x", content_type="application/json", application_headers=table, correlation_id=str(i),
-                      delivery_mode=2 if i % 3 else 1, priority=i % 2 or None)  # fmt: skip
+        msg = Message(
+            b"x",
+            content_type="application/json",
+            application_headers=table,
+            correlation_id=str(i),
+            delivery_mode=2 if i % 3 else 1,
+            priority=i % 2 or None,
+        )
         assert encoder.encode(msg) == msg._serialize_properties(), (i, table)
 
 
 def test_a_random_stream_encodes_as_py_amqp() -> None:
     """Seeded: headers drawn from pools of values of look-alike types, most repeated, some changing each time."""
     rng = random.Random(20261130)
-    pools: list[list[Any]] = [["a", "é", _Text("a")], [0, 1, True, False, None, 2**40], [[None, None], [0, None],
-                              [False, None], (0, None)], [{}, {"x": 1}, {"x": True}], [1.0, -0.0, 0.0]]  # fmt: skip
+    pools: list[list[Any]] = [
+        ["a", "é", _Text("a")],
+        [0, 1, True, False, None, 2**40],
+        [[None, None], [0, None], [False, None], (0, None)],
+        [{}, {"x": 1}, {"x": True}],
+        [1.0, -0.0, 0.0],
+    ]
     keys = [f"k{i}" for i in range(12)]
     encoder = amqp_properties.PropertiesEncoder()
     table = {k: rng.choice(rng.choice(pools)) for k in keys}
@@ -200,14 +248,22 @@ def test_a_random_stream_encodes_as_py_amqp() -> None:
         table["id"] = str(uuid.uuid4())
         if rng.random() < 0.02:
             table = dict(rng.sample(list(table.items()), len(table)))  # a new key order
-        msg = Message(b"", application_headers=dict(table), correlation_id=table["id"],
-                      content_type=rng.choice(["application/json", "text/plain"]))  # fmt: skip
+        msg = Message(
+            b"",
+            application_headers=dict(table),
+            correlation_id=table["id"],
+            content_type=rng.choice(["application/json", "text/plain"]),
+        )
         assert encoder.encode(msg) == msg._serialize_properties(), (i, table)
 
 
 def test_properties_py_amqp_would_refuse_are_refused_alike() -> None:
-    for properties in ({"priority": 300}, {"correlation_id": 5}, {"application_headers": {"k": object()}},
-                       {"application_headers": {"x" * 256: 1}}):  # fmt: skip
+    for properties in (
+        {"priority": 300},
+        {"correlation_id": 5},
+        {"application_headers": {"k": object()}},
+        {"application_headers": {"x" * 256: 1}},
+    ):
         msg = Message(b"", **properties)
         with pytest.raises(Exception) as theirs:
             msg._serialize_properties()
@@ -258,8 +314,15 @@ def _wire(built: tuple[Any, ...], direct: bool, name: str = "some.task") -> byte
     return b"".join(channel.connection.transport.writes)
 
 
-OPTIONS = [{}, {"compression": "zlib"}, {"serializer": "pickle"}, {"priority": 3, "delivery_mode": 1},
-           {"delivery_mode": "transient"}, {"expires": 600}, {"exchange": "ex", "routing_key": "rk"}]  # fmt: skip
+OPTIONS = [
+    {},
+    {"compression": "zlib"},
+    {"serializer": "pickle"},
+    {"priority": 3, "delivery_mode": 1},
+    {"delivery_mode": "transient"},
+    {"expires": 600},
+    {"exchange": "ex", "routing_key": "rk"},
+]
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(sorted(o)) or "json")
@@ -269,8 +332,12 @@ def test_a_message_sent_straight_to_the_frames_is_what_kombu_sends(options: dict
     app = Celery("tests.frames", broker="memory://", set_as_current=False)
     app.conf.accept_content = ["json", "pickle"]
     when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
-    sig = app.signature("some.task", args=(1, "ünïcode", when, uuid.UUID(int=5), Decimal("1.5"), b"\x00\xff"),
-                        kwargs={"nested": {"k": [None, True, 2.5]}}, **options)  # fmt: skip
+    sig = app.signature(
+        "some.task",
+        args=(1, "ünïcode", when, uuid.UUID(int=5), Decimal("1.5"), b"\x00\xff"),
+        kwargs={"nested": {"k": [None, True, 2.5]}},
+        **options,
+    )
     built = publish._Builder(app, "batch").build(5, "0c1f7a52-7d0e-4a55-9d1e-3f2d1c0b9a87", sig)
     ours = _wire(built, direct=True)
     assert ours == _wire(built, direct=False)

@@ -16,12 +16,34 @@ pytestmark = [pytest.mark.e2e]
 
 CONTENDER_KEYS = ("dispatch_s", "e2e_s", "rss_peak_mb")
 LATENCY_KEYS = ("p50_ms", "p99_ms", "max_ms", "batches", "batch_size")
-DB_KEYS = ("terminal_statements_per_event", "terminal_roundtrips_per_event", "start_statements_per_child",
-           "all_statements_per_child", "all_roundtrips_per_child", "pg_stat_statements", "method")  # fmt: skip
-THROUGHPUT_KEYS = ("fanin_events_per_s", "raw_update_per_s", "raw_update_engine_per_s", "ratio", "ratio_min",
-                   "ratio_max", "rounds", "reporters")  # fmt: skip
-TARGET_KEYS = ("dispatch_speedup_vs_group", "e2e_ratio_vs_group", "e2e_ratio_vs_chord", "successor_p50_ms",
-               "successor_p99_ms", "roundtrips_per_terminal_event", "throughput_ratio_vs_raw_update")  # fmt: skip
+DB_KEYS = (
+    "terminal_statements_per_event",
+    "terminal_roundtrips_per_event",
+    "start_statements_per_child",
+    "all_statements_per_child",
+    "all_roundtrips_per_child",
+    "pg_stat_statements",
+    "method",
+)
+THROUGHPUT_KEYS = (
+    "fanin_events_per_s",
+    "raw_update_per_s",
+    "raw_update_engine_per_s",
+    "ratio",
+    "ratio_min",
+    "ratio_max",
+    "rounds",
+    "reporters",
+)
+TARGET_KEYS = (
+    "dispatch_speedup_vs_group",
+    "e2e_ratio_vs_group",
+    "e2e_ratio_vs_chord",
+    "successor_p50_ms",
+    "successor_p99_ms",
+    "roundtrips_per_terminal_event",
+    "throughput_ratio_vs_raw_update",
+)
 
 
 @pytest.mark.timeout(300)
@@ -31,8 +53,11 @@ def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
     doc.write_text(f"before\n<!-- bench:{broker}:start -->\nold figures\n<!-- bench:{broker}:end -->\nafter\n")
     out = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--broker", broker, "--out", str(tmp_path), "--markdown", str(doc)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # Nothing left for interpreter exit: a chord's results still registered with the backend then try to
     # unsubscribe through a redis-py that can no longer reconnect ("Exception ignored in AsyncResult.__del__").
@@ -67,10 +92,24 @@ def test_drain_smoke_prints_a_rate_and_cpu_per_child_for_each_kind(tmp_path: Pat
 
     400 children: enough that each role's CPU, read from /proc in 10 ms ticks, is above zero where it is spent."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.drain", "--n", "400", "--rounds", "1", "--kinds", "plain,fanin",
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=220,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.drain",
+            "--n",
+            "400",
+            "--rounds",
+            "1",
+            "--kinds",
+            "plain,fanin",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(("plain ", "fanin "))}
     assert rows.keys() == {"plain", "fanin"}, out.stdout

@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=170, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     site = tmp_path / "site"
     assert (site / "how-to" / "database-roles" / "index.html").exists()

@@ -124,10 +124,24 @@ def test_the_demo_runs_without_any_service(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parent.parent
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "example_app.demo", "--embedded", "--records", "300", "--timeout", "150",
-             "--log-dir", str(tmp_path)],
-            cwd=root, env=env, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "example_app.demo",
+                "--embedded",
+                "--records",
+                "300",
+                "--timeout",
+                "150",
+                "--log-dir",
+                str(tmp_path),
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out
         assert "a private embedded PostgreSQL" in out and "SQLAlchemy transport" in out

@@ -124,9 +124,26 @@ def test_a_worker_behind_a_transaction_pooler_exits_with_the_reason(transaction_
     env = {**os.environ, "FANIN_DATABASE_URL": transaction_pooler, "FANIN_TEST_BROKER": clean_redis}
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.app", "worker", "-P", "solo", "--without-gossip",
-         "--without-mingle", "--without-heartbeat", "-l", "INFO"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=45,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.app",
+            "worker",
+            "-P",
+            "solo",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "INFO",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
     assert done.returncode != 0
     assert "transaction (or statement) mode" in done.stdout + done.stderr

@@ -255,8 +255,9 @@ def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]
 
     route, our_headers, our_body, properties = publish._Builder(app, "b").build(3, task_id, sig)
     assert our_body == celery_body
-    assert route.exchange == (celery_kwargs["exchange"].name if hasattr(celery_kwargs["exchange"], "name")
-                              else celery_kwargs["exchange"])  # fmt: skip
+    assert route.exchange == (
+        celery_kwargs["exchange"].name if hasattr(celery_kwargs["exchange"], "name") else celery_kwargs["exchange"]
+    )
     assert route.routing_key == celery_kwargs["routing_key"]
     assert route.serializer == celery_kwargs["serializer"]
     assert route.compression == celery_kwargs["compression"]
@@ -283,9 +284,13 @@ def test_successor_message_matches_what_celery_publishes(name: str, options: dic
     task_id = str(uuid.uuid4())
     with app.connection_for_write() as conn:
         capture = _Capture(conn)
-        sig.apply_async(args=(outcome,), task_id=task_id, producer=capture, add_to_parent=False,
-                        headers={**(options.get("headers") or {}), protocol.HEADER_SUCCESSOR: "b",
-                                 protocol.HEADER_STEP: "merge"})  # fmt: skip
+        sig.apply_async(
+            args=(outcome,),
+            task_id=task_id,
+            producer=capture,
+            add_to_parent=False,
+            headers={**(options.get("headers") or {}), protocol.HEADER_SUCCESSOR: "b", protocol.HEADER_STEP: "merge"},
+        )
         ours = _Capture(conn)
         publish.publish_successor(app, ours, uuid.UUID(int=0), "merge", task_id, sig, outcome)  # type: ignore[arg-type]
     ((celery_body, celery_kwargs),) = capture.published
@@ -300,9 +305,19 @@ def test_successor_message_matches_what_celery_publishes(name: str, options: dic
 
 
 _PUBLISH_ARGS = frozenset(
-    {"exchange", "routing_key", "serializer", "compression", "retry", "retry_policy", "declare", "headers",
-     "timeout", "confirm_timeout"}
-)  # fmt: skip
+    {
+        "exchange",
+        "routing_key",
+        "serializer",
+        "compression",
+        "retry",
+        "retry_policy",
+        "declare",
+        "headers",
+        "timeout",
+        "confirm_timeout",
+    }
+)
 
 
 def test_unmodelled_options_go_through_celery(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,8 +360,10 @@ def test_rabbitmq_chunks_are_recorded_only_once_confirmed(
     from celery_fanin.relay import Relay
 
     queue = f"fanin-pub-{uuid.uuid4().hex[:10]}"
-    app = _producer_app({**e2e_env, "FANIN_TEST_BROKER": RABBITMQ_URL, "FANIN_TEST_QUEUE": queue,
-                         "ROUTED_QUEUE": f"{queue}-routed"}, fanin_chunk_size=4)  # fmt: skip
+    app = _producer_app(
+        {**e2e_env, "FANIN_TEST_BROKER": RABBITMQ_URL, "FANIN_TEST_QUEUE": queue, "ROUTED_QUEUE": f"{queue}-routed"},
+        fanin_chunk_size=4,
+    )
     echo = app.tasks[publish_tasks.ECHO]
     try:
 

@@ -67,8 +67,9 @@ def cluster() -> Iterator[Cluster]:
     with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{c.database}"')  # generated identifiers, not input
     try:
-        with psycopg.connect(make_url(ADMIN_URL).set(database=c.database).render_as_string(False),
-                             autocommit=True) as admin:  # fmt: skip
+        with psycopg.connect(
+            make_url(ADMIN_URL).set(database=c.database).render_as_string(False), autocommit=True
+        ) as admin:
             admin.execute(c.sql(DOCS / "roles.sql"))
         yield c
     finally:
@@ -126,17 +127,20 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         child = producer.signature("roles.child")
         then = producer.signature("roles.successor")
         plain_ids = [f"plain-{cluster.suffix}-{i}" for i in range(3)]
-        plain = fan_in_group([child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(plain_ids)],
-                             then=then, app=producer).apply_async()  # fmt: skip
+        plain = fan_in_group(
+            [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(plain_ids)], then=then, app=producer
+        ).apply_async()
         empty = fan_in_group([], then=then, app=producer).apply_async()  # its successor is sent at once
         tree_ids = [f"tree-{cluster.suffix}-{i}" for i in range(5)]
         streamed = (child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(tree_ids))
         tree = fan_in_group(streamed, then=then, app=producer, max_width=2, key=f"tree-{cluster.suffix}").apply_async()
-        redrive = fan_in_group([child.clone(args=(0,))], then=then, app=producer, child_timeout=0.2,
-                               on_lost="redrive", max_redrives=1).apply_async()  # fmt: skip
+        redrive = fan_in_group(
+            [child.clone(args=(0,))], then=then, app=producer, child_timeout=0.2, on_lost="redrive", max_redrives=1
+        ).apply_async()
         lost = fan_in_group([child.clone(args=(0,))], then=then, app=producer, child_timeout=0.2).apply_async()
-        late = fan_in_group([child.clone(args=(0,))], then=then, app=producer,
-                            deadline=timedelta(seconds=0.2)).apply_async()  # fmt: skip
+        late = fan_in_group(
+            [child.clone(args=(0,))], then=then, app=producer, deadline=timedelta(seconds=0.2)
+        ).apply_async()
         orphan = fan_in_group([child.clone(args=(0,))], then=then, app=producer).apply_async()
         threshold_ids = [f"threshold-{cluster.suffix}-{i}" for i in range(4)]
         threshold = fan_in_group(
@@ -182,8 +186,9 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         assert rec is not None and rec.successor_created, "a leaf's failure passed its root's threshold"
 
         # --- the relay: outbox, orphaned children, lost children, deadlines, stalled successors, reconcile ------
-        with psycopg.connect(make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False),
-                             autocommit=True) as admin:  # fmt: skip
+        with psycopg.connect(
+            make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False), autocommit=True
+        ) as admin:
             # (a pending child: one already terminal, as `lost`'s soon is, is not published again)
             admin.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (orphan.batch_id,))
         time.sleep(0.5)  # past the child timeouts and the deadline
@@ -265,8 +270,9 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
     fanin_worker) and run the internal tasks that move it on, as a login role that is a member of fanin_producer
     and fanin_worker, as database-roles.md says a worker that runs sagas must be."""
     _migrate(cluster)
-    with psycopg.connect(make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False),
-                         autocommit=True) as admin:  # fmt: skip
+    with psycopg.connect(
+        make_url(ADMIN_URL).set(database=cluster.database).render_as_string(False), autocommit=True
+    ) as admin:
         admin.execute(f'CREATE ROLE "{cluster.role("sagaworker")}" LOGIN')  # generated identifiers, not input
         admin.execute(
             f'GRANT "{cluster.role("producer")}", "{cluster.role("worker")}" TO "{cluster.role("sagaworker")}"'
@@ -286,9 +292,15 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
             with psycopg.connect(cluster.url("worker")) as conn:
                 row = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", (batch_id,))
                 (task_id,) = row.fetchone() or ("",)
-            rec = hooks.worker_hooks.record_child(fanin_w, task_id, protocol.Marker(batch_id, 0, None), state,
-                                     value=1, has_value=state == "succeeded",
-                                     exc=RuntimeError("declined") if state == "failed" else None)  # fmt: skip
+            rec = hooks.worker_hooks.record_child(
+                fanin_w,
+                task_id,
+                protocol.Marker(batch_id, 0, None),
+                state,
+                value=1,
+                has_value=state == "succeeded",
+                exc=RuntimeError("declined") if state == "failed" else None,
+            )
             assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
             return task_id
 

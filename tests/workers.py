@@ -102,10 +102,25 @@ def start_worker(
     env: dict[str, str], log: Path, concurrency: int = 2, extra: list[str] | None = None, pool: str = "prefork"
 ) -> CeleryProcess:
     worker = CeleryProcess(
-        ["worker", "-P", pool, "-c", str(concurrency), "-l", "INFO", "--without-gossip", "--without-mingle",
-         "--without-heartbeat", "-n", f"e2e-{os.getpid()}-{time.monotonic_ns()}@%h", *(extra or [])],
-        env, log, ready_marker="ready.",
-    )  # fmt: skip
+        [
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-l",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-n",
+            f"e2e-{os.getpid()}-{time.monotonic_ns()}@%h",
+            *(extra or []),
+        ],
+        env,
+        log,
+        ready_marker="ready.",
+    )
     worker.wait_ready()
     return worker
 

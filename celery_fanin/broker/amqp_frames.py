@@ -1,16 +1,5 @@
-"""The AMQP frames py-amqp writes for ``basic_publish``, held and written many messages at a time.
-
-Why: py-amqp writes each message with its own socket ``sendall``, through a frame writer that takes a lock,
-packs with a format string built per call and sets a socket timeout around every publish. Publishing 10,000
-Celery task messages to a local RabbitMQ that way took 1.6 s here; the same frames held and written a stretch at
-a time took 0.6 s. The properties are encoded by `amqp_properties.PropertiesEncoder` (py-amqp's encoding, reusing
-what repeats from one message to the next), and the frames are laid out as py-amqp's ``frame_writer`` lays them
-out (tests/test_amqp_frames.py compares the bytes), so the broker and the workers see nothing new.
-
-`FrameBuffer.publish` has the signature of ``amqp.Channel.basic_publish``, so kombu's ``Producer.publish`` (which
-builds the ``amqp.Message``: serializer, compression, properties) calls it unchanged. Frames are held until
-`flush`: whoever then waits on the channel (for publisher confirms) must flush first. One thread per connection,
-as py-amqp's own writer assumes of a channel.
+"""The AMQP frames py-amqp writes for ``basic_publish``, held and written many messages at a time
+(docs/concepts/publishing.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""A message's AMQP basic properties, encoded byte for byte as py-amqp encodes them, reusing what repeats.
-
-Why: py-amqp's ``Message._serialize_properties`` encodes the header table item by item through a chain of
-``isinstance`` checks and ``BytesIO`` writes: ~30 µs for a Celery task message on this machine, the largest
-single cost of publishing a child to RabbitMQ. The children of a batch share most of their ~22 headers (``lang``,
-``task``, ``origin``, ``timelimit``...); only a few (``id``, ``root_id``, ``argsrepr``, ``fanin_index``) change
-from one message to the next. `PropertiesEncoder` learns which positions change, keeps the encoded bytes of the
-others, and encodes only the changing ones, strings and small integers directly and anything else with py-amqp's
-own ``dumps``.
-
-Exactness comes first: a header is reused only if it is at the same position under the same key with a value of
-the same type that compares equal (containers compared type by type all the way down; floats are never reused,
-since ``0.0 == -0.0`` encode differently); a message with anything this does not model (a property whose type
-py-amqp would reject, a key longer than 255 bytes) is encoded by py-amqp itself. tests/test_amqp_frames.py
-compares the bytes with py-amqp's for single messages and for sequences built to trip the reuse.
+"""A message's AMQP basic properties, encoded byte for byte as py-amqp encodes them, reusing what repeats
+(docs/concepts/publishing.md).
 """
 
 from __future__ import annotations
@@ -91,8 +78,9 @@ class _TableEncoder:
             self._shape, self._previous, self._template = shape, values, None
             return
         previous = self._previous
-        fixed = [i for i, (a, b) in enumerate(zip(previous, values, strict=True))
-                 if type(b) in _REUSABLE and _same(a, b)]  # fmt: skip
+        fixed = [
+            i for i, (a, b) in enumerate(zip(previous, values, strict=True)) if type(b) in _REUSABLE and _same(a, b)
+        ]
         self._previous = values
         if len(fixed) < 2:  # nothing worth a template (itemgetter of one index returns a value, not a tuple)
             self._template = None

@@ -1,31 +1,5 @@
-"""Turning stored rows into broker messages; shared by the producer's fast path and the relay.
-
-Children and successors are published as ordinary Celery task messages with pre-assigned task ids and a few
-custom headers that the worker hooks read: ``fanin_batch`` and ``fanin_index`` on a child, ``fanin_successor`` and
-``fanin_step`` on a successor. Custom headers reach the task as ``task.request.<name>`` and survive retries.
-
-Why children are not published with ``Signature.apply_async``: that path re-reads the app's configuration,
-re-routes, re-declares the queue and (with a result backend) subscribes to each task's result, message by message;
-it publishes well under a thousand messages a second. A batch of children mostly shares one task and one set of
-options, so here the routing Celery would compute (task options, signature options, ``task_routes``) is resolved
-once per distinct (task, options), each message is still built by Celery's own ``amqp.create_task_message``, and
-the broker writes are pipelined:
-
-- Redis: kombu's ``Producer.batch`` (one pipeline per ``BATCH_SIZE`` commands, flushed when the `producer`
-  context exits);
-- RabbitMQ: a channel of the producer's connection in publisher-confirm mode; messages are built as kombu's
-  ``Producer.publish`` builds them, without its per-message bookkeeping (`_publish_frames`), and written many
-  per socket write (`amqp_frames`), and `publish_children` returns only once the broker has confirmed all of them
-  (a nack or a channel error raises), so a caller that records "published" afterwards records the truth; or,
-  with ``wait=False``, hands back the confirms to wait for before recording it (`Unconfirmed`);
-- any other transport, or a Redis connection configured to retry commands (where kombu refuses pipelines):
-  the same messages, published one by one.
-
-A child with options the fast path does not model (links, chords, stamps...), a chain child (`publish_chain`), and
-every child of an app in eager mode, with task protocol 1, with ``task_send_sent_event``, or with
-``fanin_bulk_publish = False``, goes through ``Signature.apply_async`` exactly as before; on RabbitMQ on the same
-confirm channel, so that it too is recorded as published only once the broker confirmed it. Successors are
-published on it too (`publish_successor` returns once the broker confirmed).
+"""Children and successors as ordinary Celery task messages, built and written in bulk where the
+transport allows (docs/concepts/publishing.md).
 """
 
 from __future__ import annotations
@@ -68,10 +42,27 @@ MAX_UNCONFIRMED = 8000
 # Signature options the fast path builds messages for; a child with any other option is published by Celery.
 _PER_MESSAGE_OPTIONS = frozenset({"task_id", "countdown", "eta", "expires", "headers"})
 _ROUTE_OPTIONS = frozenset(
-    {"queue", "exchange", "routing_key", "exchange_type", "priority", "delivery_mode", "serializer", "compression",
-     "time_limit", "soft_time_limit", "ignore_result", "shadow", "retry", "retry_policy", "immediate", "mandatory",
-     "add_to_parent", "reply_to"}
-)  # fmt: skip
+    {
+        "queue",
+        "exchange",
+        "routing_key",
+        "exchange_type",
+        "priority",
+        "delivery_mode",
+        "serializer",
+        "compression",
+        "time_limit",
+        "soft_time_limit",
+        "ignore_result",
+        "shadow",
+        "retry",
+        "retry_policy",
+        "immediate",
+        "mandatory",
+        "add_to_parent",
+        "reply_to",
+    }
+)
 _FAST_OPTIONS = _PER_MESSAGE_OPTIONS | _ROUTE_OPTIONS
 
 
@@ -293,14 +284,34 @@ class _Builder:
         if task is not None and type(task).shadow_name is not Task.shadow_name:
             shadow = shadow or task.shadow_name(args, kwargs, options)
         message = self.amqp.create_task_message(
-            task_id, name, args, kwargs, countdown, eta, None, None,
-            expires, 0, None, None, None,
-            self.reply_to, route.time_limit, route.soft_time_limit, False,
-            self.root_id, self.parent_id, shadow, None,
-            ignore_result=route.ignore_result, now=self.now, timezone=self.timezone, origin=self.origin,
+            task_id,
+            name,
+            args,
+            kwargs,
+            countdown,
+            eta,
+            None,
+            None,
+            expires,
+            0,
+            None,
+            None,
+            None,
+            self.reply_to,
+            route.time_limit,
+            route.soft_time_limit,
+            False,
+            self.root_id,
+            self.parent_id,
+            shadow,
+            None,
+            ignore_result=route.ignore_result,
+            now=self.now,
+            timezone=self.timezone,
+            origin=self.origin,
             argsrepr=self.repr(args, self.argsrepr_size),
             kwargsrepr=self.repr(kwargs, self.kwargsrepr_size),
-        )  # fmt: skip
+        )
         headers = message.headers
         headers.update(options.get("headers") or {})
         headers.update(marker if marker is not None else {HEADER_BATCH: self.batch_id, HEADER_INDEX: idx})
@@ -441,9 +452,16 @@ def _send(
             builder.declared.add(id(entity))
     before = signals.before_task_publish
     if before.receivers:
-        before.send(sender=name, body=body, exchange=route.exchange, routing_key=route.routing_key,
-                    declare=list(route.declare), headers=headers, properties=properties,
-                    retry_policy=None)  # fmt: skip
+        before.send(
+            sender=name,
+            body=body,
+            exchange=route.exchange,
+            routing_key=route.routing_key,
+            declare=list(route.declare),
+            headers=headers,
+            properties=properties,
+            retry_policy=None,
+        )
     if frames is None or not _publish_frames(frames, target, route, headers, body, properties):
         target.publish(
             body,
@@ -458,17 +476,32 @@ def _send(
         )
     after = signals.after_task_publish
     if after.receivers:
-        after.send(sender=name, body=body, headers=headers, exchange=route.exchange,
-                   routing_key=route.routing_key)  # fmt: skip
+        after.send(sender=name, body=body, headers=headers, exchange=route.exchange, routing_key=route.routing_key)
 
 
 # The keyword parameters of kombu's ``Producer.publish``: a property of one of these names is taken as that argument.
 # `_publish_frames` models three (the ones Celery's messages carry); a message with any other goes through kombu.
 _KOMBU_PUBLISH_ARGS = frozenset(
-    {"routing_key", "delivery_mode", "mandatory", "immediate", "priority", "content_type", "content_encoding",
-     "serializer", "headers", "compression", "exchange", "retry", "retry_policy", "declare", "expiration", "timeout",
-     "confirm_timeout"}
-)  # fmt: skip
+    {
+        "routing_key",
+        "delivery_mode",
+        "mandatory",
+        "immediate",
+        "priority",
+        "content_type",
+        "content_encoding",
+        "serializer",
+        "headers",
+        "compression",
+        "exchange",
+        "retry",
+        "retry_policy",
+        "declare",
+        "expiration",
+        "timeout",
+        "confirm_timeout",
+    }
+)
 _MODELLED_ARGS = frozenset({"delivery_mode", "priority", "expiration"})
 
 

@@ -111,8 +111,13 @@ def _when(iso: str | None) -> str:
 
 def _node_line(node: dict[str, Any]) -> str:
     kind = node["kind"]
-    label = {"root": "batch", "leaf": "leaf", "nested": f"child {node.get('child_index')} → nested batch",
-             "stage": "next stage", "spawned": "started batch"}.get(kind, kind)  # fmt: skip
+    label = {
+        "root": "batch",
+        "leaf": "leaf",
+        "nested": f"child {node.get('child_index')} → nested batch",
+        "stage": "next stage",
+        "spawned": "started batch",
+    }.get(kind, kind)
     done = node["succeeded"] + node["failed"]
     succ = node["successor_state"] or ("-" if kind == "leaf" else "not created")
     text = f"{label} [bold]{node['batch_id']}[/bold] {escape(node['step'])}  {node['state']}  {done}/{node['planned']}"
@@ -161,8 +166,13 @@ def _render(data: dict[str, Any]) -> None:
     ):
         table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     console.print(table)
-    with Progress(TextColumn("children"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  console=console, auto_refresh=False) as progress:  # fmt: skip
+    with Progress(
+        TextColumn("children"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        console=console,
+        auto_refresh=False,
+    ) as progress:
         progress.add_task("children", total=max(data["planned"], 1), completed=data["planned"] - data["remaining"])
         progress.refresh()
     tree_data = data["tree"]
@@ -178,20 +188,34 @@ def _render(data: dict[str, Any]) -> None:
         if data["tree_truncated"]:
             console.print("[dim](tree truncated: --tree-limit shows more)[/dim]")
     if data["rounds"]:
-        rounds = Table("round", "batch", "state", "planned", "succeeded", "failed", "successor", "created",
-                       title="rounds")  # fmt: skip
+        rounds = Table(
+            "round", "batch", "state", "planned", "succeeded", "failed", "successor", "created", title="rounds"
+        )
         for r in data["rounds"]:
             mark = " (this)" if r["batch_id"] == data["batch_id"] else ""
-            rounds.add_row(str(r["round"]) + mark, r["batch_id"], r["state"], str(r["planned"]), str(r["succeeded"]),
-                           str(r["failed"]), r["successor_state"] or "-", _when(r["created_at"]))  # fmt: skip
+            rounds.add_row(
+                str(r["round"]) + mark,
+                r["batch_id"],
+                r["state"],
+                str(r["planned"]),
+                str(r["succeeded"]),
+                str(r["failed"]),
+                r["successor_state"] or "-",
+                _when(r["created_at"]),
+            )
         console.print(rounds)
 
 
 @fanin.command()
 @click.argument("batch_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the status (tree and rounds included) as JSON.")
-@click.option("--tree-limit", type=click.IntRange(0), default=200, show_default=True,
-              help="Most leaves, nested batches and stages shown.")  # fmt: skip
+@click.option(
+    "--tree-limit",
+    type=click.IntRange(0),
+    default=200,
+    show_default=True,
+    help="Most leaves, nested batches and stages shown.",
+)
 @click.pass_context
 @_errors_as_exit
 def status(ctx: click.Context, batch_id: str, as_json: bool, tree_limit: int) -> None:
@@ -211,8 +235,9 @@ def _finished(st: BatchStatus) -> bool:
 
 @fanin.command()
 @click.argument("batch_id")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
-              help="Seconds between reads.")  # fmt: skip
+@click.option(
+    "--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, help="Seconds between reads."
+)
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Give up after this many seconds.")
 @click.pass_context
 @_errors_as_exit
@@ -237,11 +262,19 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
         failed = f", [red]{s.failed} failed[/red]" if s.failed else ""
         return {"detail": f"{s.state}{failed}, successor {s.successor_state or 'not created'}"}
 
-    with Progress(TextColumn(f"batch {st.batch_id[:8]}"), BarColumn(), MofNCompleteColumn(), Rate(),
-                  TextColumn("ETA"), TimeRemainingColumn(), TimeElapsedColumn(), TextColumn("{task.fields[detail]}"),
-                  console=console, refresh_per_second=4) as progress:  # fmt: skip
-        bar = progress.add_task("children", total=max(st.planned, 1), completed=st.planned - st.remaining,
-                                **fields(st))  # fmt: skip
+    with Progress(
+        TextColumn(f"batch {st.batch_id[:8]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        Rate(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[detail]}"),
+        console=console,
+        refresh_per_second=4,
+    ) as progress:
+        bar = progress.add_task("children", total=max(st.planned, 1), completed=st.planned - st.remaining, **fields(st))
         while not _finished(st):
             if deadline is not None and time.monotonic() >= deadline:
                 progress.stop()
@@ -255,8 +288,10 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
             except FanInDatabaseError:
                 continue  # a database restart or failover: keep watching until --timeout
             progress.update(bar, total=max(st.planned, 1), completed=st.planned - st.remaining, **fields(st))
-    summary = (f"batch {st.batch_id}: {st.state}, {st.succeeded} succeeded, {st.failed} failed; "
-               f"successor {st.successor_state or f'none ({st.state})'}")  # fmt: skip
+    summary = (
+        f"batch {st.batch_id}: {st.state}, {st.succeeded} succeeded, {st.failed} failed; "
+        f"successor {st.successor_state or f'none ({st.state})'}"
+    )
     if st.successor_state != SuccessorState.SUCCEEDED:
         raise click.ClickException(summary)
     click.echo(summary)
@@ -278,11 +313,21 @@ LS_STATES = (*(s.value for s in BatchState), "stuck")
 
 
 @fanin.command(name="ls")
-@click.option("--state", "states", multiple=True, type=click.Choice(LS_STATES),
-              help="Only batches in this state (repeatable). stuck: open or running with no child finished for "
-                   "longer than --stuck-after.")  # fmt: skip
-@click.option("--stuck-after", type=Duration(), default="600", show_default=True,
-              help="How long without a finished child makes a running batch stuck (30m, 600, ...).")  # fmt: skip
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice(LS_STATES),
+    help="Only batches in this state (repeatable). stuck: open or running with no child finished for "
+    "longer than --stuck-after.",
+)
+@click.option(
+    "--stuck-after",
+    type=Duration(),
+    default="600",
+    show_default=True,
+    help="How long without a finished child makes a running batch stuck (30m, 600, ...).",
+)
 @click.option("--older-than", type=Duration(), default=None, help="Only batches created longer ago (2h, 7d, ...).")
 @click.option("--newer-than", type=Duration(), default=None, help="Only batches created more recently.")
 @click.option("--step", default=None, help="Only batches of this step.")
@@ -290,11 +335,26 @@ LS_STATES = (*(s.value for s in BatchState), "stuck")
 @click.option("--json", "as_json", is_flag=True, help="Print the batches as JSON.")
 @click.pass_context
 @_errors_as_exit
-def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_than: float | None,
-       newer_than: float | None, step: str | None, limit: int, as_json: bool) -> None:  # fmt: skip
+def ls(
+    ctx: click.Context,
+    states: tuple[str, ...],
+    stuck_after: float,
+    older_than: float | None,
+    newer_than: float | None,
+    step: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
     """List batches, newest first (a tree's leaves and retry rounds' details are in `status`)."""
-    rows = list_batches(_fanin(ctx), states=states, stuck_after=stuck_after, older_than=older_than,
-                        newer_than=newer_than, step=step, limit=limit)  # fmt: skip
+    rows = list_batches(
+        _fanin(ctx),
+        states=states,
+        stuck_after=stuck_after,
+        older_than=older_than,
+        newer_than=newer_than,
+        step=step,
+        limit=limit,
+    )
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -304,9 +364,16 @@ def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_th
     table = Table("batch", "age", "step", "state", "done", "failed", "successor", "round")
     for r in rows:
         state = r["state"] + (" [yellow](stuck)[/yellow]" if r["stuck"] else "")
-        table.add_row(r["batch_id"], _ago(r["age_seconds"]), escape(r["step"]), state,
-                      f"{r['succeeded'] + r['failed']}/{r['planned']}", str(r["failed"]),
-                      r["successor_state"] or "-", str(r["round"]))  # fmt: skip
+        table.add_row(
+            r["batch_id"],
+            _ago(r["age_seconds"]),
+            escape(r["step"]),
+            state,
+            f"{r['succeeded'] + r['failed']}/{r['planned']}",
+            str(r["failed"]),
+            r["successor_state"] or "-",
+            str(r["round"]),
+        )
     _console().print(table)
 
 
@@ -332,8 +399,9 @@ def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> No
     table = Table("index", "task id", "task", "state", "exception", "attempts")
     for f in listed:
         exc = f"{f['exc_type'] or ''}: {f['exc_message'] or ''}".strip(": ")
-        table.add_row(str(f["index"]), f["task_id"], escape(f["task_name"]), f["state"], escape(exc or "-"),
-                      str(f["attempts"]))  # fmt: skip
+        table.add_row(
+            str(f["index"]), f["task_id"], escape(f["task_name"]), f["state"], escape(exc or "-"), str(f["attempts"])
+        )
     console.print(table)
 
 
@@ -356,10 +424,13 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     if done.batch_id is None:
         click.echo(f"nothing to retry: {retried} has no failed children")
         return
-    click.echo(f"round {done.round} of batch {done.original}: batch {done.batch_id}"
-               + (" (already created by another retry)" if done.existing else ""))  # fmt: skip
-    click.echo(f"  {done.children} failed children of {retried} published again; the successor runs again when "
-               "they finish")  # fmt: skip
+    click.echo(
+        f"round {done.round} of batch {done.original}: batch {done.batch_id}"
+        + (" (already created by another retry)" if done.existing else "")
+    )
+    click.echo(
+        f"  {done.children} failed children of {retried} published again; the successor runs again when they finish"
+    )
     if done.unfinished:
         click.echo(f"  {done.unfinished} children of {retried} were still unfinished and are not retried")
     if done.nested_in:
@@ -368,34 +439,50 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
 
 @fanin.command()
 @click.option("--older-than", type=Duration(), required=True, help="Age of the batches to delete (30d, 12h, ...).")
-@click.option("--chunk", type=click.IntRange(1), default=500, show_default=True,
-              help="Root batches locked per transaction.")  # fmt: skip
-@click.option("--max-children", type=click.IntRange(1), default=20_000, show_default=True,
-              help="Children deleted per transaction (a larger batch goes alone, a tree leaf by leaf).")  # fmt: skip
+@click.option(
+    "--chunk", type=click.IntRange(1), default=500, show_default=True, help="Root batches locked per transaction."
+)
+@click.option(
+    "--max-children",
+    type=click.IntRange(1),
+    default=20_000,
+    show_default=True,
+    help="Children deleted per transaction (a larger batch goes alone, a tree leaf by leaf).",
+)
 @click.option("--limit", type=click.IntRange(1), default=None, help="Delete at most this many batches.")
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 @_errors_as_exit
-def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, limit: int | None, dry_run: bool,
-          as_json: bool) -> None:  # fmt: skip
+def prune(
+    ctx: click.Context,
+    older_than: float,
+    chunk: int,
+    max_children: int,
+    limit: int | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Delete finished batches (and their children, successors and outbox rows) and finished sagas that finished
     longer ago than --older-than, in short transactions. Open and running batches, batches whose successor has
     not finished, and sagas that are running or wait for an operator are never deleted."""
-    report = run_prune(_fanin(ctx), older_than, chunk=chunk, max_children=max_children, dry_run=dry_run,
-                       limit=limit)  # fmt: skip
+    report = run_prune(_fanin(ctx), older_than, chunk=chunk, max_children=max_children, dry_run=dry_run, limit=limit)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
         return
     age = _ago(older_than)
     if dry_run:
-        click.echo(f"would delete {report.batches} batches ({report.children} children) and {report.sagas} sagas "
-                   f"finished more than {age} ago")  # fmt: skip
+        click.echo(
+            f"would delete {report.batches} batches ({report.children} children) and {report.sagas} sagas "
+            f"finished more than {age} ago"
+        )
         return
     more = "" if report.complete else " (stopped at --limit: more remain)"
-    click.echo(f"deleted {report.batches} batches ({report.leaves} leaf counters, {report.children} children) "
-               f"and {report.sagas} sagas finished more than {age} ago, in {report.transactions} transactions"
-               f"{more}")  # fmt: skip
+    click.echo(
+        f"deleted {report.batches} batches ({report.leaves} leaf counters, {report.children} children) "
+        f"and {report.sagas} sagas finished more than {age} ago, in {report.transactions} transactions"
+        f"{more}"
+    )
 
 
 @fanin.command()
@@ -486,8 +573,11 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     repairs = maintenance.reconcile(fanin_ext)
     expired = maintenance.apply_deadlines(fanin_ext)
     if as_json:
-        click.echo(json.dumps({"repairs": [r.as_dict() for r in repairs],
-                               "deadlines": [str(e.batch_id) for e in expired]}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {"repairs": [r.as_dict() for r in repairs], "deadlines": [str(e.batch_id) for e in expired]}, indent=2
+            )
+        )
         return
     if not repairs and not expired:
         click.echo("all batches agree with their child rows")

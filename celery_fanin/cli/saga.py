@@ -36,14 +36,24 @@ def _render(status: saga_status.SagaStatus) -> None:
 
     steps = Table("step", "name", "state", "batch", "detail", title="steps", title_justify="left")
     for s in status.steps:
-        detail = f"{s.exc_type}: {s.exc_message}" if s.exc_type else (f"manual: {s.manual_text}" if s.manual_text
-                                                                        else "")  # fmt: skip
+        detail = (
+            f"{s.exc_type}: {s.exc_message}" if s.exc_type else (f"manual: {s.manual_text}" if s.manual_text else "")
+        )
         steps.add_row(str(s.position), s.name, s.state, s.batch_id or "-", detail)
     console.print(steps)
     if not status.compensations:
         return
-    comps = Table("stage", "step", "compensation", "state", "attempt", "undoes", "detail", title="compensations",
-                  title_justify="left")  # fmt: skip
+    comps = Table(
+        "stage",
+        "step",
+        "compensation",
+        "state",
+        "attempt",
+        "undoes",
+        "detail",
+        title="compensations",
+        title_justify="left",
+    )
     for c in status.compensations:
         if c.kind == "manual":
             what = "manual action"
@@ -53,8 +63,15 @@ def _render(status: saga_status.SagaStatus) -> None:
         else:
             what = f"{c.task_name} [{c.task_id}]"
             detail = f"{c.exc_type}: {c.exc_message}" if c.exc_type else ""
-        comps.add_row(str(c.stage), str(c.position), what, c.state, str(c.attempt) if c.kind != "manual" else "-",
-                      c.undo_of if c.kind != "manual" else "-", detail)  # fmt: skip
+        comps.add_row(
+            str(c.stage),
+            str(c.position),
+            what,
+            c.state,
+            str(c.attempt) if c.kind != "manual" else "-",
+            c.undo_of if c.kind != "manual" else "-",
+            detail,
+        )
     console.print(comps)
 
 

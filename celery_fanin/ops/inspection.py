@@ -160,9 +160,15 @@ def list_batches(
         with conn:
             now = admin.db_now(conn)
             rows = admin.list_batches(
-                conn, states=real, stuck="stuck" in states, stuck_after=stuck_after, older_than=older_than,
-                newer_than=newer_than, step=step, limit=limit,
-            )  # fmt: skip
+                conn,
+                states=real,
+                stuck="stuck" in states,
+                stuck_after=stuck_after,
+                older_than=older_than,
+                newer_than=newer_than,
+                step=step,
+                limit=limit,
+            )
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not list batches: {summarise(exc)}") from exc
     out = []

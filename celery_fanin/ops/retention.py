@@ -1,23 +1,5 @@
-"""Retention: delete finished batches older than an age, in short transactions, from the CLI or a periodic task.
-
-A batch is deleted once it is finished (any state but open or running), its successor has
-finished too (expired or cancelled: maybe none), it finished before the cut-off, and no retry round of it is still
-running. Its leaves, children, successor and outbox rows go with it (ON DELETE CASCADE). Once no batch is left to
-delete, sagas that finished for good (succeeded, or compensated) before the cut-off are deleted too, with their
-steps and compensations; a saga waiting for an operator is kept, whatever its age. A deleted saga's or batch's
-idempotency key can be used again.
-
-Each transaction locks at most `chunk` root batches (`FOR UPDATE SKIP LOCKED`: rows another session holds are left
-for the next run) and deletes batches holding at most about `max_children` children: a tree's leaves are deleted
-a few at a time before its root, so a batch of a million children is never one transaction. Nothing else is
-locked: live batches are never touched, and every transaction is short.
-
-As a periodic task (``celery_fanin.prune``, defined on every app wired with `FanIn(app)`)::
-
-    app.conf.beat_schedule = {
-        "fanin-prune": {"task": "celery_fanin.prune", "schedule": crontab(hour=3, minute=17),
-                        "kwargs": {"older_than": "30d"}},
-    }
+"""Retention: delete finished batches (and finished sagas) older than an age, in short transactions, from the
+CLI or the `celery_fanin.prune` task (docs/how-to/retention.md).
 """
 
 from __future__ import annotations
@@ -111,9 +93,15 @@ def prune(
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not prune: {summarise(exc)}") from exc
     if report.batches or report.leaves or report.sagas:
-        logger.info("pruned %d batches (%d leaf counters, %d children) and %d sagas finished over %ss ago in %d "
-                    "transactions", report.batches, report.leaves, report.children, report.sagas, age,
-                    report.transactions)  # fmt: skip
+        logger.info(
+            "pruned %d batches (%d leaf counters, %d children) and %d sagas finished over %ss ago in %d transactions",
+            report.batches,
+            report.leaves,
+            report.children,
+            report.sagas,
+            age,
+            report.transactions,
+        )
     return report
 
 

@@ -1,20 +1,5 @@
-"""Retry rounds: run the failed children of a finished batch again, then its successor again, as round N + 1.
-
-A round is an ordinary batch, created through `fan_in_group` like any other, so nothing on the counting path
-knows about rounds:
-
-- its children are the failed children of the latest finished round (every terminal state but `succeeded`:
-  failed, lost, time_limit, worker_lost, revoked, rejected, unknown, abandoned), decoded from their stored
-  signatures and published under new task ids (a child row's task id is its primary key);
-- its successor is the same `then` signature under a new task id, with the same step, and it receives the outcome
-  of this round's children only, with `round` (2, 3, ...) and `retry_of` (the batch of round 1) in it;
-- it has the same lost-child policy (child_timeout, on_lost, max_redrives); no deadline or failure threshold,
-  which were about the first round's whole set of children;
-- its idempotency key is `retry:<round 1 id>:<round>`, so two operators retrying at once create one round;
-- `retry_of` and `round` are written with its batch row, so `status` shows every round of a batch whichever
-  round's id it is given.
-
-A round of a nested batch does not report to the outer batch: that child was counted when round 1 finished.
+"""Retry rounds: the failed children of a finished batch, then its successor, run again as an ordinary batch
+(docs/concepts/rounds.md).
 """
 
 from __future__ import annotations
@@ -79,9 +64,15 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not read batch {bid}: {summarise(exc)}") from exc
     result = RetryRound(
-        original=str(original), retried=str(latest.id), retried_round=latest.round, batch_id=None, round=None,
-        children=len(failed), unfinished=pending + started, nested_in=None,
-    )  # fmt: skip
+        original=str(original),
+        retried=str(latest.id),
+        retried_round=latest.round,
+        batch_id=None,
+        round=None,
+        children=len(failed),
+        unfinished=pending + started,
+        nested_in=None,
+    )
     if latest.parent_task_id:
         with fanin.engine.connect() as conn:
             found = admin.child_location(conn, latest.parent_task_id)
@@ -91,11 +82,15 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
     children = [_fresh(decode_signature(app, f.message)) for f in failed]
     then = _fresh(decode_signature(app, row.successor_message))
     group = FanInGroup(
-        children, then=then, step=row.step, app=app, key=key, child_timeout=policy.child_timeout_seconds,
-        on_lost=policy.on_lost, max_redrives=policy.max_redrives,
-    )  # fmt: skip
-    group.round = next_round
-    group.retry_of = original
+        children,
+        then=then,
+        step=row.step,
+        app=app,
+        key=key,
+        child_timeout=policy.child_timeout_seconds,
+        on_lost=policy.on_lost,
+        max_redrives=policy.max_redrives,
+    ).replace(round=next_round, retry_of=original)
     handle = group.apply_async()
     return replace(result, batch_id=handle.batch_id, round=next_round, existing=taken is not None)
 

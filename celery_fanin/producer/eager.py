@@ -1,19 +1,5 @@
-"""`task_always_eager` support: a fan-in whose children and successor run inline, counted as a worker counts them.
-
-Under ``app.conf.task_always_eager`` Celery's ``apply_async`` runs a task inline (``Task.apply``) instead of
-sending it. The producer "publishes" each child after its batch is committed, as always, so each child runs
-inline right then; the handlers below see those eager runs (their fan-in headers sit in ``request.headers``
-rather than on the request itself) and pass them to the worker hooks unchanged, so a child's outcome maps to the
-same terminal state as in production: a return value is `succeeded`, an exception `failed` (or `time_limit` for
-`SoftTimeLimitExceeded`), ``Reject(requeue=False)`` is `rejected`; retries run inline (Celery's eager retry) and
-only the last attempt counts; a child whose task is not registered is `unknown`. `run_eagerly` then runs the
-successor inline with the outcome built from the committed rows, under the same run lock and state transitions
-as on a worker, and returns the handle.
-
-Differences from production, since nothing is queued: time limits are not enforced (Celery does not enforce them
-eagerly), a child that ends in ``Ignore`` or ``Reject(requeue=True)`` stays pending (there is no redelivery) so
-the batch stays open, and children after a `max_failures` threshold still run (production revokes the queued
-ones) and are listed in the outcome with the states they ended in.
+"""`task_always_eager`: a fan-in whose children and successor run inline, counted as a worker counts them
+(docs/concepts/producer.md).
 """
 
 from __future__ import annotations
@@ -108,14 +94,24 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         # cannot be refused from here; a refusal (it ran already) is logged.
         fanin = FanIn.of(task.app)
         if worker_hooks.admit_successor(fanin, task.request, task_id, marker) is None:
-            logger.warning("eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
-                           marker.batch_id, marker.step, task_id)  # fmt: skip
+            logger.warning(
+                "eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
+                marker.batch_id,
+                marker.step,
+                task_id,
+            )
         return
     # An eager child ends within this same call: its terminal report is all there is to record (no start).
 
 
-def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None, retval: Any = None,
-                state: str | None = None, **_: Any) -> None:  # fmt: skip
+def _on_postrun(
+    sender: Any = None,
+    task_id: str | None = None,
+    task: Any = None,
+    retval: Any = None,
+    state: str | None = None,
+    **_: Any,
+) -> None:
     task = task or sender
     found = _eager_fanin_task(task) if task is not None and task_id is not None else None
     if found is None or task_id is None:
@@ -190,9 +186,11 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         if publish.is_chain(sig):
             publish.publish_chain(None, str(batch_id), row.idx, row.task_id, sig)  # type: ignore[arg-type]
             continue
-        sig.apply(task_id=row.task_id, throw=False,
-                  headers={**(sig.options.get("headers") or {}), HEADER_BATCH: str(batch_id),
-                           HEADER_INDEX: row.idx})  # fmt: skip
+        sig.apply(
+            task_id=row.task_id,
+            throw=False,
+            headers={**(sig.options.get("headers") or {}), HEADER_BATCH: str(batch_id), HEADER_INDEX: row.idx},
+        )
     with fanin.engine.begin() as conn:
         found = queries.batch(conn, batch_id)
         if found is not None:

@@ -7,12 +7,14 @@ fast path). A producer that dies after the commit loses nothing: the relay publi
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from types import MappingProxyType
 from typing import Any
 
 from celery import Celery, current_app, current_task
@@ -99,8 +101,9 @@ def _check_chain(value: Signature, what: str) -> Signature:
     for i, task in enumerate(tasks):
         if isinstance(task, Signature) and type(task) is not Signature:
             kind = task.get("subtask_type") or type(task).__name__.lstrip("_")
-            raise InvalidFanIn(f"{what}: task {i} of the chain is a {kind}; a chain child may hold only task "
-                               "signatures (task.s(...))")  # fmt: skip
+            raise InvalidFanIn(
+                f"{what}: task {i} of the chain is a {kind}; a chain child may hold only task signatures (task.s(...))"
+            )
         _check_plain_signature(task, f"{what}: task {i} of the chain")
     return tasks[-1]
 
@@ -152,8 +155,9 @@ class Policy:
         if self.on_expire is not None:
             _check_plain_signature(self.on_expire, "on_expire")
             if self.deadline is None or self.on_deadline != "abandon":
-                raise InvalidFanIn("on_expire runs when a deadline abandons the batch: it needs deadline= and "
-                                   "on_deadline='abandon'")  # fmt: skip
+                raise InvalidFanIn(
+                    "on_expire runs when a deadline abandons the batch: it needs deadline= and on_deadline='abandon'"
+                )
         mf = self.max_failures
         if mf is not None:
             if isinstance(mf, bool) or not isinstance(mf, (int, float)):
@@ -173,14 +177,6 @@ class Policy:
         if isinstance(self.deadline, timedelta):
             return datetime.now(timezone.utc) + self.deadline
         return _aware(self.deadline)
-
-    def failure_threshold(self, planned: int) -> int | None:
-        """The count of failures the batch tolerates; one more finishes it early."""
-        if self.max_failures is None:
-            return None
-        if isinstance(self.max_failures, float):
-            return math.floor(self.max_failures * planned)
-        return self.max_failures
 
 
 def _aware(value: datetime) -> datetime:
@@ -214,7 +210,10 @@ _DEFAULT = object()
 
 
 class FanInGroup:
-    """A group of children and the one successor that runs after every child has reached a terminal outcome."""
+    """A group of children and the one successor that runs after every child has reached a terminal outcome.
+
+    A plan, immutable once built: `replace` makes a changed copy (retry rounds and nested batches are made so).
+    """
 
     def __init__(
         self,
@@ -240,20 +239,56 @@ class FanInGroup:
         self._app = app
         self.key = key
         self.max_width = max_width
-        # Set by `celery_fanin.run_group` for a nested batch: the outer child its successor completes.
+        # Set through `replace` by `celery_fanin.run_group` for a nested batch: the outer child its successor
+        # completes; by `celery_fanin.ops.rounds` for a retry round: its number, and the batch of round 1 it retries.
         self.parent_task_id: str | None = None
-        # Set by `celery_fanin.ops.rounds` for a retry round: its number, and the batch of round 1 it retries.
         self.round = 1
         self.retry_of: uuid.UUID | None = None
-        self.options: dict[str, Any] = {
-            "child_timeout": child_timeout, "on_lost": on_lost, "max_redrives": max_redrives,
-            "deadline": deadline, "on_deadline": on_deadline, "on_expire": on_expire,
-            "max_failures": max_failures, "on_failure": on_failure,
-        }  # fmt: skip
+        self.options: Mapping[str, Any] = MappingProxyType(
+            {
+                "child_timeout": child_timeout,
+                "on_lost": on_lost,
+                "max_redrives": max_redrives,
+                "deadline": deadline,
+                "on_deadline": on_deadline,
+                "on_expire": on_expire,
+                "max_failures": max_failures,
+                "on_failure": on_failure,
+            }
+        )
+        self._built = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_built", False):
+            raise AttributeError(f"a FanInGroup is immutable once built: use .replace({name}=...) for a changed copy")
+        object.__setattr__(self, name, value)
+
+    # What `replace` may change (the options of `fan_in_group` are set when it is built).
+    _REPLACEABLE = frozenset({"children", "then", "step", "key", "max_width", "parent_task_id", "round", "retry_of"})
+
+    def replace(self, **changes: Any) -> FanInGroup:
+        """A copy of this plan with `changes` (children, then, step, key, max_width; and the library's own
+        parent_task_id, round and retry_of); this one is left as it was."""
+        unknown = sorted(set(changes) - self._REPLACEABLE)
+        if unknown:
+            raise TypeError(f"FanInGroup.replace() cannot change {', '.join(unknown)}")
+        clone = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(clone, name, value)
+        return clone
 
     # The options a nested group may carry, all JSON-able once durations are in seconds.
-    _NESTED_OPTIONS = ("child_timeout", "on_lost", "max_redrives", "deadline", "on_deadline", "on_expire",
-                       "max_failures", "on_failure", "max_width")  # fmt: skip
+    _NESTED_OPTIONS = (
+        "child_timeout",
+        "on_lost",
+        "max_redrives",
+        "deadline",
+        "on_deadline",
+        "on_expire",
+        "max_failures",
+        "on_failure",
+        "max_width",
+    )
 
     def to_spec(self, what: str) -> dict[str, Any]:
         """The group as plain data, to travel nested in a message: its children must be a list."""
@@ -309,9 +344,13 @@ class FanInGroup:
             options["deadline"] = timedelta(seconds=options["deadline"])
         max_width = options.pop("max_width", None)
         return cls(
-            [item(c) for c in spec["children"]], then=item(spec["then"]), step=spec.get("step"), app=app,
-            max_width=max_width, **options,
-        )  # fmt: skip
+            [item(c) for c in spec["children"]],
+            then=item(spec["then"]),
+            step=spec.get("step"),
+            app=app,
+            max_width=max_width,
+            **options,
+        )
 
     def as_signature(self, app: Celery, what: str) -> Signature:
         """The message that stands for this group nested in another: `celery_fanin.run_group(spec)`."""
@@ -433,8 +472,13 @@ class FanInGroup:
             else:
                 sig = _check_plain_signature(item, f"child {index}")
             expires_at, eta_at = message_times(sig.task, sig.options, f"child {index}")
-            child = batches.NewChild(sig.options.get("task_id") or next(ids), sig.task,
-                                     _encode(app, sig, f"child {index}", serializer), expires_at, eta_at)  # fmt: skip
+            child = batches.NewChild(
+                sig.options.get("task_id") or next(ids),
+                sig.task,
+                _encode(app, sig, f"child {index}", serializer),
+                expires_at,
+                eta_at,
+            )
             return child, sig
 
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
@@ -447,11 +491,21 @@ class FanInGroup:
             try:
                 publish_outbox(fanin, ids=[written.successor_outbox_id])
             except Exception:
-                logger.warning("could not publish successor of empty batch_id=%s; the relay will", root.id,
-                               exc_info=True, extra={"batch_id": str(root.id), "step": step})  # fmt: skip
+                logger.warning(
+                    "could not publish successor of empty batch_id=%s; the relay will",
+                    root.id,
+                    exc_info=True,
+                    extra={"batch_id": str(root.id), "step": step},
+                )
         if not written.existing:
-            logger.info("created batch_id=%s step=%s children=%d depth=%d", written.batch_id, step, written.created,
-                        depth, extra={"batch_id": str(written.batch_id), "step": step})  # fmt: skip
+            logger.info(
+                "created batch_id=%s step=%s children=%d depth=%d",
+                written.batch_id,
+                step,
+                written.created,
+                depth,
+                extra={"batch_id": str(written.batch_id), "step": step},
+            )
         return FanInResult(app, str(written.batch_id))
 
     __call__ = apply_async

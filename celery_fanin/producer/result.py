@@ -108,9 +108,12 @@ S = TypeVar("S")
 
 
 def poll_until_finished(
-    read: Callable[[], S], finished: Callable[[S], bool], timeout: float | None, interval: float,
+    read: Callable[[], S],
+    finished: Callable[[S], bool],
+    timeout: float | None,
+    interval: float,
     describe: Callable[[S], str],
-) -> S:  # fmt: skip
+) -> S:
     """Read until `finished`; `celery.exceptions.TimeoutError` (with `describe`) after `timeout` seconds.
 
     `FanInDatabaseError` while waiting is retried until then: a database restart or failover should not end a wait.

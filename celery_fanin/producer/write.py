@@ -1,27 +1,5 @@
-"""Writing a batch and publishing its children: the producer side of the store.
-
-Two paths, one rule: children are committed before they are published.
-
-- A list of at most `fanin_chunk_size` children (and at most `max_width`) is written in one transaction: batch
-  row, planned count and every child together.
-- Anything larger, and any iterable of unknown length (a generator over a cursor or an API), is streamed: the
-  batch is written `open` holding a producer token in its counter, then each chunk is one transaction (its child
-  rows and the counters that wait for them) followed by one bulk publish. Memory is bounded by the chunk. The
-  token is released (the batch sealed) when the input is exhausted, so the batch cannot finish early, and its
-  counter always equals the children actually created. Each chunk renews the batch's lease (`producer_seen_at`);
-  a producer that dies is resumed by a rerun with its key or sealed by the relay after `fanin_open_batch_grace`,
-  and an input that raises cancels a batch without a key (see `_fill`). A batch sealed or cancelled under a live
-  producer refuses its next chunk (`BatchClosed`).
-
-Above `max_width` children a batch becomes a tree: leaf batches of at most `max_width` children, filled round
-robin in windows of `fanin_tree_fanout` leaves so that concurrent terminal reports spread over several counter
-rows. A leaf that finishes settles its root in the same transaction (see `fanin_settle`), and only the root has a
-successor. Users see one batch: the root's id.
-
-With a `key`, a second call returns the existing batch: creating and publishing nothing new if that batch is
-complete, resuming it (without duplicating children) if its producer died mid-stream, or returning at once if a
-live producer is still writing it. The producer holds the batch's advisory lock while it writes and publishes;
-that lock is how a resumer, and the relay, know whether a producer is alive.
+"""Writing a batch and publishing its children: committed before published, in one transaction or streamed a
+chunk at a time, flat or as a tree (docs/concepts/producer.md).
 """
 
 from __future__ import annotations
@@ -276,8 +254,10 @@ def _fill(
                 seen_ids.add(child.task_id)
                 digest = digest_step(digest, child)
             targets, opened, full = layout.place(len(part))
-            placed = [(target or root.id, child, index + offset)
-                      for offset, ((child, _), target) in enumerate(zip(part, targets, strict=True))]  # fmt: skip
+            placed = [
+                (target or root.id, child, index + offset)
+                for offset, ((child, _), target) in enumerate(zip(part, targets, strict=True))
+            ]
             try:
                 with conn.begin():
                     for leaf_id in opened:
@@ -404,9 +384,12 @@ class _ChunkPublisher:
             if self._producer is None:
                 self._producer = self._stack.enter_context(app.producer_or_acquire())
             unconfirmed = publish.publish_children(
-                app, self._producer, self.root_id,
-                ((start + i, child.task_id, sig) for i, (child, sig) in enumerate(part)), wait=False,
-            )  # fmt: skip
+                app,
+                self._producer,
+                self.root_id,
+                ((start + i, child.task_id, sig) for i, (child, sig) in enumerate(part)),
+                wait=False,
+            )
         except Exception:
             self._finish()  # the chunks before may still have reached the broker
             if self.ok:
@@ -433,8 +416,11 @@ class _ChunkPublisher:
         self.conn.rollback()
         logger.warning(
             "batch_id=%s is recorded but children %d.. were not published; the relay will publish them",
-            self.root_id, start, exc_info=True, extra={"batch_id": str(self.root_id)},
-        )  # fmt: skip
+            self.root_id,
+            start,
+            exc_info=True,
+            extra={"batch_id": str(self.root_id)},
+        )
 
     def close(self) -> bool:
         """Finish the chunks in flight and release the producer; True if every chunk reached the broker."""
@@ -557,9 +543,11 @@ def _resume(
     conn.commit()
     base = layout or Layout(fanin.settings.max_width, fanin.settings.tree_fanout, fanin.settings.max_width)
     max_width = base.max_width
-    resumed = Layout(max_width, base.fanout, max(0, base.direct_left - direct),
-                     [_Leaf(leaf_id, size) for leaf_id, size in leaves])  # fmt: skip
-    logger.warning("resuming batch_id=%s (key %r) after %d children", root.id, root.key, planned,
-                   extra={"batch_id": str(root.id)})  # fmt: skip
+    resumed = Layout(
+        max_width, base.fanout, max(0, base.direct_left - direct), [_Leaf(leaf_id, size) for leaf_id, size in leaves]
+    )
+    logger.warning(
+        "resuming batch_id=%s (key %r) after %d children", root.id, root.key, planned, extra={"batch_id": str(root.id)}
+    )
     created = _fill(fanin, conn, root, items, resumed, start=planned, digest=chained)
     return Written(root.id, created, existing=True)

@@ -61,10 +61,6 @@ class Relay:
     def stop(self, *_: object) -> None:
         self._stop.set()
 
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
             logger.info("relay received signal %d, stopping", signum)

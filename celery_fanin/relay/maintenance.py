@@ -43,16 +43,27 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
                 with publish.producer(app) as prod:
                     publish.publish_children(app, prod, child.batch_id, [(child.idx, child.task_id, sig)])
                 report.redriven.append(child.task_id)
-                logger.warning("redrove lost child batch_id=%s index=%d task_id=%s (redrive %d of %d)",
-                               child.batch_id, child.idx, child.task_id, child.redrives + 1, child.max_redrives,
-                               extra=extra)  # fmt: skip
+                logger.warning(
+                    "redrove lost child batch_id=%s index=%d task_id=%s (redrive %d of %d)",
+                    child.batch_id,
+                    child.idx,
+                    child.task_id,
+                    child.redrives + 1,
+                    child.max_redrives,
+                    extra=extra,
+                )
             continue
         with fanin.engine.begin() as conn:
             counted = recovery.fail_lost(conn, child)
         if counted:
             report.failed.append(child.task_id)
-            logger.warning("child lost batch_id=%s index=%d task_id=%s: counted as failed (state lost)",
-                           child.batch_id, child.idx, child.task_id, extra=extra)  # fmt: skip
+            logger.warning(
+                "child lost batch_id=%s index=%d task_id=%s: counted as failed (state lost)",
+                child.batch_id,
+                child.idx,
+                child.task_id,
+                extra=extra,
+            )
     if report.failed:
         # A lost child may still sit in a queue somewhere; if it ever runs, its report is recorded as late.
         revoke_children(fanin, report.failed)
@@ -74,9 +85,13 @@ def revoke_expired_children(fanin: FanIn, limit: int = 500) -> list[str]:
             counted = recovery.revoke_expired(conn, task_id, grace)
         if counted:
             done.append(task_id)
-            logger.warning("child expired unconsumed batch_id=%s index=%d task_id=%s: counted as revoked",
-                           batch_id, idx, task_id,
-                           extra={"batch_id": str(batch_id), "child_index": idx, "task_id": task_id})  # fmt: skip
+            logger.warning(
+                "child expired unconsumed batch_id=%s index=%d task_id=%s: counted as revoked",
+                batch_id,
+                idx,
+                task_id,
+                extra={"batch_id": str(batch_id), "child_index": idx, "task_id": task_id},
+            )
     return done
 
 
@@ -113,9 +128,13 @@ def apply_deadlines(fanin: FanIn, limit: int = 100) -> list[recovery.Expiry]:
         if expiry is None:
             continue
         done.append(expiry)
-        logger.warning("deadline passed for batch_id=%s: %s, %d children abandoned", batch_id,
-                       "successor runs with a partial outcome" if expiry.on_deadline == "proceed" else "expired",
-                       len(expiry.abandoned), extra={"batch_id": str(batch_id)})  # fmt: skip
+        logger.warning(
+            "deadline passed for batch_id=%s: %s, %d children abandoned",
+            batch_id,
+            "successor runs with a partial outcome" if expiry.on_deadline == "proceed" else "expired",
+            len(expiry.abandoned),
+            extra={"batch_id": str(batch_id)},
+        )
         try:
             revoke_children(fanin, expiry.abandoned, batch_id)
         except Exception:
@@ -134,8 +153,13 @@ def reconcile(fanin: FanIn, limit: int = 1000) -> list[recovery.Repair]:
             repair = recovery.reconcile_batch(conn, batch_id)
         if repair is not None:
             repairs.append(repair)
-            logger.warning("reconciled batch_id=%s: %s; %s", batch_id, "; ".join(repair.problems),
-                           "; ".join(repair.actions) or "reported only", extra={"batch_id": str(batch_id)})  # fmt: skip
+            logger.warning(
+                "reconciled batch_id=%s: %s; %s",
+                batch_id,
+                "; ".join(repair.problems),
+                "; ".join(repair.actions) or "reported only",
+                extra={"batch_id": str(batch_id)},
+            )
     return repairs
 
 

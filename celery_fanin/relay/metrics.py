@@ -1,30 +1,5 @@
-"""Prometheus metrics for celery-fanin, read from the store when Prometheus scrapes.
-
-``serve(fanin, port, relay=relay)`` starts an HTTP endpoint (``/metrics``) in a background thread; the relay runs
-it with ``celery -A proj fanin relay --metrics-port 9808``. Every value comes from Postgres (so one endpoint
-covers every worker and producer) except the relay's own counters, which come from the relay it serves beside.
-
-============================================  =========  ============================================================
-metric                                        type       meaning
-============================================  =========  ============================================================
-``fanin_up``                                  gauge      1 if the last scrape could read the store, else 0
-``fanin_batches_open``                        gauge      batches not finished yet (being written, or running)
-``fanin_batches_stuck``                       gauge      open batches without a child starting or finishing for
-                                                         `stuck_after` seconds (and older than that)
-``fanin_children_finished_total{state}``      counter    children that reached a terminal state since the exporter
-                                                         started, by state; ``rate()`` gives children per second
-``fanin_outbox_backlog``                      gauge      successors waiting to be published
-``fanin_outbox_oldest_pending_seconds``       gauge      age of the oldest of them (0 when none)
-``fanin_successor_latency_seconds``           histogram  from a batch's completion to its successor's start
-``fanin_relay_reconcile_repairs_total``       counter    batches reconciliation repaired (relay only)
-``fanin_relay_*_total``                       counter    the relay's other work: successors and children published,
-                                                         children redriven or lost, deadlines, restarts, errors
-============================================  =========  ============================================================
-
-Counters derived from the store count what happened since the exporter started, a scrape at a time: each scrape
-reads the rows whose timestamp falls between the previous scrape and two seconds ago, so a report whose
-transaction stayed open longer than that is missed (they are single statements, so in practice none is). A
-child that reaches a terminal state after its batch finished long ago (a revoked leftover) is not counted.
+"""Prometheus metrics read from the store when Prometheus scrapes, plus the relay's own counters;
+`serve(fanin, port, relay=relay)` serves them (docs/reference/metrics.md lists them).
 """
 
 from __future__ import annotations
@@ -86,11 +61,15 @@ class FanInCollector(Collector):
         self.stuck_after = stuck_after
         self._lock = threading.Lock()
         self._since: datetime | None = None  # the watermark, in database time
-        self._finished = Counter("fanin_children_finished", "Children that reached a terminal state, by state.",
-                                 ["state"], registry=None)  # fmt: skip
-        self._latency = Histogram("fanin_successor_latency_seconds",
-                                  "Seconds from a batch's completion to the start of its successor.",
-                                  buckets=LATENCY_BUCKETS, registry=None)  # fmt: skip
+        self._finished = Counter(
+            "fanin_children_finished", "Children that reached a terminal state, by state.", ["state"], registry=None
+        )
+        self._latency = Histogram(
+            "fanin_successor_latency_seconds",
+            "Seconds from a batch's completion to the start of its successor.",
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
 
     def describe(self) -> Iterable[Metric]:
         return []  # collected on scrape only: registering must not query the store
@@ -112,20 +91,25 @@ class FanInCollector(Collector):
             yield from self._finished.collect()
             yield from self._latency.collect()
             yield from self._relay_metrics()
-            yield GaugeMetricFamily("fanin_scrape_duration_seconds", "Seconds the last scrape took.",
-                                    value=time.monotonic() - started)  # fmt: skip
+            yield GaugeMetricFamily(
+                "fanin_scrape_duration_seconds", "Seconds the last scrape took.", value=time.monotonic() - started
+            )
 
     def _read(self, conn: Connection) -> Iterator[Metric]:
         open_, stuck = observability.open_and_stuck(conn, self.stuck_after)
         yield GaugeMetricFamily("fanin_batches_open", "Batches not finished yet.", value=open_)
         yield GaugeMetricFamily(
-            "fanin_batches_stuck", f"Open batches with no child started or finished for {self.stuck_after:g}s.",
+            "fanin_batches_stuck",
+            f"Open batches with no child started or finished for {self.stuck_after:g}s.",
             value=stuck,
-        )  # fmt: skip
+        )
         backlog, oldest = outbox.backlog(conn)
         yield GaugeMetricFamily("fanin_outbox_backlog", "Successors waiting to be published.", value=backlog)
-        yield GaugeMetricFamily("fanin_outbox_oldest_pending_seconds", "Age of the oldest unpublished successor.",
-                                value=float(oldest or 0.0))  # fmt: skip
+        yield GaugeMetricFamily(
+            "fanin_outbox_oldest_pending_seconds",
+            "Age of the oldest unpublished successor.",
+            value=float(oldest or 0.0),
+        )
         self._advance(conn)
 
     def _advance(self, conn: Connection) -> None:

@@ -89,9 +89,11 @@ def publish_outbox(
                     if not isolate:
                         raise
                     logger.exception(
-                        "could not publish successor batch_id=%s step=%s", row.batch_id, row.step,
+                        "could not publish successor batch_id=%s step=%s",
+                        row.batch_id,
+                        row.step,
                         extra={"batch_id": str(row.batch_id), "step": row.step},
-                    )  # fmt: skip
+                    )
                     outbox.mark_failed(conn, row, repr(exc), _retry_delay(row.attempts))
                 else:
                     sent.append(row)
@@ -99,9 +101,11 @@ def publish_outbox(
         outbox.mark_sent(conn, sent)
     for row in sent:
         logger.info(
-            "published successor batch_id=%s step=%s", row.batch_id, row.step,
+            "published successor batch_id=%s step=%s",
+            row.batch_id,
+            row.step,
             extra={"batch_id": str(row.batch_id), "step": row.step},
-        )  # fmt: skip
+        )
     for batch_id, task_ids in abandoned:
         # The batch passed its failure threshold: the children still queued or running are no longer wanted (they
         # were marked abandoned with the claim's commit, so whatever they report now is recorded as late).
@@ -184,8 +188,10 @@ def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
                 conn.commit()
             if count:
                 logger.warning(
-                    "published %d children of batch_id=%s that its producer did not", count, batch_id,
+                    "published %d children of batch_id=%s that its producer did not",
+                    count,
+                    batch_id,
                     extra={"batch_id": str(batch_id)},
-                )  # fmt: skip
+                )
             total += count
     return total

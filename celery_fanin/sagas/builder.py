@@ -148,8 +148,10 @@ class Saga:
             sig = _plain(item, what)
             name, kind = sig.task, "task"
         else:
-            raise InvalidSaga(f"{what} must be a task signature, a fan_in_group, compensated(...) or manual(...), "
-                              f"not {type(item).__name__}")  # fmt: skip
+            raise InvalidSaga(
+                f"{what} must be a task signature, a fan_in_group, compensated(...) or manual(...), "
+                f"not {type(item).__name__}"
+            )
         try:
             definition = encode_signature(app, sig)
             encoded_undo = encode_signature(app, undo) if undo is not None else None
@@ -175,8 +177,10 @@ class Saga:
                     if row is None:
                         raise FanInDatabaseError(f"the saga holding key {self.key!r} disappeared; try again")
                     if row.steps != len(steps):
-                        raise InvalidSaga(f"key {self.key!r} is taken by saga {row.id} with {row.steps} steps, "
-                                          f"not {len(steps)}; use another key")  # fmt: skip
+                        raise InvalidSaga(
+                            f"key {self.key!r} is taken by saga {row.id} with {row.steps} steps, "
+                            f"not {len(steps)}; use another key"
+                        )
                     saga_id = row.id
         except SQLAlchemyError as exc:
             raise FanInDatabaseError(f"could not record the saga; nothing was started: {summarise(exc)}") from exc
@@ -185,8 +189,13 @@ class Saga:
         try:
             kick(fanin, saga_id)
         except Exception:
-            logger.warning("saga_id=%s is recorded but could not be started; `celery -A %s fanin saga resume %s` "
-                           "starts it", saga_id, app.main, saga_id, exc_info=True)  # fmt: skip
+            logger.warning(
+                "saga_id=%s is recorded but could not be started; `celery -A %s fanin saga resume %s` starts it",
+                saga_id,
+                app.main,
+                saga_id,
+                exc_info=True,
+            )
         return SagaResult(app, str(saga_id))
 
     __call__ = apply_async
@@ -207,5 +216,6 @@ def saga(
     (default: `fanin_child_timeout`) is published again, up to `compensation_redrives` times, then counts as
     failed: compensations must be idempotent (key their effect on `task.request.fanin_undo_of`).
     """
-    return Saga(steps, key=key, app=app, compensation_timeout=compensation_timeout,
-                compensation_redrives=compensation_redrives)  # fmt: skip
+    return Saga(
+        steps, key=key, app=app, compensation_timeout=compensation_timeout, compensation_redrives=compensation_redrives
+    )

@@ -158,8 +158,13 @@ def _drive_step(fanin: FanIn, row: store.SagaRow) -> bool:
         batch_id = uuid.UUID(handle.batch_id)
         with fanin.engine.begin() as conn:
             store.start_step(conn, row.id, position, batch_id)
-        logger.info("saga_id=%s step %d started: batch_id=%s", row.id, position, batch_id,
-                    extra={"saga_id": str(row.id), "batch_id": str(batch_id)})  # fmt: skip
+        logger.info(
+            "saga_id=%s step %d started: batch_id=%s",
+            row.id,
+            position,
+            batch_id,
+            extra={"saga_id": str(row.id), "batch_id": str(batch_id)},
+        )
     with fanin.engine.connect() as conn:
         state = store.batch_state(conn, batch_id)
     if state is None or state in BATCH_ACTIVE:
@@ -198,9 +203,10 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
             child = store.first_child(conn, step.batch_id)
             unit = _unit_of(conn, step)
             rejected = (
-                step.kind == "group" and unit is not None
+                step.kind == "group"
+                and unit is not None
                 and batches.find_by_key(conn, row.app_name, compensation_key(str(unit), 1)) is not None
-            )  # fmt: skip
+            )
             if child is not None and child.state == ChildState.SUCCEEDED and not rejected:
                 store.finish_step(conn, saga_id, position, "succeeded")
                 if position == row.steps:
@@ -218,8 +224,15 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
         store.finish_step(conn, saga_id, position, "failed", exc_type, exc_message)
         plan = _plan(app, conn, row, steps, position)
         store.start_rollback(conn, saga_id, position, exc_type, exc_message, plan)
-    logger.warning("saga_id=%s step %d failed for good (%s: %s): %d compensations planned", saga_id, position,
-                   exc_type, exc_message, len(plan), extra={"saga_id": str(saga_id)})  # fmt: skip
+    logger.warning(
+        "saga_id=%s step %d failed for good (%s: %s): %d compensations planned",
+        saga_id,
+        position,
+        exc_type,
+        exc_message,
+        len(plan),
+        extra={"saga_id": str(saga_id)},
+    )
     return True
 
 
@@ -234,8 +247,11 @@ def _plan(
         step = steps[position - 1]
         if step.manual_text is not None:
             if position < failed:  # the failed step did nothing to undo
-                plan.append(store.NewCompensation(f"manual:{position}", position, stage, 0, "manual",
-                                                  manual_text=step.manual_text))  # fmt: skip
+                plan.append(
+                    store.NewCompensation(
+                        f"manual:{position}", position, stage, 0, "manual", manual_text=step.manual_text
+                    )
+                )
                 stage += 1
             continue
         unit = _unit_of(conn, step)
@@ -257,10 +273,20 @@ def _plan(
     return plan
 
 
-def _compensation(app: Celery, undo_of: str, position: int, stage: int, ordinal: int, kind: str, unit: str,
-                  sig: Signature) -> store.NewCompensation:  # fmt: skip
-    return store.NewCompensation(undo_of, position, stage, ordinal, kind, unit, sig.task,
-                                 encode_signature(app, sig), task_id=sig.options["task_id"])  # fmt: skip
+def _compensation(
+    app: Celery, undo_of: str, position: int, stage: int, ordinal: int, kind: str, unit: str, sig: Signature
+) -> store.NewCompensation:
+    return store.NewCompensation(
+        undo_of,
+        position,
+        stage,
+        ordinal,
+        kind,
+        unit,
+        sig.task,
+        encode_signature(app, sig),
+        task_id=sig.options["task_id"],
+    )
 
 
 def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
@@ -277,16 +303,25 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
             store.set_state(
                 conn, row.id, SagaState.MANUAL_ACTION_REQUIRED if pending else SagaState.COMPENSATED, finished=True
             )
-            logger.info("saga_id=%s rolled back%s", row.id, f"; {pending} manual actions required" if pending else "",
-                        extra={"saga_id": str(row.id)})  # fmt: skip
+            logger.info(
+                "saga_id=%s rolled back%s",
+                row.id,
+                f"; {pending} manual actions required" if pending else "",
+                extra={"saga_id": str(row.id)},
+            )
             return True
         asked = store.request_manual(conn, row.id, stage)
         if asked:
             store.set_step_states(conn, row.id, asked, "manual_action_required", ["succeeded"])
             for comp in comps:
                 if comp.kind == "manual" and comp.position in asked:
-                    logger.warning("saga_id=%s step %d needs a manual action: %s", row.id, comp.position,
-                                   comp.manual_text, extra={"saga_id": str(row.id)})  # fmt: skip
+                    logger.warning(
+                        "saga_id=%s step %d needs a manual action: %s",
+                        row.id,
+                        comp.position,
+                        comp.manual_text,
+                        extra={"saga_id": str(row.id)},
+                    )
         todo = [c for c in comps if c.kind != "manual" and c.state != "succeeded"]
         if not todo:
             store.set_stage(conn, row.id, stage + 1)
@@ -300,8 +335,13 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
             return _stop(fanin, row.id, stage, f"stage {stage} could not be started: {exc}")
         with fanin.engine.begin() as conn:
             store.set_stage_batch(conn, row.id, [c.undo_of for c in todo], batch_id)
-            store.set_step_states(conn, row.id, {c.position for c in todo if c.position != row.failed_step},
-                                  "compensating", ["succeeded", "compensation_failed"])  # fmt: skip
+            store.set_step_states(
+                conn,
+                row.id,
+                {c.position for c in todo if c.position != row.failed_step},
+                "compensating",
+                ["succeeded", "compensation_failed"],
+            )
     assert batch_id is not None
     with fanin.engine.connect() as conn:
         state = store.batch_state(conn, batch_id)
@@ -319,8 +359,9 @@ def _create_compensation_batch(fanin: FanIn, row: store.SagaRow, todo: Sequence[
     if row.compensation_timeout is not None:
         options["child_timeout"] = row.compensation_timeout
     key = compensation_key(unit, attempt)
-    group = FanInGroup(sigs, then=app.signature(COMPENSATION_DONE_TASK), step="compensation", app=app, key=key,
-                       **options)  # fmt: skip
+    group = FanInGroup(
+        sigs, then=app.signature(COMPENSATION_DONE_TASK), step="compensation", app=app, key=key, **options
+    )
     try:
         with _detached():
             return uuid.UUID(group.apply_async().batch_id)
@@ -331,8 +372,13 @@ def _create_compensation_batch(fanin: FanIn, row: store.SagaRow, todo: Sequence[
             found = batches.find_by_key(conn, app.main or "", key)
         if found is None:
             raise
-        logger.warning("saga_id=%s: compensation batch %s (key %r) has other children than planned; using it",
-                       row.id, found[0], key, extra={"saga_id": str(row.id)})  # fmt: skip
+        logger.warning(
+            "saga_id=%s: compensation batch %s (key %r) has other children than planned; using it",
+            row.id,
+            found[0],
+            key,
+            extra={"saga_id": str(row.id)},
+        )
         return found[0]
 
 
@@ -354,23 +400,28 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
                 store.finish_compensation(conn, saga_id, o.undo_of, "succeeded")
             else:
                 exc_type = o.exc_type or (o.child_state if o.child_state else "NotRun")
-                exc_message = o.exc_message or ("it was not part of the compensation batch"
-                                                if o.child_state is None else o.child_state)  # fmt: skip
+                exc_message = o.exc_message or (
+                    "it was not part of the compensation batch" if o.child_state is None else o.child_state
+                )
                 store.finish_compensation(conn, saga_id, o.undo_of, "failed", exc_type, exc_message)
                 failed.append(o)
         done = {o.position for o in outcomes} - {row.failed_step}
         if failed:
-            named = "; ".join(f"step {o.position}: {o.task_name} (task {o.task_id}, undoing {o.undo_of}) "
-                              f"ended {o.child_state or 'not run'}: {o.exc_type or ''}: {o.exc_message or ''}"
-                              for o in failed)  # fmt: skip
+            named = "; ".join(
+                f"step {o.position}: {o.task_name} (task {o.task_id}, undoing {o.undo_of}) "
+                f"ended {o.child_state or 'not run'}: {o.exc_type or ''}: {o.exc_message or ''}"
+                for o in failed
+            )
             store.set_state(conn, saga_id, SagaState.COMPENSATION_FAILED, finished=True, failed_compensation=named)
-            store.set_step_states(conn, saga_id, {o.position for o in failed} - {row.failed_step},
-                                  "compensation_failed", ["compensating"])  # fmt: skip
+            store.set_step_states(
+                conn, saga_id, {o.position for o in failed} - {row.failed_step}, "compensation_failed", ["compensating"]
+            )
             logger.error("saga_id=%s rollback stopped: %s", saga_id, named, extra={"saga_id": str(saga_id)})
             return True
         # A step is compensated once none of its compensations is left to run (it may span two stages).
-        remaining = {c.position for c in store.get_compensations(conn, saga_id)
-                     if c.kind != "manual" and c.state != "succeeded"}  # fmt: skip
+        remaining = {
+            c.position for c in store.get_compensations(conn, saga_id) if c.kind != "manual" and c.state != "succeeded"
+        }
         store.set_step_states(conn, saga_id, done - remaining, "compensated", ["compensating", "succeeded"])
         store.set_stage(conn, saga_id, stage + 1)
     return True
@@ -403,10 +454,10 @@ def resume(fanin: FanIn, saga_id: str | uuid.UUID) -> SagaStatus:
                     if comp.kind == "manual" or comp.state == "succeeded" or comp.message is None:
                         continue
                     attempt = comp.attempt + 1
-                    sig = undo_signature(app, dict(decode_signature(app, comp.message)), comp.undo_of,
-                                         attempt)  # fmt: skip
-                    store.retry_compensation(conn, sid, comp.undo_of, attempt, sig.options["task_id"],
-                                             encode_signature(app, sig))  # fmt: skip
+                    sig = undo_signature(app, dict(decode_signature(app, comp.message)), comp.undo_of, attempt)
+                    store.retry_compensation(
+                        conn, sid, comp.undo_of, attempt, sig.options["task_id"], encode_signature(app, sig)
+                    )
                     retried.add(comp.position)
                 store.set_step_states(conn, sid, retried, "compensating", ["compensation_failed"])
                 store.mark_resumed(conn, sid)
@@ -430,14 +481,20 @@ def acknowledge(fanin: FanIn, saga_id: str | uuid.UUID, step: str | int, by: str
             position = _resolve_step(steps, step, sid)
             if not store.acknowledge(conn, sid, position, by):
                 state = steps[position - 1].state
-                raise SagaStateError(f"step {position} of saga {sid} is not waiting for a manual action "
-                                     f"(step state: {state})")  # fmt: skip
+                raise SagaStateError(
+                    f"step {position} of saga {sid} is not waiting for a manual action (step state: {state})"
+                )
             if row.state == SagaState.MANUAL_ACTION_REQUIRED and store.manual_pending(conn, sid) == 0:
                 store.set_state(conn, sid, SagaState.COMPENSATED, finished=True)
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not acknowledge step {step} of saga {sid}: {summarise(exc)}") from exc
-    logger.info("saga_id=%s step %s manual action acknowledged by %s", sid, step, by or "an operator",
-                extra={"saga_id": str(sid)})  # fmt: skip
+    logger.info(
+        "saga_id=%s step %s manual action acknowledged by %s",
+        sid,
+        step,
+        by or "an operator",
+        extra={"saga_id": str(sid)},
+    )
     return read_status(fanin, sid)
 
 
@@ -471,10 +528,21 @@ def compensate_batch(app: Celery, batch_id: str | uuid.UUID) -> FanInResult:
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not read batch {bid}: {summarise(exc)}") from exc
     sigs = [undo_signature(app, undo, undo_of, 1) for undo_of, undo in children]
-    group = FanInGroup(sigs, then=app.signature(COMPENSATION_DONE_TASK), step="compensation", app=app,
-                       key=compensation_key(str(bid), 1), on_lost="redrive")  # fmt: skip
+    group = FanInGroup(
+        sigs,
+        then=app.signature(COMPENSATION_DONE_TASK),
+        step="compensation",
+        app=app,
+        key=compensation_key(str(bid), 1),
+        on_lost="redrive",
+    )
     with _detached():
         handle = group.apply_async()
-    logger.info("batch_id=%s: %d compensations started (batch %s)", bid, len(sigs), handle.batch_id,
-                extra={"batch_id": str(bid)})  # fmt: skip
+    logger.info(
+        "batch_id=%s: %d compensations started (batch %s)",
+        bid,
+        len(sigs),
+        handle.batch_id,
+        extra={"batch_id": str(bid)},
+    )
     return handle

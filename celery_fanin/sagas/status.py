@@ -91,15 +91,49 @@ def read_status(fanin: FanIn, saga_id: str | uuid.UUID) -> SagaStatus:
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not read saga {sid}: {summarise(exc)}") from exc
     return SagaStatus(
-        saga_id=str(row.id), state=row.state, current_step=row.current_step, failed_step=row.failed_step,
-        exc_type=row.exc_type, exc_message=row.exc_message, failed_compensation=row.failed_compensation,
-        resumes=row.resumes, created_at=row.created_at, finished_at=row.finished_at,
-        steps=[StepStatus(s.position, s.name, s.kind, s.state, s.manual_text, str(s.batch_id) if s.batch_id else None,
-                          s.exc_type, s.exc_message) for s in steps],
-        compensations=[CompensationStatus(c.position, c.stage, c.kind, c.undo_of, c.task_name, c.task_id, c.state,
-                                          c.attempt, str(c.batch_id) if c.batch_id else None, c.exc_type,
-                                          c.exc_message, c.manual_text, c.acked_at, c.acked_by) for c in comps],
-    )  # fmt: skip
+        saga_id=str(row.id),
+        state=row.state,
+        current_step=row.current_step,
+        failed_step=row.failed_step,
+        exc_type=row.exc_type,
+        exc_message=row.exc_message,
+        failed_compensation=row.failed_compensation,
+        resumes=row.resumes,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        steps=[
+            StepStatus(
+                s.position,
+                s.name,
+                s.kind,
+                s.state,
+                s.manual_text,
+                str(s.batch_id) if s.batch_id else None,
+                s.exc_type,
+                s.exc_message,
+            )
+            for s in steps
+        ],
+        compensations=[
+            CompensationStatus(
+                c.position,
+                c.stage,
+                c.kind,
+                c.undo_of,
+                c.task_name,
+                c.task_id,
+                c.state,
+                c.attempt,
+                str(c.batch_id) if c.batch_id else None,
+                c.exc_type,
+                c.exc_message,
+                c.manual_text,
+                c.acked_at,
+                c.acked_by,
+            )
+            for c in comps
+        ],
+    )
 
 
 def parse_saga_id(saga_id: str | uuid.UUID) -> uuid.UUID:

@@ -166,8 +166,15 @@ class WorkerHooks:
         if rec is None:
             return None
         if rec.counted:
-            logger.debug("child done batch_id=%s index=%s task_id=%s state=%s remaining=%s", marker.batch_id,
-                         marker.index, task_id, state, rec.remaining, extra=extra)  # fmt: skip
+            logger.debug(
+                "child done batch_id=%s index=%s task_id=%s state=%s remaining=%s",
+                marker.batch_id,
+                marker.index,
+                task_id,
+                state,
+                rec.remaining,
+                extra=extra,
+            )
             if rec.successor_created:
                 logger.info("batch complete batch_id=%s: successor created", marker.batch_id, extra=extra)
         elif rec.refused:
@@ -176,8 +183,14 @@ class WorkerHooks:
             what = (task_id, marker.index, marker.batch_id, marker.task_name, why)
             logger.warning("report refused: task_id=%s is not child %s of batch %s as task %s (%s)", *what, extra=extra)
         else:
-            logger.info("late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
-                        marker.batch_id, marker.index, task_id, state, extra=extra)  # fmt: skip
+            logger.info(
+                "late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
+                marker.batch_id,
+                marker.index,
+                task_id,
+                state,
+                extra=extra,
+            )
         return rec
 
     def record_successor(

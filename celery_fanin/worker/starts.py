@@ -1,17 +1,5 @@
-"""Children's start records, written off the child's path by a thread of the process that runs it.
-
-A start says "a worker took this child" (when, which attempt, which worker): `status` shows it, and child_timeout
-measures a running child from it. `task_prerun` only queues it; a daemon thread of the same (pool) process writes
-the starts queued since its previous write with one statement (`fanin_record_starts`,
-migrations/0006_batched_starts.sql). So the child's own path waits for one round trip only, its terminal report:
-with prefork's fair scheduling a pool process takes its next task only after the last one returned, and every
-wait on that path is lost throughput. (Celery's main process also learns of starts, in `Request.on_accepted`, but
-it is the busiest process of a prefork worker with short tasks; writing there slowed the whole worker down.)
-
-A child that ends before its start was written takes the start out of the queue and hands it to its terminal
-report, which records both in the same row update: no statement of its own, and `starts` still counts every run.
-A start is advisory and its write is best effort: committed asynchronously, retried a few times, then dropped with
-a warning. A lost start leaves the child timed from its creation, as if it had not started.
+"""Children's start records, queued by the worker hooks and written many per statement by a thread of the
+same process (docs/concepts/worker.md).
 """
 
 from __future__ import annotations

@@ -310,11 +310,6 @@ class _Heartbeat:
 _heartbeat = _Heartbeat()
 
 
-def live_runs() -> list[LiveRun]:
-    """The runs this process holds now (for tests and diagnostics)."""
-    return _heartbeat.live()
-
-
 def request_run(request: Any) -> LiveRun | None:
     """The run of the task execution whose request context this is (a custom `__call__` copies it)."""
     live = getattr(request, "_fanin_run", None)

@@ -147,8 +147,12 @@ class Chaos:
         return row[0]
 
     def _pg_ctl(self, action: str, *extra: str) -> None:
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", self.pg_version, "main", action, *extra],
-                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        subprocess.run(
+            ["pg_ctlcluster", "--skip-systemctl-redirect", self.pg_version, "main", action, *extra],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     def restart_postgres(self) -> None:
         before = self._postgres_started_at()
@@ -176,13 +180,34 @@ class Chaos:
         if self.run.broker == "redis":
             client = redis.Redis(host=self.redis_host, port=self.redis_port, socket_timeout=5)
             before = client.info("server")["run_id"]
-            subprocess.run(["redis-cli", "-h", self.redis_host, "-p", str(self.redis_port), "shutdown", "nosave"],
-                           capture_output=True, timeout=30)  # fmt: skip
             subprocess.run(
-                ["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", str(self.redis_port),
-                 "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis", "--logfile", "/var/log/redis/ci.log"],
-                check=True, capture_output=True, timeout=30,
-            )  # fmt: skip
+                ["redis-cli", "-h", self.redis_host, "-p", str(self.redis_port), "shutdown", "nosave"],
+                capture_output=True,
+                timeout=30,
+            )
+            subprocess.run(
+                [
+                    "redis-server",
+                    "--daemonize",
+                    "yes",
+                    "--bind",
+                    "127.0.0.1",
+                    "-::1",
+                    "--port",
+                    str(self.redis_port),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    "/var/lib/redis",
+                    "--logfile",
+                    "/var/log/redis/ci.log",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
 
             def run_id() -> str | None:
                 try:
@@ -194,8 +219,12 @@ class Chaos:
             assert after != before, "Redis was not restarted"
         else:
             url = make_url(self.env["FANIN_TEST_BROKER"].replace("amqp://", "postgresql://", 1))
-            watcher = amqp.Connection(f"{url.host}:{url.port or 5672}", userid=url.username or "guest",
-                                      password=url.password or "guest", connect_timeout=5)  # fmt: skip
+            watcher = amqp.Connection(
+                f"{url.host}:{url.port or 5672}",
+                userid=url.username or "guest",
+                password=url.password or "guest",
+                connect_timeout=5,
+            )
             watcher.connect()
             subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=60)
             subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
@@ -236,15 +265,17 @@ class Chaos:
             proc.stop()
 
 
-def _create_batches(producer: Any, run: Run, n_batches: int, width: int, rng: random.Random,
-                    stop: threading.Event) -> None:  # fmt: skip
+def _create_batches(
+    producer: Any, run: Run, n_batches: int, width: int, rng: random.Random, stop: threading.Event
+) -> None:
     for b in range(n_batches):
         if stop.is_set():
             return
         children = [producer.signature("tests.app.chaos_child", args=(b, i, rng.choice(MODES))) for i in range(width)]
         successor = producer.signature("tests.app.chaos_successor", args=(b,))
-        group = fan_in_group(children, then=successor, app=producer, child_timeout=45, on_lost="redrive",
-                             max_redrives=20)  # fmt: skip
+        group = fan_in_group(
+            children, then=successor, app=producer, child_timeout=45, on_lost="redrive", max_redrives=20
+        )
         for _ in range(60):  # Postgres may be restarting: nothing was written, try again
             try:
                 group.apply_async()
@@ -268,9 +299,27 @@ def _ensure_services(broker: str) -> None:
     version = os.listdir("/etc/postgresql")[0]
     subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start"], capture_output=True)
     if subprocess.run(["redis-cli", "ping"], capture_output=True).returncode != 0:
-        subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", "6379",
-                        "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis", "--logfile",
-                        "/var/log/redis/ci.log"], capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                "redis-server",
+                "--daemonize",
+                "yes",
+                "--bind",
+                "127.0.0.1",
+                "-::1",
+                "--port",
+                "6379",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                "/var/lib/redis",
+                "--logfile",
+                "/var/log/redis/ci.log",
+            ],
+            capture_output=True,
+        )
     if broker == "rabbitmq":
         subprocess.run(["rabbitmqctl", "start_app"], capture_output=True, timeout=120)
 
@@ -297,8 +346,9 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         chaos.start_worker("acks_early")
         chaos.start_worker("threads")
         chaos.start_relay()
-        producer = threading.Thread(target=_create_batches,
-                                    args=(capp, run, n_batches, width, random.Random(seed + 1), stop))  # fmt: skip
+        producer = threading.Thread(
+            target=_create_batches, args=(capp, run, n_batches, width, random.Random(seed + 1), stop)
+        )
         producer.start()
         faults = {
             "kill pool process": (chaos.kill_pool_process, 6),
@@ -399,9 +449,24 @@ def _batch_rows(url: str) -> list[dict[str, Any]]:
                 "WHERE convert_from(message, 'UTF8') LIKE '%\"fail\"]%' GROUP BY batch_id"
             ).fetchall()
         }
-    keys = ["batch_id", "state", "planned", "remaining", "succeeded", "failed", "successor_state", "successor_runs",
-            "duplicates", "created", "rows_succeeded", "rows_failed", "rows_open", "body_runs",
-            "redrives", "late_reports"]  # fmt: skip
+    keys = [
+        "batch_id",
+        "state",
+        "planned",
+        "remaining",
+        "succeeded",
+        "failed",
+        "successor_state",
+        "successor_runs",
+        "duplicates",
+        "created",
+        "rows_succeeded",
+        "rows_failed",
+        "rows_open",
+        "body_runs",
+        "redrives",
+        "late_reports",
+    ]
     out = []
     for r in rows:
         d = dict(zip(keys, r, strict=True))
@@ -416,12 +481,27 @@ def _report(run: Run, rows: list[dict[str, Any]]) -> None:
     for name, n in sorted(run.faults.items()):
         faults.add_row(name, str(n))
     console.print(faults)
-    summary = Table("batches", "children", "succeeded", "failed", "successor body runs", "duplicate deliveries",
-                    "redrives", "late reports", title="outcome")  # fmt: skip
-    summary.add_row(str(len(rows)), str(sum(r["planned"] for r in rows)), str(sum(r["succeeded"] for r in rows)),
-                    str(sum(r["failed"] for r in rows)), str(sum(r["body_runs"] for r in rows)),
-                    str(sum(r["duplicates"] or 0 for r in rows)), str(sum(r["redrives"] for r in rows)),
-                    str(sum(r["late_reports"] for r in rows)))  # fmt: skip
+    summary = Table(
+        "batches",
+        "children",
+        "succeeded",
+        "failed",
+        "successor body runs",
+        "duplicate deliveries",
+        "redrives",
+        "late reports",
+        title="outcome",
+    )
+    summary.add_row(
+        str(len(rows)),
+        str(sum(r["planned"] for r in rows)),
+        str(sum(r["succeeded"] for r in rows)),
+        str(sum(r["failed"] for r in rows)),
+        str(sum(r["body_runs"] for r in rows)),
+        str(sum(r["duplicates"] or 0 for r in rows)),
+        str(sum(r["redrives"] for r in rows)),
+        str(sum(r["late_reports"] for r in rows)),
+    )
     console.print(summary)
 
 
@@ -438,8 +518,10 @@ def _check(rows: list[dict[str, Any]], run: Run) -> None:
         if r["succeeded"] + r["failed"] != r["planned"] or r["remaining"] != 0:
             problems.append(f"{bid}: succeeded {r['succeeded']} + failed {r['failed']} != planned {r['planned']}")
         if (r["succeeded"], r["failed"], r["rows_open"]) != (r["rows_succeeded"], r["rows_failed"], 0):
-            problems.append(f"{bid}: counters {r['succeeded']}/{r['failed']} but child rows "
-                            f"{r['rows_succeeded']}/{r['rows_failed']} with {r['rows_open']} open")  # fmt: skip
+            problems.append(
+                f"{bid}: counters {r['succeeded']}/{r['failed']} but child rows "
+                f"{r['rows_succeeded']}/{r['rows_failed']} with {r['rows_open']} open"
+            )
         if r["created"] != r["planned"]:
             problems.append(f"{bid}: planned {r['planned']} but {r['created']} child rows")
         if r["fail_children_not_succeeded"] != r["fail_children"]:

@@ -107,8 +107,9 @@ def test_link_countdown_and_chain_children_are_counted_once_with_the_right_outco
         chain(ok(7), ok()).set(countdown=1),  # 7: the chain's options go to its first task
     ]
     started = time.time()
-    handle = fan_in_group(children, then=_sig(app, "record_run", "children", with_values=True), app=app,
-                          child_timeout=6).apply_async()  # fmt: skip
+    handle = fan_in_group(
+        children, then=_sig(app, "record_run", "children", with_values=True), app=app, child_timeout=6
+    ).apply_async()
     status = handle.wait(timeout=60)
     assert status.successor_state == "succeeded", status
     assert (status.planned, status.succeeded, status.failed) == (8, 5, 3), status

@@ -21,8 +21,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 def celery(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.app", "fanin", *args],
-        cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_migrate_twice_is_harmless(e2e_env: dict[str, str]) -> None:
@@ -37,7 +41,7 @@ def test_migrate_twice_is_harmless(e2e_env: dict[str, str]) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for _ in range(3)
     ]
     for p in procs:

@@ -38,8 +38,13 @@ def _json(env: dict[str, str], *args: str) -> Any:
 
 def _backdate(app: Any, batch_id: str, days: float) -> None:
     """Move a batch (and its leaves) back in time, as if it had been created and finished `days` ago."""
-    _sql(app, "UPDATE fanin_batches SET created_at = created_at - make_interval(days => :d), completed_at = "
-         "completed_at - make_interval(days => :d) WHERE id = :b OR parent_id = :b", b=batch_id, d=days)  # fmt: skip
+    _sql(
+        app,
+        "UPDATE fanin_batches SET created_at = created_at - make_interval(days => :d), completed_at = "
+        "completed_at - make_interval(days => :d) WHERE id = :b OR parent_id = :b",
+        b=batch_id,
+        d=days,
+    )
 
 
 def _ids(rows: list[dict[str, Any]]) -> set[str]:
@@ -49,8 +54,9 @@ def _ids(rows: list[dict[str, Any]]) -> set[str]:
 # --- status -------------------------------------------------------------------------------------------------------
 
 
-def test_status_tree_of_a_tree_a_nested_batch_and_a_pipeline(e2e_env: dict[str, str], producer: Any,
-                                                              processes: Any) -> None:  # fmt: skip
+def test_status_tree_of_a_tree_a_nested_batch_and_a_pipeline(
+    e2e_env: dict[str, str], producer: Any, processes: Any
+) -> None:
     processes.worker()
     processes.relay()
     tree = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("tree"), max_width=2).apply_async()
@@ -98,10 +104,15 @@ def test_status_tree_of_a_tree_a_nested_batch_and_a_pipeline(e2e_env: dict[str, 
 
 def test_status_shows_deadline_and_running_children(e2e_env: dict[str, str], producer: Any, processes: Any) -> None:
     processes.worker()
-    handle = fan_in_group([tasks.sleepy.s(8), tasks.ok.s(1).set(queue=NOBODY)], then=tasks.record_run.s("dl"),
-                          deadline=timedelta(hours=1)).apply_async()  # fmt: skip
-    data = wait_for(lambda: (d := _json(e2e_env, "status", handle.batch_id))["running"] == 1 and d, 30,
-                    interval=0.3, message="the sleepy child to start")  # fmt: skip
+    handle = fan_in_group(
+        [tasks.sleepy.s(8), tasks.ok.s(1).set(queue=NOBODY)], then=tasks.record_run.s("dl"), deadline=timedelta(hours=1)
+    ).apply_async()
+    data = wait_for(
+        lambda: (d := _json(e2e_env, "status", handle.batch_id))["running"] == 1 and d,
+        30,
+        interval=0.3,
+        message="the sleepy child to start",
+    )
     assert (data["state"], data["running"], data["pending"], data["remaining"]) == ("running", 1, 1, 2)
     assert 3500 < data["deadline_in_seconds"] <= 3600 and data["deadline_at"]
     shown = celery(e2e_env, "status", handle.batch_id)
@@ -140,20 +151,30 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
     done = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("done"), step="ls-done").apply_async()
     done.wait(timeout=30)
     # No child_timeout on the batches moved back in time: the relay would count their children as lost.
-    stuck = fan_in_group([tasks.ok.s(2).set(queue=NOBODY)], then=tasks.record_run.s("x"), step="ls-stuck",
-                         child_timeout=None).apply_async()  # fmt: skip
+    stuck = fan_in_group(
+        [tasks.ok.s(2).set(queue=NOBODY)], then=tasks.record_run.s("x"), step="ls-stuck", child_timeout=None
+    ).apply_async()
     _backdate(producer, stuck.batch_id, days=1)
     idle = fan_in_group([tasks.ok.s(3).set(queue=NOBODY)], then=tasks.record_run.s("y"), step="ls-idle").apply_async()
-    tree = fan_in_group([tasks.ok.s(i) for i in range(4)], then=tasks.record_run.s("t"), step="ls-tree",
-                        max_width=2).apply_async()  # fmt: skip
+    tree = fan_in_group(
+        [tasks.ok.s(i) for i in range(4)], then=tasks.record_run.s("t"), step="ls-tree", max_width=2
+    ).apply_async()
     tree.wait(timeout=30)
     # A running batch that progressed a minute ago: old, but not stuck for --stuck-after 10m.
-    moving = fan_in_group([tasks.ok.s(4), tasks.ok.s(5).set(queue=NOBODY)], then=tasks.record_run.s("m"),
-                          step="ls-moving", child_timeout=None).apply_async()  # fmt: skip
+    moving = fan_in_group(
+        [tasks.ok.s(4), tasks.ok.s(5).set(queue=NOBODY)],
+        then=tasks.record_run.s("m"),
+        step="ls-moving",
+        child_timeout=None,
+    ).apply_async()
     wait_for(lambda: moving.status().succeeded == 1, 30, message="the first child of ls-moving")
     _backdate(producer, moving.batch_id, days=1)
-    _sql(producer, "UPDATE fanin_children SET finished_at = now() - interval '1 minute' WHERE batch_id = :b "
-         "AND state = 'succeeded'", b=moving.batch_id)  # fmt: skip
+    _sql(
+        producer,
+        "UPDATE fanin_children SET finished_at = now() - interval '1 minute' WHERE batch_id = :b "
+        "AND state = 'succeeded'",
+        b=moving.batch_id,
+    )
 
     everything = _json(e2e_env, "ls")  # newest first, roots only (no leaves)
     newest_first = [tree.batch_id, idle.batch_id, done.batch_id, moving.batch_id, stuck.batch_id]
@@ -164,7 +185,10 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
     assert _ids(stuck_rows) == {stuck.batch_id} and stuck_rows[0]["stuck"] is True
     assert _ids(_json(e2e_env, "ls", "--state", "stuck", "--stuck-after", "30s")) == {stuck.batch_id, moving.batch_id}
     assert _ids(_json(e2e_env, "ls", "--state", "stuck", "--state", "complete")) == {
-        stuck.batch_id, done.batch_id, tree.batch_id}  # fmt: skip
+        stuck.batch_id,
+        done.batch_id,
+        tree.batch_id,
+    }
     assert _ids(_json(e2e_env, "ls", "--older-than", "12h")) == {stuck.batch_id, moving.batch_id}
     assert _ids(_json(e2e_env, "ls", "--newer-than", "1h")) == {done.batch_id, idle.batch_id, tree.batch_id}
     assert _ids(_json(e2e_env, "ls", "--step", "ls-idle")) == {idle.batch_id}
@@ -188,8 +212,11 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
 def test_failures_lists_failed_and_lost_children(e2e_env: dict[str, str], producer: Any, processes: Any) -> None:
     processes.worker()
     processes.relay()
-    handle = fan_in_group([tasks.ok.s(0), tasks.fail.s(1), tasks.ok.s(2).set(queue=NOBODY), tasks.fail.s(3)],
-                          then=tasks.record_run.s("failures"), child_timeout=clock.LONG).apply_async()  # fmt: skip
+    handle = fan_in_group(
+        [tasks.ok.s(0), tasks.fail.s(1), tasks.ok.s(2).set(queue=NOBODY), tasks.fail.s(3)],
+        then=tasks.record_run.s("failures"),
+        child_timeout=clock.LONG,
+    ).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0, 1, 3})  # child 2 is lost, and only it
     clock.expire_child_timeout(producer, handle.batch_id)
     handle.wait(timeout=60)
@@ -200,11 +227,19 @@ def test_failures_lists_failed_and_lost_children(e2e_env: dict[str, str], produc
     assert sorted(by_index) == [1, 2, 3]
     failed = by_index[1]
     assert (failed["task_name"], failed["state"], failed["exc_type"], failed["attempts"]) == (
-        "tests.app.fail", "failed", "ValueError", 1)  # fmt: skip
+        "tests.app.fail",
+        "failed",
+        "ValueError",
+        1,
+    )
     assert failed["exc_message"] == "child 1 failed on purpose" and failed["args"] == [1]
     lost = by_index[2]
-    assert (lost["task_name"], lost["state"], lost["exc_type"], lost["attempts"]) == ("tests.app.ok", "lost",
-                                                                                      "ChildLost", 0)  # fmt: skip
+    assert (lost["task_name"], lost["state"], lost["exc_type"], lost["attempts"]) == (
+        "tests.app.ok",
+        "lost",
+        "ChildLost",
+        0,
+    )
     limited = _json(e2e_env, "failures", handle.batch_id, "--limit", "1")
     assert limited["total"] == 3 and [f["index"] for f in limited["failures"]] == [1]
 
@@ -229,15 +264,20 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
     key = uuid.uuid4().hex[:8]
     first = fan_in_group(
         [tasks.ok.s(1), tasks.fail_first_time.s(f"{key}-a"), tasks.ok.s(3), tasks.fail_first_time.s(f"{key}-b")],
-        then=tasks.record_run.s("rounds", with_values=True), step="rounds",
-    ).apply_async()  # fmt: skip
+        then=tasks.record_run.s("rounds", with_values=True),
+        step="rounds",
+    ).apply_async()
     first.wait(timeout=30)
     (run1,) = successor_runs(first.batch_id)
     assert (run1["outcome"]["round"], run1["outcome"]["retry_of"], run1["outcome"]["failed"]) == (1, None, 2)
 
     started = _json(e2e_env, "retry-failed", first.batch_id)
     assert (started["original"], started["retried"], started["round"], started["children"]) == (
-        first.batch_id, first.batch_id, 2, 2)  # fmt: skip
+        first.batch_id,
+        first.batch_id,
+        2,
+        2,
+    )
     second = FanInResult(producer, started["batch_id"])
     second.wait(timeout=30)
 
@@ -247,17 +287,21 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (2, 2, 0)
     assert run2["values"] == [f"{key}-a", f"{key}-b"] and run2["label"] == "rounds"
     assert len(successor_runs(first.batch_id)) == 1  # round 1's successor did not run again
-    old_ids = {r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b",
-                                       b=first.batch_id)}  # fmt: skip
-    new_ids = {r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b",
-                                       b=second.batch_id)}  # fmt: skip
+    old_ids = {
+        r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=first.batch_id)
+    }
+    new_ids = {
+        r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=second.batch_id)
+    }
     assert len(new_ids) == 2 and not old_ids & new_ids
     assert second.status().successor_task_id != first.status().successor_task_id
 
     for shown_id in (first.batch_id, second.batch_id):  # either round's status shows both rounds
         data = _json(e2e_env, "status", shown_id)
         assert [(r["round"], r["batch_id"], r["state"], r["failed"]) for r in data["rounds"]] == [
-            (1, first.batch_id, "complete", 2), (2, second.batch_id, "complete", 0)]  # fmt: skip
+            (1, first.batch_id, "complete", 2),
+            (2, second.batch_id, "complete", 0),
+        ]
     data = _json(e2e_env, "status", second.batch_id)
     assert (data["round"], data["retry_of"]) == (2, first.batch_id)
     shown = celery(e2e_env, "status", first.batch_id)
@@ -272,8 +316,9 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
 
 def test_retry_failed_is_refused_while_the_batch_runs(e2e_env: dict[str, str], producer: Any, processes: Any) -> None:
     processes.worker()
-    handle = fan_in_group([tasks.fail.s(1), tasks.ok.s(2).set(queue=NOBODY)],
-                          then=tasks.record_run.s("running")).apply_async()  # fmt: skip
+    handle = fan_in_group(
+        [tasks.fail.s(1), tasks.ok.s(2).set(queue=NOBODY)], then=tasks.record_run.s("running")
+    ).apply_async()
     wait_for(lambda: handle.status().failed == 1, 30, message="the failing child")
     refused = celery(e2e_env, "retry-failed", handle.batch_id)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
@@ -288,11 +333,13 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
     processes.worker()
     processes.relay()
     old = fan_in_group([tasks.ok.s(1), tasks.fail.s(2)], then=tasks.record_run.s("old")).apply_async()
-    old_tree = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("old-tree"),
-                            max_width=2).apply_async()  # fmt: skip
+    old_tree = fan_in_group(
+        [tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("old-tree"), max_width=2
+    ).apply_async()
     recent = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("recent")).apply_async()
-    old_running = fan_in_group([tasks.ok.s(1).set(queue=NOBODY)], then=tasks.record_run.s("x"),
-                               child_timeout=None).apply_async()  # fmt: skip
+    old_running = fan_in_group(
+        [tasks.ok.s(1).set(queue=NOBODY)], then=tasks.record_run.s("x"), child_timeout=None
+    ).apply_async()
     for handle in (old, old_tree, recent):
         handle.wait(timeout=30)
     for handle in (old, old_tree, old_running):
@@ -301,14 +348,18 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
     old_ids = [old.batch_id, old_tree.batch_id]
 
     def rows(ids: list[str]) -> tuple[int, int, int, int]:
-        counts = _sql(producer, """
+        counts = _sql(
+            producer,
+            """
             SELECT (SELECT count(*) FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[]))
                                                           OR parent_id = ANY(CAST(:ids AS uuid[]))) AS batches,
                    (SELECT count(*) FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id
                      WHERE b.id = ANY(CAST(:ids AS uuid[])) OR b.parent_id = ANY(CAST(:ids AS uuid[]))) AS children,
                    (SELECT count(*) FROM fanin_successors WHERE batch_id = ANY(CAST(:ids AS uuid[]))) AS successors,
                    (SELECT count(*) FROM fanin_outbox WHERE batch_id = ANY(CAST(:ids AS uuid[]))) AS outbox
-            """, ids=ids)[0]  # fmt: skip
+            """,
+            ids=ids,
+        )[0]
         return counts.batches, counts.children, counts.successors, counts.outbox
 
     assert rows(old_ids) == (5, 7, 2, 2)  # two roots and three leaves; 2 + 5 children
@@ -353,10 +404,16 @@ def test_unknown_batch_exits_non_zero(e2e_env: dict[str, str], command: tuple[st
 
 @pytest.mark.parametrize(
     "args",
-    [("ls",), ("prune", "--older-than", "30d"), ("failures", str(uuid.uuid4())), ("retry-failed", str(uuid.uuid4())),
-     ("watch", str(uuid.uuid4())), ("status", str(uuid.uuid4()))],
+    [
+        ("ls",),
+        ("prune", "--older-than", "30d"),
+        ("failures", str(uuid.uuid4())),
+        ("retry-failed", str(uuid.uuid4())),
+        ("watch", str(uuid.uuid4())),
+        ("status", str(uuid.uuid4())),
+    ],
     ids=lambda a: a[0],
-)  # fmt: skip
+)
 def test_unreachable_database_exits_non_zero(e2e_env: dict[str, str], args: tuple[str, ...]) -> None:
     env = {**e2e_env, "FANIN_DATABASE_URL": "postgresql://root@127.0.0.1:1/nowhere"}
     result = celery(env, *args)

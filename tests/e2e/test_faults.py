@@ -63,10 +63,14 @@ def test_child_starts_are_recorded(producer: Any, processes: Any) -> None:
     processes.worker()
     handle = fan_in_group([tasks.sleepy.s(3)], then=tasks.record_run.s("started")).apply_async()
     row = wait_for(
-        lambda: _sql(producer, "SELECT state, attempt, starts, worker FROM fanin_children WHERE batch_id = :b "
-                     "AND state = 'started'", b=handle.batch_id),
-        20, message="the child to be started",
-    )[0]  # fmt: skip
+        lambda: _sql(
+            producer,
+            "SELECT state, attempt, starts, worker FROM fanin_children WHERE batch_id = :b AND state = 'started'",
+            b=handle.batch_id,
+        ),
+        20,
+        message="the child to be started",
+    )[0]
     assert row.state == "started" and row.attempt == 0 and row.starts == 1 and row.worker.startswith("e2e-")
 
 
@@ -86,13 +90,19 @@ def test_child_never_delivered_is_counted_lost_and_its_late_report_is_not(
     # The message turns up after all: a worker for that queue runs it, and its report is recorded as late.
     processes.worker(extra=["-Q", "nobody-consumes-this"])
     late = wait_for(
-        lambda: _sql(producer, "SELECT state, late_state, late_reports FROM fanin_children WHERE batch_id = :b "
-                     "AND idx = 1 AND late_reports > 0", b=handle.batch_id),
-        30, message="the late report",
-    )[0]  # fmt: skip
+        lambda: _sql(
+            producer,
+            "SELECT state, late_state, late_reports FROM fanin_children WHERE batch_id = :b "
+            "AND idx = 1 AND late_reports > 0",
+            b=handle.batch_id,
+        ),
+        30,
+        message="the late report",
+    )[0]
     assert (late.state, late.late_state) == ("lost", "revoked") or (late.state, late.late_state) == (
-        "lost", "succeeded",
-    )  # fmt: skip
+        "lost",
+        "succeeded",
+    )
     assert late.late_reports == 1  # its one delivery, reported once
     final = handle.status()
     assert (final.succeeded, final.failed, final.remaining) == (1, 1, 0)
@@ -107,24 +117,31 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
         children, then=tasks.record_run.s("redriven"), child_timeout=clock.LONG, on_lost="redrive"
     ).apply_async()
     wait_for(
-        lambda: _sql(producer, "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND state = 'started'",
-                     b=handle.batch_id),
-        20, message="the long child to start",
-    )  # fmt: skip
+        lambda: _sql(
+            producer,
+            "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND state = 'started'",
+            b=handle.batch_id,
+        ),
+        20,
+        message="the long child to start",
+    )
     clock.wait_finished(producer, handle.batch_id, {1})
     first.kill()  # the whole worker, main process included: without acks_late the message is gone
     # Past the timeout for the run that died with its worker; the redrive starts a new hour: exactly one redrive.
     clock.expire_child_timeout(producer, handle.batch_id)
     wait_for(
-        lambda: _sql(producer, "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND redrives = 1",
-                     b=handle.batch_id),
-        30, message="the lost child to be redriven",
-    )  # fmt: skip
+        lambda: _sql(
+            producer, "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND redrives = 1", b=handle.batch_id
+        ),
+        30,
+        message="the lost child to be redriven",
+    )
     processes.worker()
     status = handle.wait(timeout=60)
     assert (status.succeeded, status.failed) == (2, 0)
-    row = _sql(producer, "SELECT redrives, starts FROM fanin_children WHERE batch_id = :b AND idx = 0",
-               b=handle.batch_id)[0]  # fmt: skip
+    row = _sql(
+        producer, "SELECT redrives, starts FROM fanin_children WHERE batch_id = :b AND idx = 0", b=handle.batch_id
+    )[0]
     # The redriven run ends sooner than starts are written: its terminal report carries its start.
     assert (row.redrives, row.starts) == (1, 2)
     assert len(successor_runs(handle.batch_id)) == 1
@@ -154,9 +171,13 @@ def test_deadline_abandon_runs_on_expire_only(producer: Any, processes: Any, suc
     processes.relay()
     children = [tasks.ok.s(0), tasks.ok.s(1).set(queue="nobody-consumes-this")]
     handle = fan_in_group(
-        children, then=tasks.record_run.s("then"), deadline=timedelta(seconds=clock.LONG), on_deadline="abandon",
-        on_expire=tasks.record_run.s("expired"), child_timeout=0,
-    ).apply_async()  # fmt: skip
+        children,
+        then=tasks.record_run.s("then"),
+        deadline=timedelta(seconds=clock.LONG),
+        on_deadline="abandon",
+        on_expire=tasks.record_run.s("expired"),
+        child_timeout=0,
+    ).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0})
     clock.pass_deadline(producer, handle.batch_id)
     status = handle.wait(timeout=60)
@@ -234,12 +255,18 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
         wait_for(lambda h=h: h.status().state == "complete", 30, message="complete")
     # Drift: counters edited by hand on a finished batch are left alone (only open batches are recomputed) ...
     # ... so make both open again: one with wrong counts, one whose last decrement was "lost".
-    _sql(producer, "UPDATE fanin_batches SET state = 'running', remaining = 3, succeeded = 0 WHERE id = :b",
-         b=drifted.batch_id)  # fmt: skip
+    _sql(
+        producer,
+        "UPDATE fanin_batches SET state = 'running', remaining = 3, succeeded = 0 WHERE id = :b",
+        b=drifted.batch_id,
+    )
     _sql(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=stuck.batch_id)
     _sql(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=stuck.batch_id)
-    _sql(producer, "UPDATE fanin_batches SET state = 'running', remaining = 1, succeeded = 2 WHERE id = :b",
-         b=stuck.batch_id)  # fmt: skip
+    _sql(
+        producer,
+        "UPDATE fanin_batches SET state = 'running', remaining = 1, succeeded = 2 WHERE id = :b",
+        b=stuck.batch_id,
+    )
     _sql(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=drifted.batch_id)
     _sql(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=drifted.batch_id)
     repairs = {str(r.batch_id): r for r in maintenance.reconcile(fanin)}

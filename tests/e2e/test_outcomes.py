@@ -29,8 +29,11 @@ def _finish(handle: Any, successor_runs: Runs, timeout: float = 60) -> dict[str,
     assert outcome["batch_id"] == handle.batch_id
     assert outcome["succeeded"] + outcome["failed"] == outcome["planned"]
     assert (status.planned, status.succeeded, status.failed, status.remaining) == (
-        outcome["planned"], outcome["succeeded"], outcome["failed"], 0,
-    )  # fmt: skip
+        outcome["planned"],
+        outcome["succeeded"],
+        outcome["failed"],
+        0,
+    )
     return runs[0]
 
 

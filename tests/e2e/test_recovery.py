@@ -29,8 +29,12 @@ def test_producer_killed_after_commit_relay_finishes(
     processes.worker()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.e2e.producer_crash", "35", str(kill_on_chunk)],
-        cwd=ROOT, env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -9, proc.stdout + proc.stderr
     batch_id = proc.stdout.split()[0]
     with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
@@ -48,8 +52,10 @@ def test_producer_killed_after_commit_relay_finishes(
 
 def test_relay_stopped_while_batches_complete_then_started(producer: Any, processes: Any, successor_runs: Runs) -> None:
     processes.worker()
-    handles = [fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s(f"b{k}")).apply_async()
-               for k in range(5)]  # fmt: skip
+    handles = [
+        fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s(f"b{k}")).apply_async()
+        for k in range(5)
+    ]
     for h in handles:
         wait_for(lambda h=h: h.status().state == "complete", 30, message=f"batch {h.batch_id} complete")
     # No relay: every successor waits in the outbox and nothing ran.
@@ -65,8 +71,10 @@ def test_two_relays_publish_each_successor_once(producer: Any, processes: Any, s
     processes.worker()
     processes.relay()
     processes.relay()
-    handles = [fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s(f"r{k}")).apply_async()
-               for k in range(30)]  # fmt: skip
+    handles = [
+        fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s(f"r{k}")).apply_async()
+        for k in range(30)
+    ]
     for h in handles:
         status = h.wait(timeout=60)
         assert status.successor_state == "succeeded"

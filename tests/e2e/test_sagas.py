@@ -128,8 +128,9 @@ def test_compensation_worker_killed_midway_still_undoes_once(producer: Any, proc
     assert status.state == "compensated", status
     assert _calls(saga_db, "undo:charge", "o2") >= 2  # it ran again after the kill ...
     assert [a for a, _ in _effects(saga_db, "o2")] == ["reserve", "charge", "undo:charge", "undo:reserve"]  # ... once
-    redriven = _rows(producer, "SELECT redrives FROM fanin_children WHERE task_id = :t",
-                     t=status.compensations[0].task_id)  # fmt: skip
+    redriven = _rows(
+        producer, "SELECT redrives FROM fanin_children WHERE task_id = :t", t=status.compensations[0].task_id
+    )
     assert redriven[0].redrives >= 1
     assert _calls(saga_db, "undo:reserve", "o2") == 1
 
@@ -177,8 +178,9 @@ def test_group_undo_runs_before_its_childrens_nested_groups_included(
         [compensated(tasks.saga_piece.s(i), tasks.saga_undo.s("piece", f"g{i}")) for i in (10, 11)],
         then=tasks.sum_values.s(),
     )
-    group = fan_in_group([compensated(tasks.saga_piece.s(0), tasks.saga_undo.s("piece", "g0")), inner],
-                         then=tasks.saga_merge.s())  # fmt: skip
+    group = fan_in_group(
+        [compensated(tasks.saga_piece.s(0), tasks.saga_undo.s("piece", "g0")), inner], then=tasks.saga_merge.s()
+    )
     handle = saga(compensated(group, tasks.saga_undo.s("merge", "g")), tasks.saga_ship_fails.s("g")).apply_async()
     status = handle.wait(timeout=90)
     assert status.state == "compensated", status
@@ -188,8 +190,9 @@ def test_group_undo_runs_before_its_childrens_nested_groups_included(
     undone = undone.fetchall()
     assert undone[0][:2] == ("undo:merge", "g")  # the group's own undo first, then its children's
     assert sorted(label for _, label, _ in undone[1:]) == ["g0", "g10", "g11"]
-    [merge] = _rows(producer, "SELECT successor_task_id FROM fanin_batches WHERE successor_name = :n",
-                    n="tests.app.saga_merge")  # fmt: skip
+    [merge] = _rows(
+        producer, "SELECT successor_task_id FROM fanin_batches WHERE successor_name = :n", n="tests.app.saga_merge"
+    )
     assert undone[0][2] == merge.successor_task_id  # keyed by the identity of the successor it undoes
     pieces = dict(saga_db.execute("SELECT label, key FROM e2e_saga_effects WHERE action = 'piece'").fetchall())
     assert {label: key for _, label, key in undone[1:]} == {f"g{i}": pieces[str(i)] for i in (0, 10, 11)}
@@ -205,8 +208,9 @@ def test_outcome_compensate_outside_a_saga(producer: Any, processes: Any, saga_d
     undo_batch = FanInResult(producer, result["compensation_batch"])
     final = undo_batch.wait(timeout=60)
     assert (final.planned, final.succeeded, final.failed) == (2, 2, 0)
-    labels = [r[0] for r in saga_db.execute("SELECT label FROM e2e_saga_effects WHERE action = 'undo:piece' "
-                                            "ORDER BY label")]  # fmt: skip
+    labels = [
+        r[0] for r in saga_db.execute("SELECT label FROM e2e_saga_effects WHERE action = 'undo:piece' ORDER BY label")
+    ]
     assert labels == ["b0", "b2"]
 
 
@@ -276,24 +280,51 @@ def test_manual_step_waits_for_an_operator_ack(producer: Any, processes: Any, sa
 
 def test_example_app_order_saga(clean_db: str, clean_redis: str, tmp_path: Path) -> None:
     """The example in example_app/README.md, as documented: one order ships, one rolls back and asks an operator."""
-    env = {**os.environ, "FANIN_DATABASE_URL": clean_db, "FANIN_BROKER_URL": clean_redis,
-           "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "FANIN_DATABASE_URL": clean_db,
+        "FANIN_BROKER_URL": clean_redis,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
     celery = [sys.executable, "-m", "celery", "-A", "example_app"]
     commands = {
-        "worker": [*celery, "worker", "-P", "prefork", "-c", "2", "-Q", "celery,partner_sync", "-l", "INFO",
-                   "--without-gossip", "--without-mingle", "--without-heartbeat", "-n", f"saga-{uuid.uuid4().hex}@%h"],
+        "worker": [
+            *celery,
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "-Q",
+            "celery,partner_sync",
+            "-l",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-n",
+            f"saga-{uuid.uuid4().hex}@%h",
+        ],
         "relay": [*celery, "fanin", "relay", "--poll-interval", "0.2"],
-    }  # fmt: skip
+    }
     procs = []
     for name, cmd in commands.items():
         log = (tmp_path / f"{name}.log").open("w")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
     order = f"order-{uuid.uuid4().hex[:8]}"
 
     def place(order_id: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "example_app.saga_demo", order_id, "--timeout", "90"], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "example_app.saga_demo", order_id, "--timeout", "90"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
@@ -301,14 +332,21 @@ def test_example_app_order_saga(clean_db: str, clean_redis: str, tmp_path: Path)
         shipped = place(order)
         assert ": succeeded" in shipped.splitlines()[0]
         assert [line.split()[1] for line in shipped.splitlines() if "ledger:" in line] == [
-            "reserve", "charge", "email", "ship",
-        ]  # fmt: skip
+            "reserve",
+            "charge",
+            "email",
+            "ship",
+        ]
         rolled_back = place(f"{order}-nocarrier")
         assert ": manual_action_required" in rolled_back.splitlines()[0], rolled_back
         assert f"Email the customer that order {order}-nocarrier is cancelled" in rolled_back
         assert [line.split()[1] for line in rolled_back.splitlines() if "ledger:" in line] == [
-            "reserve", "charge", "email", "refund", "release",
-        ]  # fmt: skip
+            "reserve",
+            "charge",
+            "email",
+            "refund",
+            "release",
+        ]
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -39,13 +39,22 @@ def test_generator_of_100k_children_streams_and_counts_exactly(producer: Any, cl
     handle = fan_in_group(source, then=tasks.record_run.s("100k")).apply_async()
     status = handle.status()
     assert (status.planned, status.published, status.state) == (n, n, "running")
-    shape = _rows(producer, "SELECT count(*) AS leaves, coalesce(max(planned), 0) AS widest FROM fanin_batches "
-                  "WHERE parent_id = :b", b=handle.batch_id)[0]  # fmt: skip
+    shape = _rows(
+        producer,
+        "SELECT count(*) AS leaves, coalesce(max(planned), 0) AS widest FROM fanin_batches WHERE parent_id = :b",
+        b=handle.batch_id,
+    )[0]
     assert shape.leaves >= 9 and shape.widest <= 10_000
     assert redis.Redis.from_url(clean_redis).llen("scale-test-nobody") == n
-    task_ids = [r.task_id for r in _rows(
-        producer, "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
-        "WHERE id = :b OR parent_id = :b)", b=handle.batch_id)]  # fmt: skip
+    task_ids = [
+        r.task_id
+        for r in _rows(
+            producer,
+            "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
+            "WHERE id = :b OR parent_id = :b)",
+            b=handle.batch_id,
+        )
+    ]
     assert len(task_ids) == n
     rng = random.Random(7)
     states = {tid: ("failed" if rng.random() < 0.1 else "succeeded") for tid in task_ids}
@@ -66,8 +75,12 @@ def test_generator_of_100k_children_streams_and_counts_exactly(producer: Any, cl
         list(pool.map(report, [task_ids[k::12] for k in range(12)]))
     final = handle.status()
     expected_failed = sum(1 for s in states.values() if s == "failed")
-    assert (final.succeeded, final.failed, final.remaining, final.state) == (n - expected_failed, expected_failed, 0,
-                                                                              "complete")  # fmt: skip
+    assert (final.succeeded, final.failed, final.remaining, final.state) == (
+        n - expected_failed,
+        expected_failed,
+        0,
+        "complete",
+    )
     assert len(created) == 1
     assert final.successor_state == "pending"  # no relay running: it waits in the outbox
 
@@ -76,8 +89,14 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     e2e_env: dict[str, str], producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
     env = {**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.e2e.producer_crash", "3000", "4", "--stream", "resume-me"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.producer_crash", "3000", "4", "--stream", "resume-me"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stdout + proc.stderr
     batch_id = proc.stdout.split()[0]
     from celery_fanin import FanInResult
@@ -89,15 +108,20 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     chunk_size = tasks.app.conf.get("fanin_chunk_size")
     tasks.app.conf.fanin_chunk_size = 500
     try:
-        handle = fan_in_group((tasks.ok.s(i) for i in range(3000)), then=tasks.record_run.s("resumed"),
-                              key="resume-me").apply_async()  # fmt: skip
+        handle = fan_in_group(
+            (tasks.ok.s(i) for i in range(3000)), then=tasks.record_run.s("resumed"), key="resume-me"
+        ).apply_async()
     finally:
         tasks.app.conf.fanin_chunk_size = chunk_size
     assert handle.batch_id == batch_id
     final = handle.wait(timeout=180)
     assert (final.planned, final.succeeded, final.failed) == (3000, 3000, 0)
-    idx = _rows(producer, "SELECT count(*) AS n, count(DISTINCT idx) AS d, min(idx) AS lo, max(idx) AS hi "
-                "FROM fanin_children WHERE batch_id = :b", b=batch_id)[0]  # fmt: skip
+    idx = _rows(
+        producer,
+        "SELECT count(*) AS n, count(DISTINCT idx) AS d, min(idx) AS lo, max(idx) AS hi "
+        "FROM fanin_children WHERE batch_id = :b",
+        b=batch_id,
+    )[0]
     assert (idx.n, idx.d, idx.lo, idx.hi) == (3000, 3000, 0, 2999)
     assert len(successor_runs(batch_id)) == 1
 
@@ -123,8 +147,9 @@ def test_concurrent_creation_with_the_same_key_returns_one_batch(producer: Any, 
     from celery_fanin import InvalidFanIn
 
     with pytest.raises(InvalidFanIn, match="different child list"):
-        fan_in_group([tasks.ok.s(i) for i in range(51)], then=tasks.record_run.s("k"), key="cron:2026-11-29"
-                     ).apply_async()  # fmt: skip
+        fan_in_group(
+            [tasks.ok.s(i) for i in range(51)], then=tasks.record_run.s("k"), key="cron:2026-11-29"
+        ).apply_async()
 
 
 def test_tree_batch_with_leaves_completing_concurrently(producer: Any, processes: Any, successor_runs: Runs) -> None:
@@ -133,8 +158,11 @@ def test_tree_batch_with_leaves_completing_concurrently(producer: Any, processes
     processes.relay()
     children = [tasks.fail.s(i) if i % 10 == 0 else tasks.ok.s(i) for i in range(600)]
     handle = fan_in_group(children, then=tasks.record_run.s("tree", with_values=True), max_width=50).apply_async()
-    leaves = _rows(producer, "SELECT count(*) AS n, max(planned) AS widest FROM fanin_batches WHERE parent_id = :b",
-                   b=handle.batch_id)[0]  # fmt: skip
+    leaves = _rows(
+        producer,
+        "SELECT count(*) AS n, max(planned) AS widest FROM fanin_batches WHERE parent_id = :b",
+        b=handle.batch_id,
+    )[0]
     assert (leaves.n, leaves.widest) == (12, 50)
 
     def consistent() -> bool:
@@ -157,8 +185,11 @@ def test_depth_bound_raises_at_the_right_level(e2e_env: dict[str, str], producer
     fan_in_group([tasks.recurse.s(1)], then=tasks.record_run.s("level-0")).apply_async()
 
     def deepest_failed() -> Any:
-        rows = _rows(producer, "SELECT b.depth, c.state, c.exc_type, c.exc_message FROM fanin_children c "
-                     "JOIN fanin_batches b ON b.id = c.batch_id WHERE c.state = 'failed'")  # fmt: skip
+        rows = _rows(
+            producer,
+            "SELECT b.depth, c.state, c.exc_type, c.exc_message FROM fanin_children c "
+            "JOIN fanin_batches b ON b.id = c.batch_id WHERE c.state = 'failed'",
+        )
         return rows[0] if rows else None
 
     failed = wait_for(deepest_failed, 60, 0.2, "the child past the depth bound to fail")

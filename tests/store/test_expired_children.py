@@ -29,8 +29,7 @@ def test_only_pending_children_past_expiry_and_grace_are_counted_revoked(engine:
     past, recent, future = now - timedelta(seconds=60), now - timedelta(seconds=5), now + timedelta(seconds=60)
     batch, children = _create(engine, [past, past, recent, future, None])
     with engine.begin() as conn:  # child 1 started before it expired: its worker reports it
-        conn.execute(text("UPDATE fanin_children SET state = 'started' WHERE task_id = :t"),
-                     {"t": children[1].task_id})  # fmt: skip
+        conn.execute(text("UPDATE fanin_children SET state = 'started' WHERE task_id = :t"), {"t": children[1].task_id})
     with engine.begin() as conn:
         due = recovery.expired_children(conn, grace_seconds=30)
     assert [task_id for task_id, _, _ in due] == [children[0].task_id]

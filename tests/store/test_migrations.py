@@ -70,8 +70,9 @@ def _migrated_by_an_older_release(engine: Engine, upto: int) -> None:
                 break
             with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
                 cursor.execute(m.sql)  # no parameters: `%ROWTYPE` is not a placeholder
-            conn.execute(text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"),
-                         {"v": m.version, "n": m.name})  # fmt: skip
+            conn.execute(
+                text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"), {"v": m.version, "n": m.name}
+            )
 
 
 def test_database_at_0001_is_upgraded_with_the_later_versions_only(fresh_db_url: str) -> None:

@@ -385,7 +385,8 @@ def test_a_tree_settles_its_root_once_per_leaf_and_the_last_leaf_creates_the_suc
     finished = (root["state"], root["succeeded"], root["failed"], root["successors"], root["outbox"])
     assert finished == ("complete", 5, 1, ["then"], 1)
     with store_engine.connect() as conn:
-        leaves = fetch_all(conn, "SELECT state, remaining, completed_at FROM fanin_batches WHERE parent_id = :id",
-                           id=batch.id)  # fmt: skip
+        leaves = fetch_all(
+            conn, "SELECT state, remaining, completed_at FROM fanin_batches WHERE parent_id = :id", id=batch.id
+        )
     assert [(leaf["state"], leaf["remaining"]) for leaf in leaves] == [("complete", 0)] * 3
     assert all(leaf["completed_at"] is not None for leaf in leaves)

@@ -19,8 +19,15 @@ from celery_fanin.store import admin, batches
 from .helpers import new_batch, row_counts
 
 
-def _finished(engine: Engine, n: int, *, days: float = 40, successor: str | None = "succeeded",
-              state: str | None = None, **fields: Any) -> uuid.UUID:  # fmt: skip
+def _finished(
+    engine: Engine,
+    n: int,
+    *,
+    days: float = 40,
+    successor: str | None = "succeeded",
+    state: str | None = None,
+    **fields: Any,
+) -> uuid.UUID:
     """A batch of `n` children, every one succeeded, its successor in `successor` (None: no successor row), moved
     back `days` in time; `state` overrides the batch state, `fields` set more columns."""
     batch, children = new_batch(n)
@@ -33,14 +40,17 @@ def _finished(engine: Engine, n: int, *, days: float = 40, successor: str | None
             conn.execute(text("DELETE FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id})
         if successor is not None:
             batches.insert_successor(conn, batch.id, "then")
-            conn.execute(text("UPDATE fanin_successors SET state = :s WHERE batch_id = :b"),
-                         {"s": successor, "b": batch.id})  # fmt: skip
+            conn.execute(
+                text("UPDATE fanin_successors SET state = :s WHERE batch_id = :b"), {"s": successor, "b": batch.id}
+            )
         conn.execute(
-            text("UPDATE fanin_batches SET created_at = created_at - make_interval(days => :d), completed_at = "
-                 "coalesce(completed_at, now()) - make_interval(days => :d), state = coalesce(:state, state) "
-                 "WHERE id = :b"),
+            text(
+                "UPDATE fanin_batches SET created_at = created_at - make_interval(days => :d), completed_at = "
+                "coalesce(completed_at, now()) - make_interval(days => :d), state = coalesce(:state, state) "
+                "WHERE id = :b"
+            ),
             {"b": batch.id, "d": days, "state": state},
-        )  # fmt: skip
+        )
         for column, value in fields.items():  # test-chosen column names only
             conn.execute(text(f"UPDATE fanin_batches SET {column} = :v WHERE id = :b"), {"v": value, "b": batch.id})
     return batch.id
@@ -75,36 +85,50 @@ def test_only_finished_batches_with_finished_successors_are_pruned(app: Celery, 
     assert row_counts(engine)["fanin_outbox"] == 4  # successor_running, with_running_round, the round, `running`
 
 
-def _saga(engine: Engine, state: str, step_batch: uuid.UUID, compensation_batch: uuid.UUID | None = None, *,
-          finished_days: float | None = None) -> uuid.UUID:  # fmt: skip
+def _saga(
+    engine: Engine,
+    state: str,
+    step_batch: uuid.UUID,
+    compensation_batch: uuid.UUID | None = None,
+    *,
+    finished_days: float | None = None,
+) -> uuid.UUID:
     """A saga in `state` whose step 1 ran as `step_batch` (and whose rollback ran as `compensation_batch`), that
     finished `finished_days` ago (None: not finished)."""
     saga_id = uuid.uuid4()
     with engine.begin() as conn:
         conn.execute(
-            text("INSERT INTO fanin_sagas (id, app_name, state, steps, finished_at) VALUES (:id, 'tests', :s, 2, "
-                 "now() - make_interval(days => :d))"),
+            text(
+                "INSERT INTO fanin_sagas (id, app_name, state, steps, finished_at) VALUES (:id, 'tests', :s, 2, "
+                "now() - make_interval(days => :d))"
+            ),
             {"id": saga_id, "s": state, "d": finished_days},
-        )  # fmt: skip
+        )
         conn.execute(
-            text("INSERT INTO fanin_saga_steps (saga_id, position, kind, name, definition, content_type, "
-                 "content_encoding, state, batch_id) VALUES (:id, 1, 'task', 't', '\\x00', 'json', 'utf-8', "
-                 "'succeeded', :b)"),
+            text(
+                "INSERT INTO fanin_saga_steps (saga_id, position, kind, name, definition, content_type, "
+                "content_encoding, state, batch_id) VALUES (:id, 1, 'task', 't', '\\x00', 'json', 'utf-8', "
+                "'succeeded', :b)"
+            ),
             {"id": saga_id, "b": step_batch},
-        )  # fmt: skip
+        )
         if compensation_batch is not None:
             conn.execute(
-                text("INSERT INTO fanin_saga_compensations (saga_id, undo_of, position, stage, ordinal, kind, "
-                     "state, batch_id) VALUES (:id, 'x', 1, 0, 0, 'child', 'succeeded', :b)"),
+                text(
+                    "INSERT INTO fanin_saga_compensations (saga_id, undo_of, position, stage, ordinal, kind, "
+                    "state, batch_id) VALUES (:id, 'x', 1, 0, 0, 'child', 'succeeded', :b)"
+                ),
                 {"id": saga_id, "b": compensation_batch},
-            )  # fmt: skip
+            )
     return saga_id
 
 
 def test_batches_a_saga_may_still_roll_back_are_kept_until_it_finishes(app: Celery, engine: Engine) -> None:
     fanin = FanIn.of(app)
-    kept = {state: (_finished(engine, 1), _finished(engine, 1))
-            for state in ("running", "compensating", "compensation_failed")}  # fmt: skip
+    kept = {
+        state: (_finished(engine, 1), _finished(engine, 1))
+        for state in ("running", "compensating", "compensation_failed")
+    }
     sagas = {state: _saga(engine, state, step, undo) for state, (step, undo) in kept.items()}
     gone = []
     for state in ("succeeded", "compensated", "manual_action_required"):  # nothing left to undo
@@ -141,8 +165,10 @@ def _saga_rows(engine: Engine, saga_id: uuid.UUID) -> tuple[int, ...]:
 
 def test_sagas_finished_for_good_are_pruned_after_the_batches(app: Celery, engine: Engine) -> None:
     fanin = FanIn.of(app)
-    old = {state: _saga(engine, state, uuid.uuid4(), uuid.uuid4(), finished_days=40)
-           for state in ("succeeded", "compensated", "manual_action_required", "compensation_failed")}  # fmt: skip
+    old = {
+        state: _saga(engine, state, uuid.uuid4(), uuid.uuid4(), finished_days=40)
+        for state in ("succeeded", "compensated", "manual_action_required", "compensation_failed")
+    }
     unfinished = [_saga(engine, state, uuid.uuid4()) for state in ("running", "compensating")]
     recent = _saga(engine, "succeeded", uuid.uuid4(), finished_days=10)
     first, second = _finished(engine, 1), _finished(engine, 1)

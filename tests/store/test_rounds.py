@@ -24,8 +24,12 @@ from .helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages
 def _finish(engine: Engine, batch_id: str, states: dict[int, str], successor: str = "succeeded") -> None:
     """Report every child of the batch (by index: its state, default succeeded) and its successor's final state."""
     with engine.begin() as conn:
-        rows = fetch_all(conn, "SELECT task_id, idx FROM fanin_children WHERE batch_id IN (SELECT id FROM "
-                         "fanin_batches WHERE id = :b OR parent_id = :b)", b=batch_id)  # fmt: skip
+        rows = fetch_all(
+            conn,
+            "SELECT task_id, idx FROM fanin_children WHERE batch_id IN (SELECT id FROM "
+            "fanin_batches WHERE id = :b OR parent_id = :b)",
+            b=batch_id,
+        )
         for row in rows:
             batches.record_terminal(conn, row["task_id"], states.get(row["idx"], "succeeded"), exc_type="E")
         conn.execute(
@@ -37,25 +41,49 @@ def test_a_round_holds_the_failed_children_under_new_ids_and_the_same_successor(
     app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis
 ) -> None:
     children = [tasks.add.s(i, i) for i in range(5)]
-    first = fan_in_group(children, then=tasks.collect.s("label"), step="merge", child_timeout=timedelta(minutes=7),
-                         on_lost="redrive", max_redrives=2).apply_async()  # fmt: skip
+    first = fan_in_group(
+        children,
+        then=tasks.collect.s("label"),
+        step="merge",
+        child_timeout=timedelta(minutes=7),
+        on_lost="redrive",
+        max_redrives=2,
+    ).apply_async()
     _finish(store_engine, first.batch_id, {1: "failed", 3: "lost"})
     broker.delete(QUEUE)
 
     done = retry_failed(FanIn.of(app), first.batch_id)
     assert (done.original, done.retried, done.retried_round, done.round, done.children) == (
-        first.batch_id, first.batch_id, 1, 2, 2)  # fmt: skip
+        first.batch_id,
+        first.batch_id,
+        1,
+        2,
+        2,
+    )
     assert done.batch_id is not None and not done.existing
     with store_engine.connect() as conn:
-        row = fetch_one(conn, "SELECT step, state, planned, round, retry_of, key, successor_name, successor_task_id, "
-                        "extract(epoch FROM child_timeout) AS timeout, on_lost, max_redrives, lineage, depth "
-                        "FROM fanin_batches WHERE id = :b", b=done.batch_id)  # fmt: skip
-        old = fetch_all(conn, "SELECT task_id, message FROM fanin_children WHERE batch_id = :b AND idx IN (1, 3) "
-                        "ORDER BY idx", b=first.batch_id)  # fmt: skip
-        new = fetch_all(conn, "SELECT task_id, idx, message FROM fanin_children WHERE batch_id = :b ORDER BY idx",
-                        b=done.batch_id)  # fmt: skip
+        row = fetch_one(
+            conn,
+            "SELECT step, state, planned, round, retry_of, key, successor_name, successor_task_id, "
+            "extract(epoch FROM child_timeout) AS timeout, on_lost, max_redrives, lineage, depth "
+            "FROM fanin_batches WHERE id = :b",
+            b=done.batch_id,
+        )
+        old = fetch_all(
+            conn,
+            "SELECT task_id, message FROM fanin_children WHERE batch_id = :b AND idx IN (1, 3) ORDER BY idx",
+            b=first.batch_id,
+        )
+        new = fetch_all(
+            conn, "SELECT task_id, idx, message FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=done.batch_id
+        )
     assert (row["step"], row["state"], row["planned"], row["round"], str(row["retry_of"])) == (
-        "merge", "running", 2, 2, first.batch_id)  # fmt: skip
+        "merge",
+        "running",
+        2,
+        2,
+        first.batch_id,
+    )
     assert row["key"] == f"retry:{first.batch_id}:2" and row["successor_name"] == "tests.store.collect"
     assert row["successor_task_id"] != first.successor_task_id
     assert (float(row["timeout"]), row["on_lost"], row["max_redrives"]) == (420.0, "redrive", 2)
@@ -78,23 +106,30 @@ def test_a_round_holds_the_failed_children_under_new_ids_and_the_same_successor(
     _finish(store_engine, done.batch_id, {})
     third = retry_failed(FanIn.of(app), done.batch_id)  # any round's id: the latest round is retried
     assert (third.original, third.retried, third.retried_round, third.round, third.children) == (
-        first.batch_id, done.batch_id, 2, 3, 1)  # fmt: skip
+        first.batch_id,
+        done.batch_id,
+        2,
+        3,
+        1,
+    )
     assert third.batch_id is not None
     _finish(store_engine, third.batch_id, {})
     nothing = retry_failed(FanIn.of(app), first.batch_id)
     assert (nothing.batch_id, nothing.children, nothing.retried_round) == (None, 0, 3)
 
 
-def test_retry_refused_for_an_open_batch_a_leaf_and_an_unknown_id(app: Celery, tasks: Tasks,
-                                                                   store_engine: Engine) -> None:  # fmt: skip
+def test_retry_refused_for_an_open_batch_a_leaf_and_an_unknown_id(
+    app: Celery, tasks: Tasks, store_engine: Engine
+) -> None:
     fanin = FanIn.of(app)
     running = fan_in_group([tasks.add.s(1, 1), tasks.add.s(2, 2)], then=tasks.collect.s()).apply_async()
     with pytest.raises(BatchNotFinished, match="is still running"):
         retry_failed(fanin, running.batch_id)
     tree = fan_in_group([tasks.add.s(i, i) for i in range(4)], then=tasks.collect.s(), max_width=2).apply_async()
     with store_engine.connect() as conn:
-        leaf = conn.execute(text("SELECT id FROM fanin_batches WHERE parent_id = :b LIMIT 1"),
-                            {"b": tree.batch_id}).scalar_one()  # fmt: skip
+        leaf = conn.execute(
+            text("SELECT id FROM fanin_batches WHERE parent_id = :b LIMIT 1"), {"b": tree.batch_id}
+        ).scalar_one()
     with pytest.raises(InvalidFanIn, match=f"leaf counter of batch {tree.batch_id}"):
         retry_failed(fanin, leaf)
     with pytest.raises(BatchNotFound):

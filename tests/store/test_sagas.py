@@ -73,8 +73,10 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
     sid = handle.saga_id
     status = handle.status()
     assert (status.state, status.current_step, [s.state for s in status.steps]) == (
-        "running", 1, ["running", "pending", "pending"],
-    )  # fmt: skip
+        "running",
+        1,
+        ["running", "pending", "pending"],
+    )
     [step1] = _rows(app, "SELECT id, key FROM fanin_batches WHERE key = :k", k=f"saga:{sid}:step:1")
     assert status.step(1).batch_id == str(step1.id)
 
@@ -104,8 +106,11 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
 
     # Stage 0, the refund: its compensation batch carries the original's identity; it fails for good.
     refund = status.compensations[0]
-    [child] = _rows(app, "SELECT c.message, b.key FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id "
-                    "WHERE c.task_id = :t", t=refund.task_id)  # fmt: skip
+    [child] = _rows(
+        app,
+        "SELECT c.message, b.key FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id WHERE c.task_id = :t",
+        t=refund.task_id,
+    )
     assert child.key == f"compensate:{status.step(2).batch_id}:1"
     message = json.loads(bytes(child.message))
     assert message["task"] == "t.refund" and message["options"]["headers"] == {"fanin_undo_of": charge_id}
@@ -149,8 +154,9 @@ def test_manual_steps_are_asked_for_not_waited_for_and_acked(app: Celery) -> Non
         _step_done(app, sid, position)
     status = handle.status()
     assert [(c.stage, c.kind, c.state) for c in status.compensations] == [
-        (0, "manual", "manual_action_required"), (1, "child", "running"),
-    ]  # fmt: skip
+        (0, "manual", "manual_action_required"),
+        (1, "child", "running"),
+    ]
     assert status.step(2).state == "manual_action_required"
     with pytest.raises(sagas.SagaStateError, match="not waiting for a manual action"):
         saga_driver.acknowledge(FanIn.of(app), sid, 1)
@@ -166,14 +172,15 @@ def test_outcome_compensate_undoes_succeeded_children_once(app: Celery) -> None:
     children = [compensated(_sig(app, "t.piece", i), _sig(app, "t.unpiece", i)) for i in range(4)]
     children.append(_sig(app, "t.piece", 4))  # no undo
     handle = fan_in_group(children, then=_sig(app, "t.merge")).apply_async()
-    ids = _finish_children(app, handle.batch_id, {0: "succeeded", 1: "failed", 2: "succeeded", 3: "revoked",
-                                                  4: "succeeded"})  # fmt: skip
-    outcome = BatchOutcome.from_message({"batch_id": handle.batch_id, "step": "t.merge", "planned": 5,
-                                         "succeeded": 3, "failed": 2}, app=app)  # fmt: skip
+    ids = _finish_children(
+        app, handle.batch_id, {0: "succeeded", 1: "failed", 2: "succeeded", 3: "revoked", 4: "succeeded"}
+    )
+    outcome = BatchOutcome.from_message(
+        {"batch_id": handle.batch_id, "step": "t.merge", "planned": 5, "succeeded": 3, "failed": 2}, app=app
+    )
     first = outcome.compensate()
     assert outcome.compensate().batch_id == first.batch_id  # once, however often it is called
-    undos = _rows(app, "SELECT task_id, message FROM fanin_children WHERE batch_id = :b ORDER BY idx",
-                  b=first.batch_id)  # fmt: skip
+    undos = _rows(app, "SELECT task_id, message FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=first.batch_id)
     assert [u.task_id for u in undos] == [saga_driver.compensation_task_id(ids[i], 1) for i in (2, 0)]  # latest first
     assert [json.loads(bytes(u.message))["args"] for u in undos] == [[2], [0]]
     assert _rows(app, "SELECT count(*) AS n FROM fanin_batches WHERE key LIKE 'compensate:%'")[0].n == 1
@@ -186,13 +193,18 @@ def test_outcome_compensate_finds_children_in_the_leaves_of_a_wide_batch(app: Ce
     assert len(leaves) >= 2
     succeeded = {0, 3, 4, 6}
     with FanIn.of(app).engine.begin() as conn:
-        for r in _rows(app, "SELECT task_id, idx FROM fanin_children WHERE batch_id = ANY(CAST(:l AS uuid[]))",
-                       l=[leaf.id for leaf in leaves]):  # fmt: skip
+        for r in _rows(
+            app,
+            "SELECT task_id, idx FROM fanin_children WHERE batch_id = ANY(CAST(:l AS uuid[]))",
+            l=[leaf.id for leaf in leaves],
+        ):
             batches.record_terminal(conn, r.task_id, "succeeded" if r.idx in succeeded else "failed")
-    outcome = BatchOutcome.from_message({"batch_id": handle.batch_id, "step": "t.merge", "planned": 7,
-                                         "succeeded": 4, "failed": 3}, app=app)  # fmt: skip
-    undos = _rows(app, "SELECT message FROM fanin_children WHERE batch_id = :b ORDER BY idx",
-                  b=outcome.compensate().batch_id)  # fmt: skip
+    outcome = BatchOutcome.from_message(
+        {"batch_id": handle.batch_id, "step": "t.merge", "planned": 7, "succeeded": 4, "failed": 3}, app=app
+    )
+    undos = _rows(
+        app, "SELECT message FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=outcome.compensate().batch_id
+    )
     assert [json.loads(bytes(u.message))["args"] for u in undos] == [[6], [4], [3], [0]]
 
 
