@@ -17,22 +17,12 @@ import pytest
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import clock
-from tests.e2e.sql import rows
+from tests.e2e.sql import attempts, child, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
-
-
-def _child(app: Any, batch_id: str, index: int) -> Any:
-    [row] = rows(
-        app,
-        "SELECT state, late_state, late_reports, exc_type, starts FROM fanin_children WHERE batch_id = :b AND idx = :i",
-        b=batch_id,
-        i=index,
-    )
-    return row
 
 
 @pytest.mark.parametrize("on_deadline", ["proceed", "abandon"])
@@ -53,8 +43,8 @@ def test_a_deadline_abandons_a_running_child_and_its_later_report_is_recorded_la
     ).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0})
     # The gated child is running: its body began, and its start is recorded.
-    wait_for(lambda: _child(producer, handle.batch_id, 1).state == "started", 30, message="the gated child started")
-    assert rows(producer, "SELECT n FROM e2e_attempts WHERE key = :k", k=gate)[0].n == 1
+    wait_for(lambda: child(producer, handle.batch_id, 1).state == "started", 30, message="the gated child started")
+    assert attempts(producer, gate) == 1
 
     clock.pass_deadline(producer, handle.batch_id)
     status = handle.wait(timeout=60)  # the successor (or on_expire) runs while the child is still in its body
@@ -66,13 +56,13 @@ def test_a_deadline_abandons_a_running_child_and_its_later_report_is_recorded_la
     assert [(f["index"], f["state"], f["exc_type"]) for f in outcome["failures"]] == [
         (1, "abandoned", "DeadlineExceeded")
     ]
-    assert _child(producer, handle.batch_id, 1).state == "abandoned"
-    assert not rows(producer, "SELECT 1 FROM e2e_attempts WHERE key = :k", k=f"{gate}:open")  # still held
+    assert child(producer, handle.batch_id, 1).state == "abandoned"
+    assert attempts(producer, f"{gate}:open") == 0  # still held
 
     # The child's body now returns: its report finds the row abandoned and is recorded late; no counter moves.
     rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
     late = wait_for(
-        lambda: (c := _child(producer, handle.batch_id, 1)).late_reports > 0 and c, 30, message="the late report"
+        lambda: (c := child(producer, handle.batch_id, 1)).late_reports > 0 and c, 30, message="the late report"
     )
     assert (late.state, late.late_state, late.late_reports, late.exc_type) == (
         "abandoned",
@@ -82,5 +72,5 @@ def test_a_deadline_abandons_a_running_child_and_its_later_report_is_recorded_la
     )
     after = handle.status()
     assert (after.state, after.remaining, after.succeeded, after.failed) == (status.state, 0, 1, 1)
-    assert rows(producer, "SELECT n FROM e2e_attempts WHERE key = :k", k=gate)[0].n == 1  # it ran once
+    assert attempts(producer, gate) == 1  # it ran once
     assert len(successor_runs(handle.batch_id)) == 1
