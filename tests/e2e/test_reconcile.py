@@ -20,7 +20,7 @@ from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import clock, holds
 from tests.e2e.sql import counters, rows
-from tests.e2e.test_cli import celery
+from tests.e2e.test_cli import celery, fanin
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -261,7 +261,7 @@ def test_a_tree_with_a_deadline_a_threshold_and_reconcile(
         "b.parent_id = :b AND c.state = 'abandoned' AND c.late_state = 'revoked' AND c.late_reports = 1"
     )
     wait_for(lambda: rows(producer, late_sql, b=root)[0].n == len(late), 30, message="the late revoked reports")
-    result = celery(e2e_env, "reconcile", "--json")  # reconcile and the deadline duty, run once more by hand
+    result = fanin(producer, "reconcile", "--json")  # reconcile and the deadline duty, once more by hand
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"repairs": [], "deadlines": []}
     after = handle.status()
