@@ -22,8 +22,10 @@ from typing import Any
 import amqp
 import pytest
 
-from celery_fanin import fan_in_group, publish
-from celery_fanin.publish import Encoded
+from celery_fanin import fan_in_group
+from celery_fanin.broker import publish
+from celery_fanin.codec import decode_signature
+from celery_fanin.store.batches import Encoded
 from tests import app as tasks
 from tests.e2e import holds
 from tests.e2e.brokers import on_broker
@@ -62,9 +64,7 @@ def test_a_child_message_published_twice_runs_twice_and_counts_once(
         "SELECT task_id, message, content_type, content_encoding FROM fanin_children WHERE batch_id = :b AND idx = 0",
         b=handle.batch_id,
     )
-    sig = publish.decode_signature(
-        producer, Encoded(stored.content_type, stored.content_encoding, bytes(stored.message))
-    )
+    sig = decode_signature(producer, Encoded(stored.content_type, stored.content_encoding, bytes(stored.message)))
     with publish.producer(producer) as prod:
         publish.publish_children(producer, prod, handle.batch_id, [(0, stored.task_id, sig)])  # waits for the confirm
     holds.consume(producer, worker, hold)  # both copies are on the queue now

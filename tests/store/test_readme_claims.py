@@ -11,7 +11,8 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
-from celery_fanin import FanIn, fan_in_group, maintenance
+from celery_fanin import FanIn, fan_in_group
+from celery_fanin.relay import maintenance
 from tests.e2e import clock
 
 from .helpers import define_tasks

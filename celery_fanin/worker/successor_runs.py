@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import retry
-from .extension import FanIn
-from .store import successors
-from .store.batches import Encoded
+from .. import retry
+from ..context import FanIn
+from ..store import successors
+from ..store.batches import Encoded
 
 logger = logging.getLogger("celery_fanin.successors")
 

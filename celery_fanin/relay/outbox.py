@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import Connection
 
-from . import publish
-from .extension import FanIn
-from .outcome import build_outcome
-from .store import batches, outbox, recovery
+from ..broker import publish
+from ..broker.confirms import BrokerRefused
+from ..broker.control import revoke_children
+from ..codec import decode_signature
+from ..context import FanIn
+from ..store import batches, outbox, recovery
+from .payload import build_outcome
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -50,7 +53,7 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
                     stopped = _publish_successor(fanin, conn, prod, row)
                     if stopped:
                         abandoned.append((row.batch_id, stopped))
-                except publish.BrokerRefused as exc:
+                except BrokerRefused as exc:
                     # The broker took the others and refused this one (its queue is full, say): like any row that
                     # fails on its own, it waits out a backoff, and the rows beside it are not held back with it.
                     delay = _retry_delay(row.attempts)
@@ -99,25 +102,13 @@ def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
-    sig = publish.decode_signature(fanin.app, batch.message_for(kind))
+    sig = decode_signature(fanin.app, batch.message_for(kind))
     settings = fanin.settings
     outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
     publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, sig, outcome)  # type: ignore[arg-type]
     if batch.state != "failed_threshold":
         return []
     return recovery.abandon_after_threshold(conn, batch.id)
-
-
-def revoke_children(fanin: FanIn, task_ids: Sequence[str], batch_id: uuid.UUID | None = None) -> None:
-    """Broadcast a revoke (no terminate) for children a finished batch no longer waits for.
-
-    Queued copies are then discarded by the workers and reported as revoked; a running one finishes, and its
-    report is recorded as late (if the batch had already stopped counting it) or counted.
-    """
-    for start in range(0, len(task_ids), 1000):
-        fanin.app.control.revoke(list(task_ids[start : start + 1000]))
-    if task_ids:
-        logger.info("revoked %d unfinished children (batch_id=%s)", len(task_ids), batch_id or "several")
 
 
 def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID) -> int:
@@ -139,7 +130,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
                     app,
                     prod,
                     batch_id,
-                    ((idx, task_id, publish.decode_signature(app, enc)) for idx, task_id, enc in rows),
+                    ((idx, task_id, decode_signature(app, enc)) for idx, task_id, enc in rows),
                 )
         # A short chunk was the last: nothing past it is pending, so the mark reaches the end of the batch.
         batches.mark_published(conn, batch_id, rows[-1][0] + 1 if len(rows) == chunk else None)
@@ -152,7 +143,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
 def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
     """Finish publishing every batch whose producer is gone; skips batches a live producer is still publishing."""
     total = 0
-    refused: publish.BrokerRefused | None = None
+    refused: BrokerRefused | None = None
     with fanin.engine.connect() as conn:
         pending = batches.unpublished_batches(conn, limit)
         conn.commit()
@@ -162,7 +153,7 @@ def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
                 continue
             try:
                 count = publish_remaining_children(fanin, conn, batch_id)
-            except publish.BrokerRefused as exc:
+            except BrokerRefused as exc:
                 # This batch's children were refused (their queue is full, say): the batches after it go on. It
                 # is raised once they are done, so that the relay retries it after its backoff, not at once.
                 logger.warning(

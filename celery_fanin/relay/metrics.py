@@ -43,8 +43,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from .extension import FanIn
-from .store import observability, outbox
+from ..context import FanIn
+from ..store import observability, outbox
 
 logger = logging.getLogger("celery_fanin.metrics")
 
