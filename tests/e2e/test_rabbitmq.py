@@ -15,6 +15,7 @@ message's failure, not a broker outage), and once the broker accepts it, run it 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -113,14 +114,15 @@ def refusing(e2e_env: dict[str, str]) -> Iterator[str]:
     yield name
 
 
-class _channel:
-    def __enter__(self) -> Any:
-        self.conn = amqp.Connection("127.0.0.1:5672", userid="guest", password="guest")
-        self.conn.connect()
-        return self.conn.channel()
-
-    def __exit__(self, *exc: object) -> None:
-        self.conn.close()
+@contextlib.contextmanager
+def _channel() -> Iterator[Any]:
+    """A channel on a connection of its own to the test's RabbitMQ (py-amqp: confirms and queue arguments as is)."""
+    conn = amqp.Connection("127.0.0.1:5672", userid="guest", password="guest")
+    conn.connect()
+    try:
+        yield conn.channel()
+    finally:
+        conn.close()
 
 
 def _heal(app: Any, worker: CeleryProcess, queue: str) -> None:
