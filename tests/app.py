@@ -29,6 +29,7 @@ app.conf.update(
     fanin_database_url=os.environ.get("FANIN_DATABASE_URL"),
     fanin_relay_poll_interval=0.2,
     fanin_reaper_interval=float(os.environ.get("FANIN_TEST_REAPER_INTERVAL", "1")),
+    fanin_reconcile_interval=float(os.environ.get("FANIN_TEST_RECONCILE_INTERVAL", "300")),
     fanin_successor_timeout=float(os.environ.get("FANIN_TEST_SUCCESSOR_TIMEOUT", "600")),
     fanin_successor_lease=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE", "60")),
     fanin_successor_lease_grace=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE_GRACE", "60")),
@@ -448,3 +449,25 @@ def gated(key: str, limit: float = 60) -> str:
                 return key
         time.sleep(0.05)
     raise TimeoutError(f"the gate {key} was never opened")
+
+
+@app.task
+def gated_fail(key: str, limit: float = 60) -> None:
+    """`gated`, then fails for good: a failure that happens when the test opens the gate (`<key>:open`)."""
+    gated(key, limit)
+    raise ValueError(f"{key} failed on purpose")
+
+
+@app.task
+def counted_run(key: str) -> str:
+    """Counts each run of its body in `e2e_attempts` (in Postgres, so on any broker): a duplicate runs it again."""
+    _attempt(key)
+    return key
+
+
+@app.task
+def die_once_pg(key: str) -> str:
+    """SIGKILL the pool process on the first run only (counted in Postgres, so on any broker); later runs succeed."""
+    if _attempt(key) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return key

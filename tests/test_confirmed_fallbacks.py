@@ -4,7 +4,8 @@ Children the fast path does not model (a `link`, `fanin_bulk_publish = False`...
 `apply_async`, and successors are published by the relay: both on the confirm channel, and recorded (the batch's
 `published_upto`, the outbox row's `sent_at`) only once the broker confirmed them. Here the broker's confirms are
 turned into refusals (basic.nack) in front of the producer, as tests/test_confirms.py scripts them: nothing may
-be recorded, and the relay publishes it all once the broker confirms again.
+be recorded, and the relay publishes it all once the broker confirms again (a refused successor after its
+outbox row's backoff).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from celery import Celery, chain
 from kombu import Connection
+from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.broker.confirms import ConfirmChannel
@@ -99,8 +101,14 @@ def test_a_successor_is_recorded_sent_only_once_confirmed(
     _refuse_confirms(monkeypatch)
     handle = fan_in_group([], then=then, app=app).apply_async()  # an empty group: its successor is due at once
     fanin = FanIn.of(app)
-    with fanin.engine.connect() as conn:
+    with fanin.engine.begin() as conn:
         assert len(outbox.pending_ids(conn, uuid.UUID(handle.batch_id))) == 1, "refused, yet recorded as sent"
+        # A refusal is the row's own failure: counted, its error kept, retried after its backoff (moved to now).
+        row = conn.execute(
+            text("UPDATE fanin_outbox SET available_at = now() WHERE batch_id = :b RETURNING attempts, last_error"),
+            {"b": handle.batch_id},
+        ).one()
+    assert row.attempts == 1 and "basic.nack" in row.last_error
     monkeypatch.undo()
     assert Relay(fanin).run_once() == 1
     with fanin.engine.connect() as conn:

@@ -1,8 +1,11 @@
 """The documentation builds: `mkdocs build --strict` (broken links, missing pages, unknown API names and snippet
-files that do not exist all fail it). mkdocs is in the `dev` extra; without it this test fails rather than skips."""
+files that do not exist all fail it). mkdocs is in the `dev` extra; without it this test fails rather than skips.
+And every test RELIABILITY.md cites as evidence exists."""
 
 from __future__ import annotations
 
+import ast
+import fnmatch
 import os
 import re
 import subprocess
@@ -33,3 +36,34 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert "GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_relay;" in roles_page
     api_page = (site / "reference" / "api" / "index.html").read_text()
     assert "fan_in_group" in api_page and "BatchOutcome" in api_page
+
+
+# A cited test: `tests/<path>.py` alone (the module), or `tests/<path>.py::name`, where `name` may end in `*` (every
+# test it matches, at least one) or carry a parameter id (`name[redis]`).
+CITED = re.compile(r"`(tests/[\w/]+\.py)(?:::([\w*]+)(?:\[[\w-]+\])?)?`")
+
+
+def _test_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+    }
+
+
+def test_every_test_reliability_md_cites_exists() -> None:
+    text = (ROOT / "RELIABILITY.md").read_text()
+    cited = CITED.findall(text)
+    assert len(cited) >= 100, "RELIABILITY.md cites its tests as `tests/...py::name`"
+    # Any other mention of a test module must be a full path too, so that the pattern above sees it.
+    bare = set(re.findall(r"`([\w/]*test_\w+\.py)[:`]", text)) - {path for path, _ in cited}
+    assert not {b for b in bare if not b.startswith("tests/")}, f"cite tests as tests/...: {sorted(bare)}"
+    missing = []
+    for path, name in cited:
+        file = ROOT / path
+        if not file.is_file():
+            missing.append(path)
+        elif name and not fnmatch.filter(_test_names(file), name):
+            missing.append(f"{path}::{name}")
+    assert missing == [], f"RELIABILITY.md cites tests that do not exist: {missing}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ class CeleryProcess:
         self._log_file = log.open("w")
         self._terminated = False
         self.killed = False  # SIGKILLed on purpose (by a test, or after a shutdown that took too long)
+        self.name = ""  # a worker's node name (set by start_worker)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.app", *args],
             cwd=ROOT,
@@ -101,6 +103,7 @@ class CeleryProcess:
 def start_worker(
     env: dict[str, str], log: Path, concurrency: int = 2, extra: list[str] | None = None, pool: str = "prefork"
 ) -> CeleryProcess:
+    name = f"e2e-{os.getpid()}-{time.monotonic_ns()}@{socket.gethostname()}"
     worker = CeleryProcess(
         [
             "worker",
@@ -114,13 +117,14 @@ def start_worker(
             "--without-mingle",
             "--without-heartbeat",
             "-n",
-            f"e2e-{os.getpid()}-{time.monotonic_ns()}@%h",
+            name,
             *(extra or []),
         ],
         env,
         log,
         ready_marker="ready.",
     )
+    worker.name = name  # the node name, for remote control commands sent to this worker alone
     worker.wait_ready()
     return worker
 

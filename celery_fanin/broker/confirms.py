@@ -18,6 +18,12 @@ logger = logging.getLogger("celery_fanin.publish")
 CONFIRM_TIMEOUT = 30.0
 
 
+class BrokerRefused(OperationalError):
+    """The broker refused messages it was given (`basic.nack`: a full queue with `x-overflow: reject-publish`, an
+    internal error of the queue). Those messages failed, not the broker: the caller retries them later and goes on
+    with the others (a kombu `OperationalError` still, for callers that treat every broker error alike)."""
+
+
 class Unconfirmed:
     """Messages `publish_children` wrote to RabbitMQ without waiting for the broker's confirms.
 
@@ -128,7 +134,7 @@ class ConfirmChannel:
         refused = {t for t in self._nacked if since <= t <= target}
         if refused:
             self._nacked -= refused
-            raise OperationalError(f"RabbitMQ refused {len(refused)} of the messages published (basic.nack)")
+            raise BrokerRefused(f"RabbitMQ refused {len(refused)} of the messages published (basic.nack)")
 
     def discard(self) -> None:
         """After a failure the channel's count is unknown: close it; the next call opens a fresh one."""

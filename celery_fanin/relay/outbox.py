@@ -19,6 +19,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import Connection
 
 from ..broker import publish
+from ..broker.confirms import BrokerRefused
 from ..broker.control import revoke_children
 from ..codec import decode_signature
 from ..context import FanIn
@@ -83,6 +84,19 @@ def publish_outbox(
                     stopped = _send_successor(fanin, conn, send, row)
                     if stopped:
                         abandoned.append((row.batch_id, stopped))
+                except BrokerRefused as exc:
+                    # The broker took the others and refused this one (its queue is full, say): like any row that
+                    # fails on its own, it waits out a backoff, and the rows beside it are not held back with it.
+                    delay = _retry_delay(row.attempts)
+                    logger.warning(
+                        "the broker refused the successor of batch_id=%s step=%s (%s); retrying in %.0fs",
+                        row.batch_id,
+                        row.step,
+                        exc,
+                        delay,
+                        extra={"batch_id": str(row.batch_id), "step": row.step},
+                    )
+                    outbox.mark_failed(conn, row, repr(exc), delay)
                 except BROKER_ERRORS:
                     raise  # the broker is down: roll the claim back, every row stays pending as it was
                 except Exception as exc:  # one bad row must not hold back the others
@@ -173,6 +187,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
 def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
     """Finish publishing every batch whose producer is gone; skips batches a live producer is still publishing."""
     total = 0
+    refused: BrokerRefused | None = None
     with fanin.engine.connect() as conn:
         pending = batches.unpublished_batches(conn, limit)
         conn.commit()
@@ -182,6 +197,14 @@ def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
                 continue
             try:
                 count = publish_remaining_children(fanin, conn, batch_id)
+            except BrokerRefused as exc:
+                # This batch's children were refused (their queue is full, say): the batches after it go on. It
+                # is raised once they are done, so that the relay retries it after its backoff, not at once.
+                logger.warning(
+                    "the broker refused children of batch_id=%s (%s)", batch_id, exc, extra={"batch_id": str(batch_id)}
+                )
+                refused = refused or exc
+                continue
             finally:
                 conn.rollback()
                 batches.release_publish_lock(conn, batch_id)
@@ -194,4 +217,6 @@ def publish_orphaned_children(fanin: FanIn, limit: int = 100) -> int:
                     extra={"batch_id": str(batch_id)},
                 )
             total += count
+    if refused is not None:
+        raise refused
     return total

@@ -12,6 +12,8 @@ from kombu import Connection
 from tests import app as tasks
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+# The test's other queues are named `<its queue>-<suffix>` with one of these, so that they are deleted with it.
+QUEUE_SUFFIXES = ("hold", "refuse")
 
 
 def _reset_broker_pools() -> None:
@@ -38,7 +40,7 @@ def on_broker(env: dict[str, str], broker: str) -> Iterator[dict[str, str]]:
         _reset_broker_pools()
         if broker == "rabbitmq":
             with Connection(RABBITMQ_URL) as conn:
-                for name in (queue, f"{queue}-hold"):
+                for name in (queue, *(f"{queue}-{suffix}" for suffix in QUEUE_SUFFIXES)):
                     channel = conn.channel()
                     try:
                         channel.queue_delete(name)

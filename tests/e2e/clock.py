@@ -17,9 +17,10 @@ from tests.workers import wait_for
 
 LONG = 3600  # seconds: a timeout or deadline no test run reaches by itself
 AGE_STARTS = """
-    UPDATE fanin_children c SET started_at = c.started_at - b.child_timeout - interval '1 second'
+    UPDATE fanin_children c SET started_at = c.started_at - b.child_timeout - interval '1 second',
+                                redriven_at = c.redriven_at - b.child_timeout - interval '1 second'
       FROM fanin_batches b
-     WHERE b.id = c.batch_id AND c.batch_id = :b AND c.started_at IS NOT NULL
+     WHERE b.id = c.batch_id AND c.batch_id = :b AND (c.started_at IS NOT NULL OR c.redriven_at IS NOT NULL)
 """
 AGE_BATCH = """
     UPDATE fanin_batches SET created_at = created_at - child_timeout - interval '1 second'
@@ -42,7 +43,8 @@ def wait_finished(app: Any, batch_id: str, indexes: set[int], timeout: float = 6
 
 
 def expire_child_timeout(app: Any, batch_id: str) -> None:
-    """Every unfinished child of the batch is now past its child_timeout (since creation or its last start)."""
+    """Every unfinished child of the batch is now past its child_timeout (since creation, its last start or its
+    last redrive)."""
     with FanIn.of(app).engine.begin() as conn:
         conn.execute(text(AGE_STARTS), {"b": batch_id})
         updated = conn.execute(text(AGE_BATCH), {"b": batch_id}).rowcount

@@ -1,7 +1,16 @@
-"""Fixtures that start real worker and relay subprocesses against the session database and the test broker."""
+"""Fixtures that start real worker and relay subprocesses against the session database and the test broker.
+
+A relay that the test does not configure, stop or kill itself runs as a thread of the test process (the same
+`Relay` loop `celery -A ... fanin relay` runs, on the producer app), which saves the seconds a new interpreter
+costs; the workers are always real `celery worker` subprocesses. The relay as a process (its command, SIGTERM,
+several relays, its own connections cut) is tested where that is the claim: `processes.relay(process=True)` or
+any `extra_env`.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,8 +23,11 @@ from tests.workers import CeleryProcess, start_relay, start_worker
 
 
 @pytest.fixture
-def processes(e2e_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[_Processes]:
-    procs = _Processes(e2e_env, tmp_path)
+def processes(
+    e2e_env: dict[str, str], producer: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[_Processes]:
+    # After `producer` (so torn down before it): an in-process relay uses the producer app's engine and broker.
+    procs = _Processes(e2e_env, tmp_path, producer)
     yield procs
     failed = getattr(request.node, "rep_call", None)
     test_failed = bool(failed and failed.failed)
@@ -27,10 +39,11 @@ def processes(e2e_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRe
 class _Processes:
     """Starts workers and relays for one test and stops them all afterwards (dumping logs if the test failed)."""
 
-    def __init__(self, env: dict[str, str], tmp_path: Path) -> None:
+    def __init__(self, env: dict[str, str], tmp_path: Path, app: Any) -> None:
         self.env = env
         self.tmp_path = tmp_path
-        self.started: list[CeleryProcess] = []
+        self.app = app
+        self.started: list[CeleryProcess | RelayThread] = []
 
     def worker(self, extra_env: dict[str, str] | None = None, **kwargs: Any) -> CeleryProcess:
         n = len(self.started)
@@ -38,10 +51,16 @@ class _Processes:
         self.started.append(proc)
         return proc
 
-    def relay(self, extra_env: dict[str, str] | None = None) -> CeleryProcess:
-        proc = start_relay({**self.env, **(extra_env or {})}, self.tmp_path / f"relay{len(self.started)}.log")
-        self.started.append(proc)
-        return proc
+    def relay(self, extra_env: dict[str, str] | None = None, process: bool = False) -> CeleryProcess | RelayThread:
+        """A relay: a `celery fanin relay` subprocess with `extra_env` or `process=True`, else a thread (see above)."""
+        log = self.tmp_path / f"relay{len(self.started)}.log"
+        relay: CeleryProcess | RelayThread
+        if extra_env or process:
+            relay = start_relay({**self.env, **(extra_env or {})}, log)
+        else:
+            relay = RelayThread(self.app, log)
+        self.started.append(relay)
+        return relay
 
     def stop_all(self, dump: bool = False) -> list[str]:
         """Stop every process; returns one line per process that exited nonzero without being killed on purpose.
@@ -62,6 +81,58 @@ class _Processes:
             if dump or proc.exited_badly:
                 print(f"===== {proc.log.name} =====\n{proc.output()[-6000:]}")
         return bad
+
+
+class RelayThread:
+    """The relay loop in a thread of this process, with the parts of `CeleryProcess` the fixtures and tests use:
+    `output()` (the library's log records of WARNING and above, the level this process logs at, while it runs),
+    `terminate()`, `stop()` and `exited_badly` (the loop raised, or did not stop)."""
+
+    def __init__(self, app: Any, log: Path) -> None:
+        from celery_fanin import FanIn
+        from celery_fanin.relay import Relay
+
+        self.log = log  # named in the teardown's dump, as a process's log file is
+        self.killed = False
+        self.relay = Relay(FanIn.of(app), poll_interval=0.2)
+        self.error: BaseException | None = None
+        self._lines: list[str] = []
+        self._handler = _Lines(self._lines)
+        logging.getLogger("celery_fanin").addHandler(self._handler)
+        self._thread = threading.Thread(target=self._run, name="fanin-test-relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.relay.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by exited_badly, as a process's exit code would be
+            self.error = exc
+
+    def output(self) -> str:
+        return "\n".join(self._lines)
+
+    def terminate(self) -> None:
+        self.relay.stop()
+
+    def stop(self, timeout: float = 15) -> int:
+        self.terminate()
+        self._thread.join(timeout)
+        logging.getLogger("celery_fanin").removeHandler(self._handler)
+        return 0 if not self.exited_badly else 1
+
+    @property
+    def exited_badly(self) -> bool:
+        return self.error is not None or self._thread.is_alive()
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+        self.setFormatter(logging.Formatter("[%(asctime)s: %(levelname)s/%(name)s] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
 
 
 @pytest.hookimpl(hookwrapper=True)

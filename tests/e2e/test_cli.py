@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from celery_fanin import fan_in_group
+from celery_fanin.cli import fanin as fanin_cli
 from tests import app as tasks
 from tests.workers import ROOT
 
@@ -27,6 +30,16 @@ def celery(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+def fanin(app: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """`fanin ARGS` in this process: the click command `celery -A tests.app fanin` runs, without the 1-3 s a new
+    interpreter costs (a test that needs the entry point, the exit code or the output of the real command runs
+    `celery` instead); an exception a subprocess would have printed as a traceback fails the test here."""
+    result = CliRunner().invoke(fanin_cli, list(args), obj=SimpleNamespace(app=app))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
 def test_migrate_twice_is_harmless(e2e_env: dict[str, str]) -> None:

@@ -19,6 +19,7 @@ from sqlalchemy import text
 
 from celery_fanin import BatchNotOpen, FanIn, FanInResult, fan_in_group
 from tests import app as tasks
+from tests.e2e.test_cli import celery, fanin
 from tests.workers import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -31,17 +32,6 @@ def _rows(app: Any, sql: str, **params: Any) -> list[Any]:
     with FanIn.of(app).engine.begin() as conn:
         result = conn.execute(text(sql), params)
         return result.all() if result.returns_rows else []
-
-
-def celery(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.app", "fanin", *args],
-        cwd=ROOT,
-        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 class StreamProducer:
@@ -216,9 +206,9 @@ def test_fanin_seal_finishes_a_dead_producers_batch(
     final = handle.wait(timeout=30)
     assert (final.state, final.successor_state) == ("complete", "succeeded")
     assert len(successor_runs(batch_id)) == 1
-    again = celery(e2e_env, "seal", batch_id)
+    again = fanin(producer, "seal", batch_id)  # the same command in this process (tests/e2e/test_cli.py)
     assert again.returncode == 1 and f"batch {batch_id} is complete: nothing to seal" in again.stderr
-    unknown = celery(e2e_env, "seal", "5b2c1c3e-8f7e-4c1e-9a51-0d5b6a1e2f30")
+    unknown = fanin(producer, "seal", "5b2c1c3e-8f7e-4c1e-9a51-0d5b6a1e2f30")
     assert unknown.returncode == 1 and "no fan-in batch" in unknown.stderr
 
 
@@ -238,7 +228,7 @@ def test_fanin_cancel_ends_a_running_batch_and_runs_nothing(
     assert (status.state, status.successor_state, status.succeeded, status.failed) == ("cancelled", None, 1, 1)
     assert handle.result(timeout=10) is None
     assert successor_runs(handle.batch_id) == []
-    again = celery(e2e_env, "cancel", handle.batch_id)
+    again = fanin(producer, "cancel", handle.batch_id)
     assert again.returncode == 1 and "is cancelled: nothing to cancel" in again.stderr
 
 

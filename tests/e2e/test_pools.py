@@ -3,6 +3,11 @@
 Thread-based pools run a duplicate delivery of a successor in the same process as its live run; a run belongs to
 one execution of the task (its request), so the duplicate is refused without touching the live run. Each test runs
 real `celery worker -P <pool>` subprocesses against Redis and PostgreSQL.
+
+The duplicate-while-running test runs on the pools that run the copy in the same process as the live run (threads,
+gevent, eventlet: the request stack is per thread or per green thread there). On prefork the copy runs in another
+process: `test_faults.py::test_duplicate_delivery_while_successor_runs_is_refused`. The solo pool runs one task at
+a time, so its copy can only come after the run ended: `test_recovery.py::test_successor_delivered_twice_runs_once`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
 POOLS = ["prefork", "threads", "solo", "gevent", "eventlet"]
+IN_PROCESS_POOLS = ["threads", "gevent", "eventlet"]  # a duplicate runs in the live run's own process
 CONCURRENCY = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 8, "eventlet": 8}
 
 
@@ -41,7 +47,7 @@ def test_children_of_every_kind_and_a_retrying_successor(
     assert sorted((f["index"], f["state"]) for f in runs[0]["outcome"]["failures"]) == [(1, "failed"), (4, "rejected")]
 
 
-@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize("pool", IN_PROCESS_POOLS)
 def test_a_duplicate_delivery_of_a_running_successor_is_refused(
     producer: Any, processes: Any, successor_runs: Runs, pool: str
 ) -> None:

@@ -69,8 +69,8 @@ def test_relay_stopped_while_batches_complete_then_started(producer: Any, proces
 
 def test_two_relays_publish_each_successor_once(producer: Any, processes: Any, successor_runs: Runs) -> None:
     processes.worker()
-    processes.relay()
-    processes.relay()
+    processes.relay(process=True)  # two relay processes, each with its own connections
+    processes.relay(process=True)
     handles = [
         fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s(f"r{k}")).apply_async()
         for k in range(30)

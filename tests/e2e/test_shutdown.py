@@ -25,7 +25,7 @@ def e2e_env(e2e_env: dict[str, str], request: pytest.FixtureRequest) -> Iterator
 
 def test_relay_and_worker_exit_0_on_sigterm(producer: Any, processes: Any, successor_runs: Runs) -> None:
     worker = processes.worker()
-    relay = processes.relay()
+    relay = processes.relay(process=True)
     handle = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("before-stop")).apply_async()
     assert handle.wait(timeout=60).successor_state == "succeeded"  # both did work (the relay published it)
     assert len(successor_runs(handle.batch_id)) == 1

@@ -1,0 +1,39 @@
+"""Reading and editing the test database from a test, through the producer app's engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+
+from celery_fanin import FanIn
+
+
+def rows(app: Any, sql: str, **params: Any) -> list[Any]:
+    """Run one statement in its own transaction; the rows it returns (none for a statement without)."""
+    with FanIn.of(app).engine.begin() as conn:
+        result = conn.execute(text(sql), params)
+        return list(result) if result.returns_rows else []
+
+
+def counters(app: Any, batch_id: str) -> tuple[str, int, int, int]:
+    """A batch's (state, remaining, succeeded, failed) as its row says."""
+    [row] = rows(app, "SELECT state, remaining, succeeded, failed FROM fanin_batches WHERE id = :b", b=batch_id)
+    return row.state, row.remaining, row.succeeded, row.failed
+
+
+def child(app: Any, batch_id: str, index: int) -> Any:
+    """One child's row: its state, and the late reports recorded after it was counted."""
+    [row] = rows(
+        app,
+        "SELECT state, late_state, late_reports, exc_type, starts FROM fanin_children WHERE batch_id = :b AND idx = :i",
+        b=batch_id,
+        i=index,
+    )
+    return row
+
+
+def attempts(app: Any, key: str) -> int:
+    """How many times a task body counted itself under `key` in `e2e_attempts` (tests/app.py `_attempt`)."""
+    found = rows(app, "SELECT n FROM e2e_attempts WHERE key = :k", k=key)
+    return int(found[0].n) if found else 0
