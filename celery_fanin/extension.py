@@ -6,6 +6,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from celery import Celery
@@ -50,7 +51,7 @@ class Settings:
     # process at most every start_write_interval seconds, many starts per statement (see celery_fanin.starts).
     track_started: bool = True
     start_write_interval: float = 0.25
-    # Default per-batch child timeout in seconds (None: children may run forever) and what happens past it.
+    # Default per-batch child timeout in seconds (None or 0: children may run forever) and what happens past it.
     child_timeout: float | None = 6 * 3600.0
     on_lost: str = "fail"
     max_redrives: int = 3
@@ -85,13 +86,39 @@ class Settings:
     def from_conf(cls, conf: Any) -> Settings:
         values: dict[str, Any] = {}
         for name in cls.__dataclass_fields__:
-            key = f"fanin_{name}"
-            value = conf.get(key)
-            if value is not None:
-                values[name] = value
+            value = conf.get(f"fanin_{name}", _UNSET)
+            if value is _UNSET or (value is None and name not in NONE_ALLOWED):
+                continue
+            values[name] = _seconds(name, value)
         if not values.get("database_url"):
             values["database_url"] = os.environ.get("FANIN_DATABASE_URL") or None
         return cls(**values)
+
+
+# Settings given as seconds; a timedelta is taken too, as Celery's own durations (`result_expires`) are.
+DURATIONS = frozenset(
+    {
+        "report_timeout",
+        "start_write_interval",
+        "child_timeout",
+        "successor_timeout",
+        "successor_lease",
+        "successor_lease_grace",
+        "relay_poll_interval",
+        "reaper_interval",
+        "expires_grace",
+        "reconcile_interval",
+        "open_batch_grace",
+    }
+)
+# Settings for which an explicit None means "none" (`fanin_child_timeout = None`: no timeout) rather than "the
+# default"; for every other setting None is the same as not setting it.
+NONE_ALLOWED = frozenset({"child_timeout"})
+_UNSET = object()
+
+
+def _seconds(name: str, value: Any) -> Any:
+    return value.total_seconds() if name in DURATIONS and isinstance(value, timedelta) else value
 
 
 def normalise_database_url(url: str) -> str:
@@ -217,8 +244,10 @@ class FanIn:
 
     def setting(self, name: str) -> Any:
         """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
-        value = self.app.conf.get(f"fanin_{name}")
-        return Settings.__dataclass_fields__[name].default if value is None else value
+        value = self.app.conf.get(f"fanin_{name}", _UNSET)
+        if value is _UNSET or (value is None and name not in NONE_ALLOWED):
+            return Settings.__dataclass_fields__[name].default
+        return _seconds(name, value)
 
     def dispose(self) -> None:
         with self._engine_lock:
