@@ -27,6 +27,18 @@ Fixtures:
   children, then its successor, inline and eagerly, recorded in the database as a worker records them) and
   returns the handle; ``handle.status()`` has the counts, ``handle.successor().result`` the successor's return
   value.
+
+Live workers, beside the eager mode, on Celery's own pytest fixtures (``celery.contrib.pytest``: enable it too,
+``-p celery.contrib.pytest``; it is not loaded for you, since pytest-celery 1.x defines fixtures of the same
+names): ``celery_app`` is the app, ``celery_config`` configures it, ``celery_worker_pool`` and
+``celery_worker_parameters`` shape the worker.
+
+- ``fanin_celery_app`` (function): ``celery_app`` wired with ``FanIn`` on ``fanin_database``.
+- ``fanin_worker`` (function): a real Celery worker consuming from ``celery_app``'s broker in a thread of this
+  process (``celery.contrib.testing.worker.start_worker``), with the fan-in hooks installed. Define the tasks
+  before it starts (a fixture that it comes after, or ``celery_includes``), or call ``fanin_worker.reload()``
+  after defining them in the test.
+- ``fanin_relay`` (function): the relay, running in a thread of this process; it publishes the successors.
 """
 
 from __future__ import annotations
@@ -35,7 +47,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +56,13 @@ import pytest
 
 if TYPE_CHECKING:
     from celery import Celery
+    from celery.worker import WorkController
 
     from .canvas import FanInGroup
     from .eager import EagerFanInResult
+    from .relay import Relay
+
+CONTRIB_PLUGIN = "celery.contrib.pytest"
 
 PLUGIN_NAME = "celery_fanin.testing"
 ENABLE_INI = "celery_fanin"
@@ -191,3 +208,83 @@ def fanin_run() -> Callable[[FanInGroup], EagerFanInResult]:
                 conf.task_always_eager = before
 
     return run
+
+
+# --- live workers ------------------------------------------------------------------------------------------------
+
+
+def _contrib_fixture(request: pytest.FixtureRequest, name: str) -> Any:
+    try:
+        return request.getfixturevalue(name)
+    except pytest.FixtureLookupError:
+        pytest.fail(
+            f"fanin_worker and fanin_relay run on {CONTRIB_PLUGIN}'s {name}: enable that plugin too "
+            f'(-p {CONTRIB_PLUGIN}, or pytest_plugins = ["{CONTRIB_PLUGIN}", "{PLUGIN_NAME}"] in conftest.py)',
+            pytrace=False,
+        )
+
+
+@pytest.fixture
+def fanin_celery_app(request: pytest.FixtureRequest, fanin_database: str) -> Iterator[Celery]:
+    """``celery.contrib.pytest``'s ``celery_app`` (configured by ``celery_config``), wired with FanIn on the test
+    database, for ``fanin_worker`` and ``fanin_relay``."""
+    from .extension import FanIn
+
+    celery_app: Celery = _contrib_fixture(request, "celery_app")
+    if celery_app.conf.task_always_eager:
+        pytest.fail("fanin_worker runs tasks on a worker: remove task_always_eager from celery_config", pytrace=False)
+    celery_app.conf.fanin_database_url = fanin_database
+    fanin = FanIn(celery_app)
+    yield celery_app
+    fanin.dispose()
+
+
+@pytest.fixture
+def fanin_worker(request: pytest.FixtureRequest, fanin_celery_app: Celery) -> Iterator[WorkController]:
+    """A Celery worker in a thread of this process, consuming from ``celery_app``'s broker, with the fan-in hooks:
+    children's outcomes are counted and successors run as on any worker. Stopped when the test ends. Its pool
+    and options come from ``celery_worker_pool`` (``solo``) and ``celery_worker_parameters``."""
+    from celery.contrib.testing.worker import TestWorkController, start_worker
+
+    from . import hooks
+
+    pool = _contrib_fixture(request, "celery_worker_pool")
+    parameters: Mapping[str, Any] = _contrib_fixture(request, "celery_worker_parameters")
+
+    class FanInTestWorker(TestWorkController):
+        def reload(self, modules: Any = None, reload: bool = False, reloader: Any = None) -> None:
+            # Tasks defined after the worker started get the successor run guard a worker gives its tasks at start.
+            hooks.guard_tasks(self.app)
+            super().reload(modules, reload=reload, reloader=reloader)
+
+    # No ping task: it needs a result backend, which fan-ins do not (their results are in PostgreSQL).
+    options = {"perform_ping_check": False, **parameters}
+    with start_worker(fanin_celery_app, pool=pool, WorkController=FanInTestWorker, **options) as worker:
+        yield worker
+
+
+@contextlib.contextmanager
+def running_relay(app: Celery, poll_interval: float = 0.1) -> Iterator[Relay]:
+    """Run the relay of `app` (wired with FanIn) in a thread of this process until the block ends; yields it (its
+    ``stats`` count what it did). For any test setup: `fanin_relay` uses it, and so can a pytest-celery suite."""
+    from .extension import FanIn
+    from .relay import Relay
+
+    relay = Relay(FanIn.of(app), poll_interval=poll_interval)
+    thread = threading.Thread(target=relay.run, name="fanin-relay", daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        thread.join(30)
+    if thread.is_alive():
+        raise RuntimeError("the relay thread did not stop within 30 s")
+
+
+@pytest.fixture
+def fanin_relay(fanin_celery_app: Celery) -> Iterator[Relay]:
+    """The relay in a thread of this process, polling every 0.1 s; stopped (and waited for) when the test ends.
+    Its ``stats`` count what it did (``successors_published``, ...)."""
+    with running_relay(fanin_celery_app) as relay:
+        yield relay
