@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
 from typing import Any
@@ -33,22 +34,76 @@ def migrate(ctx: click.Context) -> None:
         click.echo("schema is up to date")
 
 
+LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configure_logging(loglevel: str, logfile: str | None, log_format: str) -> None:
+    """The relay's log: stderr or `logfile`, as text or as one JSON object per line (python-json-logger: the time,
+    level, logger and message, plus a line's `batch_id`, `step` or `saga_id`, and the traceback as `exc_info`)."""
+    # A file is reopened when logrotate moves it away (WatchedFileHandler), so no copytruncate is needed.
+    handler = logging.handlers.WatchedFileHandler(logfile) if logfile else logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(levelname)s %(name)s %(message)s",
+                rename_fields={"levelname": "level", "name": "logger"},
+                timestamp="time",
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=loglevel.upper(), handlers=[handler])
+
+
 @fanin.command()
 @click.option(
     "--poll-interval", type=float, default=None, help="Seconds between polls (default fanin_relay_poll_interval)."
 )
 @click.option("--once", is_flag=True, help="Run one round and exit.")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
-@click.option("-l", "--loglevel", default="INFO", show_default=True)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (/metrics), with the /healthz and /readyz probes.",
+)
+@click.option(
+    "-l", "--loglevel", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True
+)
+@click.option(
+    "-f",
+    "--logfile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append the log to this file (default stderr).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(("text", "json")),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line (time, level, logger, message, batch_id/step where a line has them).",
+)
 @click.pass_context
 @_errors_as_exit
-def relay(ctx: click.Context, poll_interval: float | None, once: bool, metrics_port: int | None, loglevel: str) -> None:
+def relay(
+    ctx: click.Context,
+    poll_interval: float | None,
+    once: bool,
+    metrics_port: int | None,
+    loglevel: str,
+    logfile: str | None,
+    log_format: str,
+) -> None:
     """Run the relay sidecar: publish successors from the outbox, and children no producer published."""
     from .relay import Relay
 
-    logging.basicConfig(
-        level=loglevel.upper(), stream=sys.stderr, format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
-    )
+    try:
+        configure_logging(loglevel, logfile, log_format)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot open {logfile}: {exc.strerror}", param_hint="--logfile") from exc
     r = Relay(_fanin(ctx), poll_interval=poll_interval)
     if metrics_port is not None:
         from .metrics import serve

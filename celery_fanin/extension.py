@@ -41,6 +41,8 @@ class Settings:
     max_depth: int = 8
     relay_poll_interval: float = 1.0
     relay_batch_size: int = 100
+    # The relay's liveness probe (/healthz) fails once its loop has not gone round for this long (a stuck round).
+    relay_stall_timeout: float = 300.0
     # Seconds a worker keeps retrying a report (a child's terminal outcome, a successor's state) while the store
     # is unreachable, with jittered backoff, before it logs, counts (fanin_worker_reports_given_up_total) and leaves
     # it to reconciliation and child_timeout. The pool process waits meanwhile: a report is never dropped sooner.
@@ -105,6 +107,7 @@ DURATIONS = frozenset(
         "successor_lease",
         "successor_lease_grace",
         "relay_poll_interval",
+        "relay_stall_timeout",
         "reaper_interval",
         "expires_grace",
         "reconcile_interval",

@@ -44,10 +44,9 @@ from celery import Celery, chord, signals
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from kombu.exceptions import EncodeError
-from prometheus_client import Counter
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import retry, starts, successor_runs
+from . import metrics, retry, starts, successor_runs
 from .exceptions import FanInNotConfigured
 from .extension import FanIn
 from .publish import (
@@ -181,14 +180,9 @@ def _fanin_for(app: Celery | None) -> FanIn | None:
     return FanIn.find(app) if app is not None else None
 
 
-# Reports a worker gave up on (the store stayed unreachable for `fanin_report_timeout`), by kind ("terminal" for
-# a child's outcome, "successor" for a successor's state). In the default prometheus_client registry of the process
-# that gave up: exported where the worker exports that registry (prometheus_client's multiprocess mode for prefork).
-REPORTS_GIVEN_UP = Counter(
-    "fanin_worker_reports_given_up", "Reports a worker gave up after fanin_report_timeout.", ["kind"]
-)
-# Terminal reports the store refused: the message's batch, index or task name disagree with the child's row.
-_REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
+# Reports a worker gave up on, and terminal reports the store refused (celery_fanin.metrics describes both).
+REPORTS_GIVEN_UP = metrics.REPORTS_GIVEN_UP
+_REFUSED = metrics.REPORTS_REFUSED
 
 
 def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:

@@ -16,10 +16,22 @@ metric                                        type       meaning
 ``fanin_outbox_backlog``                      gauge      successors waiting to be published
 ``fanin_outbox_oldest_pending_seconds``       gauge      age of the oldest of them (0 when none)
 ``fanin_successor_latency_seconds``           histogram  from a batch's completion to its successor's start
+``fanin_successors_finished_total{state}``    counter    successors that reached a final state since the exporter
+                                                         started, by state (``succeeded``, ``failed``, ``revoked``...)
 ``fanin_relay_reconcile_repairs_total``       counter    batches reconciliation repaired (relay only)
 ``fanin_relay_*_total``                       counter    the relay's other work: successors and children published,
                                                          children redriven or lost, deadlines, restarts, errors
 ============================================  =========  ============================================================
+
+Two counters are kept by the worker processes themselves, in their default prometheus_client registry (export
+them with prometheus_client's multiprocess mode for prefork workers): ``fanin_worker_reports_given_up_total{kind}``
+(a report, ``terminal`` for a child's outcome or ``successor`` for a successor's final state, given up after
+``fanin_report_timeout`` or refused by the store as not transient, in the main process or a pool process) and
+``fanin_worker_reports_refused_total`` (terminal reports whose headers do not match the child).
+
+The same port answers ``/healthz`` (liveness: 200 while the relay's loop has gone round within
+``fanin_relay_stall_timeout``) and ``/readyz`` (readiness: that, and a ``SELECT 1`` on the store), each with a JSON
+body naming its checks, and 503 when one fails.
 
 Counters derived from the store count what happened since the exporter started, a scrape at a time: each scrape
 reads the rows whose timestamp falls between the previous scrape and two seconds ago, so a report whose
@@ -29,18 +41,21 @@ child that reaches a terminal state after its batch finished long ago (a revoked
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from .extension import FanIn
@@ -52,6 +67,15 @@ DEFAULT_PORT = 9808
 # Seconds the watermark trails the database clock, so that a report's transaction can commit before it is read.
 LAG_SECONDS = 2.0
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+
+# Counted by the worker processes, in their default registry (the store cannot count what never reached it):
+# reports given up after fanin_report_timeout, or refused by the store as not transient, by kind ("terminal": a
+# child's outcome, "successor": a successor's final state), in the main process or a pool process; and terminal
+# reports the store refused because the message's batch, index or task name disagree with the child's row.
+REPORTS_GIVEN_UP = Counter(
+    "fanin_worker_reports_given_up", "Reports a worker gave up after fanin_report_timeout.", ["kind"]
+)
+REPORTS_REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
 
 # Relay statistics exported as counters: attribute of RelayStats -> (metric name, help).
 _RELAY_COUNTERS = {
@@ -83,6 +107,9 @@ class FanInCollector(Collector):
         self._latency = Histogram("fanin_successor_latency_seconds",
                                   "Seconds from a batch's completion to the start of its successor.",
                                   buckets=LATENCY_BUCKETS, registry=None)  # fmt: skip
+        self._successors = Counter(
+            "fanin_successors_finished", "Successors that reached a final state, by state.", ["state"], registry=None
+        )
 
     def describe(self) -> Iterable[Metric]:
         return []  # collected on scrape only: registering must not query the store
@@ -102,6 +129,7 @@ class FanInCollector(Collector):
             yield GaugeMetricFamily("fanin_up", "1 if the last scrape could read the fan-in store.", value=up)
             yield from gauges
             yield from self._finished.collect()
+            yield from self._successors.collect()
             yield from self._latency.collect()
             yield from self._relay_metrics()
             yield GaugeMetricFamily("fanin_scrape_duration_seconds", "Seconds the last scrape took.",
@@ -130,6 +158,8 @@ class FanInCollector(Collector):
             self._finished.labels(state=state).inc(count)
         for seconds in observability.successor_latencies(conn, since, until):
             self._latency.observe(max(0.0, seconds))
+        for state, count in observability.successors_finished_by_state(conn, since, until):
+            self._successors.labels(state=state).inc(count)
 
     def _relay_metrics(self) -> Iterator[Metric]:
         stats = getattr(self.relay, "stats", None)
@@ -174,14 +204,59 @@ def registry_for(
     return registry, collector
 
 
+def health(fanin: FanIn, relay: Any = None, ready: bool = False) -> tuple[bool, dict[str, str]]:
+    """The probes' checks: the relay's loop went round within ``fanin_relay_stall_timeout`` (if a relay is served),
+    and for readiness the store answers. Returns (all passed, check -> "ok" or why not)."""
+    checks: dict[str, str] = {}
+    if relay is not None:
+        stalled = relay.stalled_for(fanin.settings.relay_stall_timeout)
+        checks["relay_loop"] = "ok" if stalled is None else f"no round for {stalled:.0f}s"
+    if ready:
+        try:
+            with fanin.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            checks["database"] = "ok"
+        except SQLAlchemyError as exc:
+            checks["database"] = f"unreachable: {str(exc).splitlines()[0]}"
+    return all(v == "ok" for v in checks.values()), checks
+
+
+def wsgi_app(registry: CollectorRegistry, fanin: FanIn, relay: Any = None) -> Callable[..., Any]:
+    """``/healthz`` and ``/readyz`` (JSON, 200 or 503), and the metrics on every other path, as prometheus_client
+    serves them."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/healthz", "/readyz"):
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        ok, checks = health(fanin, relay, ready=path == "/readyz")
+        body = json.dumps({"status": "ok" if ok else "failing", "checks": checks}).encode()
+        status = "200 OK" if ok else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scrape or probe never holds up the process's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        """No access log per scrape or probe on stderr."""
+
+
 def serve(
     fanin: FanIn, port: int = DEFAULT_PORT, addr: str = "0.0.0.0", *, relay: Any = None, stuck_after: float = 600.0
 ) -> MetricsServer:
-    """Serve the metrics on ``http://addr:port/metrics`` from a daemon thread (port 0: any free port)."""
-    from prometheus_client import start_http_server
-
+    """Serve the metrics on ``http://addr:port/metrics`` (and the ``/healthz``, ``/readyz`` probes) from a daemon
+    thread (port 0: any free port)."""
     registry, collector = registry_for(fanin, relay=relay, stuck_after=stuck_after)
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    server = make_server(addr, port, wsgi_app(registry, fanin, relay), _ThreadingServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="fanin-metrics", daemon=True)
+    thread.start()
     bound = int(server.server_port)
-    logger.info("serving Prometheus metrics on http://%s:%d/metrics", addr, bound)
+    logger.info("serving Prometheus metrics on http://%s:%d/metrics (probes: /healthz, /readyz)", addr, bound)
     return MetricsServer(bound, registry, collector, server, thread)

@@ -22,6 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import retry
 from .extension import FanIn
+from .metrics import REPORTS_GIVEN_UP
 from .store import successors
 from .store.batches import Encoded
 
@@ -214,6 +215,7 @@ def finish(
             timeout=float(live.fanin.setting("report_timeout")),
         )
     except (retry.GaveUp, SQLAlchemyError):
+        REPORTS_GIVEN_UP.labels(kind="successor").inc()
         logger.exception(
             "gave up recording successor batch_id=%s as %s: its lease lapses, the relay reruns it", run.batch_id, state
         )
