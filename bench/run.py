@@ -391,8 +391,10 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     """One concurrent reporter process: the worker's own terminal path, or a raw UPDATE, once per id."""
     from celery import Celery
 
-    from celery_fanin import FanIn, hooks
+    from celery_fanin import FanIn
+    from celery_fanin.protocol import Marker
     from celery_fanin.store.batches import Claim
+    from celery_fanin.worker import hooks
 
     claims: dict[str, Claim] = {}
     if kind in ("fanin", "fanin_sql"):  # what each child's message says it is, read before the clock starts
@@ -405,7 +407,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         app = Celery("bench-reporter", set_as_current=False)
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
-        markers = [hooks._Marker(c.batch_id, c.index, None, task_name=c.task_name) for c in map(claims.get, ids) if c]
+        markers = [Marker(c.batch_id, c.index, None, task_name=c.task_name) for c in map(claims.get, ids) if c]
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
         fanin.reports.record_starts([])

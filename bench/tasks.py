@@ -87,7 +87,7 @@ def _install_sql_counters() -> None:
     import psycopg
     from psycopg.pq import TransactionStatus
 
-    from celery_fanin import hooks, successor_runs
+    from celery_fanin.worker import hooks, successor_runs
 
     idle = TransactionStatus.IDLE
     execute, commit, rollback = psycopg.Cursor.execute, psycopg.Connection.commit, psycopg.Connection.rollback
@@ -133,7 +133,7 @@ def _install_sql_counters() -> None:
 
     # Starts are written by a thread of the worker's main process, many per statement: count each child's start
     # as an event there, and flush that process's counts after each write.
-    from celery_fanin import starts
+    from celery_fanin.worker import starts
 
     write = starts.StartRecorder._write
 

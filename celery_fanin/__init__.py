@@ -1,6 +1,5 @@
 """celery-fanin: a fan-in for Celery that runs its successor exactly once, whatever its children end in."""
 
-from .canvas import BatchStatus, FanInGroup, FanInResult, fan_in_group
 from .exceptions import (
     BatchClosed,
     BatchNotFinished,
@@ -14,6 +13,8 @@ from .exceptions import (
 )
 from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
+from .producer.group import FanInGroup, fan_in_group
+from .producer.result import BatchStatus, FanInResult
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [

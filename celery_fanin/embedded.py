@@ -39,7 +39,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from .context import normalise_database_url
 from .exceptions import FanInError
+from .store.reports import libpq_conninfo
 
 DEFAULT_DATA_DIR = Path(".fanin") / "pg"
 DEFAULT_DATABASE = "fanin"
@@ -97,14 +99,10 @@ def sqla_broker_url(database_url: str) -> str:
     Messages become rows of two tables (`kombu_queue`, `kombu_message`) that kombu creates on first use. It polls,
     has no fanout (so no remote control: `celery inspect`, `revoke`), and is meant for development and demos.
     """
-    from .extension import normalise_database_url
-
     return "sqla+" + normalise_database_url(database_url)
 
 
 def _conninfo(url: str) -> str:
-    from .store.reports import libpq_conninfo  # imported late: sqlalchemy and psycopg only when a server runs
-
     return libpq_conninfo(url)
 
 

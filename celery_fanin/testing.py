@@ -50,17 +50,23 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import psycopg
 import pytest
+from celery import Celery
+from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.worker import WorkController
+from psycopg import sql
 
-if TYPE_CHECKING:
-    from celery import Celery
-    from celery.worker import WorkController
-
-    from .canvas import FanInGroup
-    from .eager import EagerFanInResult
-    from .relay import Relay
+from .embedded import EmbeddedPostgres
+from .extension import FanIn
+from .producer.eager import run_eagerly
+from .producer.group import FanInGroup
+from .producer.result import EagerFanInResult
+from .relay.loop import Relay
+from .store.reports import libpq_conninfo
+from .worker import hooks
 
 CONTRIB_PLUGIN = "celery.contrib.pytest"
 
@@ -108,10 +114,6 @@ def _configured_url(config: pytest.Config) -> str | None:
 
 
 def _migrate(url: str) -> None:
-    from celery import Celery
-
-    from .extension import FanIn
-
     app = Celery("celery-fanin-testing-migrate", set_as_current=False)
     app.conf.fanin_database_url = url
     fanin = FanIn(app)
@@ -129,8 +131,6 @@ def fanin_database_url(pytestconfig: pytest.Config) -> Iterator[str]:
         _migrate(url)
         yield url
         return
-    from .embedded import EmbeddedPostgres
-
     base = Path(tempfile.mkdtemp(prefix="celery-fanin-pytest-"))
     base.chmod(0o755)  # run as root, the server runs as another user, which must reach its data directory
     server = EmbeddedPostgres(base / "pg", database="fanin_test", ephemeral=True)
@@ -146,11 +146,6 @@ def fanin_database_url(pytestconfig: pytest.Config) -> Iterator[str]:
 @pytest.fixture
 def fanin_database(fanin_database_url: str) -> str:
     """The session database with every fan-in table emptied."""
-    import psycopg
-    from psycopg import sql
-
-    from .store.reports import libpq_conninfo
-
     with psycopg.connect(libpq_conninfo(fanin_database_url), autocommit=True) as conn:
         tables = [r[0] for r in conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'fanin\\_%%' "
@@ -175,10 +170,6 @@ def fanin_celery_config() -> dict[str, Any]:
 @pytest.fixture
 def fanin_app(fanin_database: str, fanin_celery_config: dict[str, Any]) -> Iterator[Celery]:
     """A Celery app wired with FanIn on the test database; define tasks on it with ``@fanin_app.task``."""
-    from celery import Celery
-
-    from .extension import FanIn
-
     app = Celery("fanin-tests", set_as_current=False)
     app.conf.update(fanin_celery_config)
     app.conf.fanin_database_url = fanin_database
@@ -190,8 +181,6 @@ def fanin_app(fanin_database: str, fanin_celery_config: dict[str, Any]) -> Itera
 @pytest.fixture
 def fanin_run() -> Callable[[FanInGroup], EagerFanInResult]:
     """``fanin_run(group)``: run a fan-in to completion in this process, eagerly, and return its handle."""
-    from .eager import EagerFanInResult, run_eagerly
-    from .extension import FanIn
 
     def run(group: FanInGroup) -> EagerFanInResult:
         app = group.app
@@ -228,8 +217,6 @@ def _contrib_fixture(request: pytest.FixtureRequest, name: str) -> Any:
 def fanin_celery_app(request: pytest.FixtureRequest, fanin_database: str) -> Iterator[Celery]:
     """``celery.contrib.pytest``'s ``celery_app`` (configured by ``celery_config``), wired with FanIn on the test
     database, for ``fanin_worker`` and ``fanin_relay``."""
-    from .extension import FanIn
-
     celery_app: Celery = _contrib_fixture(request, "celery_app")
     if celery_app.conf.task_always_eager:
         pytest.fail("fanin_worker runs tasks on a worker: remove task_always_eager from celery_config", pytrace=False)
@@ -244,10 +231,6 @@ def fanin_worker(request: pytest.FixtureRequest, fanin_celery_app: Celery) -> It
     """A Celery worker in a thread of this process, consuming from ``celery_app``'s broker, with the fan-in hooks:
     children's outcomes are counted and successors run as on any worker. Stopped when the test ends. Its pool
     and options come from ``celery_worker_pool`` (``solo``) and ``celery_worker_parameters``."""
-    from celery.contrib.testing.worker import TestWorkController, start_worker
-
-    from . import hooks
-
     pool = _contrib_fixture(request, "celery_worker_pool")
     parameters: Mapping[str, Any] = _contrib_fixture(request, "celery_worker_parameters")
 
@@ -267,9 +250,6 @@ def fanin_worker(request: pytest.FixtureRequest, fanin_celery_app: Celery) -> It
 def running_relay(app: Celery, poll_interval: float = 0.1) -> Iterator[Relay]:
     """Run the relay of `app` (wired with FanIn) in a thread of this process until the block ends; yields it (its
     ``stats`` count what it did). For any test setup: `fanin_relay` uses it, and so can a pytest-celery suite."""
-    from .extension import FanIn
-    from .relay import Relay
-
     relay = Relay(FanIn.of(app), poll_interval=poll_interval)
     thread = threading.Thread(target=relay.run, name="fanin-relay", daemon=True)
     thread.start()

@@ -20,7 +20,7 @@ import pytest
 
 import celery_fanin
 from celery_fanin.cli import fanin
-from celery_fanin.extension import Settings
+from celery_fanin.context import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import gc
 
-from celery_fanin.hooks import _Marker, _ReceivedMarkers
-from celery_fanin.publish import HEADER_TASK
+from celery_fanin.protocol import HEADER_TASK, Marker
 from celery_fanin.store.batches import Claim
+from celery_fanin.worker.hooks import _ReceivedMarkers, claim_of
 
 
 class _Request:
@@ -16,8 +16,8 @@ class _Request:
         self.id = task_id
 
 
-def _marker(index: int = 0) -> _Marker:
-    return _Marker("batch-1", index, None)
+def _marker(index: int = 0) -> Marker:
+    return Marker("batch-1", index, None)
 
 
 def test_an_entry_lives_while_its_request_does() -> None:
@@ -70,25 +70,25 @@ def test_the_bound_drops_the_oldest_entry() -> None:
 
 
 def test_a_plain_child_claims_its_own_task_name() -> None:
-    marker = _Marker.from_mapping({"task": "proj.add", "fanin_batch": "b", "fanin_index": 2})
-    assert marker is not None and marker.claim() == Claim("b", 2, "proj.add")
+    marker = Marker.from_mapping({"task": "proj.add", "fanin_batch": "b", "fanin_index": 2})
+    assert marker is not None and claim_of(marker) == Claim("b", 2, "proj.add")
 
 
 def test_a_chain_childs_tasks_claim_the_chains_last_task() -> None:
     """Any task of a chain child reports for the chain (its last task's id and name), whichever of them ran."""
     headers = {"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1", "fanin_task": "p.last"}
-    marker = _Marker.from_mapping(headers)
-    assert marker is not None and marker.child_id("first-id") == "c1" and marker.claim() == Claim("b", 0, "p.last")
+    marker = Marker.from_mapping(headers)
+    assert marker is not None and marker.child_id("first-id") == "c1" and claim_of(marker) == Claim("b", 0, "p.last")
     # A chain published before HEADER_TASK: its earlier task cannot say the child's name; batch and index still hold.
-    old = _Marker.from_mapping({"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1"})
-    assert old is not None and old.claim() == Claim("b", 0, None)
+    old = Marker.from_mapping({"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1"})
+    assert old is not None and claim_of(old) == Claim("b", 0, None)
 
 
 def test_a_replacement_claims_the_task_it_replaced() -> None:
     """Task.replace keeps the task id and changes the name: the replacement carries the replaced name on."""
-    original = _Marker.from_mapping({"task": "proj.original", "fanin_batch": "b", "fanin_index": 1})
+    original = Marker.from_mapping({"task": "proj.original", "fanin_batch": "b", "fanin_index": 1})
     assert original is not None
     carried = original.headers()
     assert carried[HEADER_TASK] == "proj.original"
-    replacement = _Marker.from_mapping({"task": "proj.replacement", **carried})
-    assert replacement is not None and replacement.claim() == Claim("b", 1, "proj.original")
+    replacement = Marker.from_mapping({"task": "proj.replacement", **carried})
+    assert replacement is not None and claim_of(replacement) == Claim("b", 1, "proj.original")

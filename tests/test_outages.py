@@ -21,9 +21,10 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from celery_fanin import FanIn, fan_in_group, hooks, successor_runs
+from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
+from celery_fanin.worker import hooks, successor_runs
 from tests.faults import TcpProxy, proxy_for, release_producer_app
 from tests.store.helpers import create, make_engine
 from tests.workers import wait_for
@@ -55,7 +56,7 @@ def proxied_app(app: Celery, pg_proxy: TcpProxy) -> Celery:
 
 
 def _report(app: Celery, task_id: str, batch_id: uuid.UUID, index: int) -> Any:
-    marker = hooks._Marker(str(batch_id), index, None)
+    marker = protocol.Marker(str(batch_id), index, None)
     return hooks.record_child(FanIn.of(app), task_id, marker, "succeeded", value=index, has_value=True)
 
 

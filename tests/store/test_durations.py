@@ -13,7 +13,7 @@ from celery import Celery
 from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, InvalidFanIn, fan_in_group, saga
-from celery_fanin.extension import DURATIONS, NONE_ALLOWED, Settings
+from celery_fanin.context import DURATIONS, NONE_ALLOWED, Settings
 
 from .helpers import Tasks
 
@@ -66,12 +66,10 @@ def test_a_bad_deadline_in_seconds_is_refused(app: Celery, tasks: Tasks, value: 
 
 
 def test_a_nested_deadline_in_seconds_travels_as_seconds(app: Celery, tasks: Tasks) -> None:
-    from celery_fanin import nesting
-
     inner = fan_in_group([tasks.add.s(1, 1)], then=tasks.collect.s(), deadline=90)
-    spec = nesting.to_spec(inner, "child 0")
+    spec = inner.to_spec("child 0")
     assert spec["options"]["deadline"] == 90
-    assert nesting.from_spec(app, spec)._policy(FanIn.of(app)).deadline == timedelta(seconds=90)
+    assert type(inner).from_spec(app, spec)._policy(FanIn.of(app)).deadline == timedelta(seconds=90)
 
 
 def test_saga_compensation_timeout_takes_seconds_or_a_timedelta(app: Celery, tasks: Tasks) -> None:

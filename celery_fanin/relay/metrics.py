@@ -23,11 +23,8 @@ metric                                        type       meaning
                                                          children redriven or lost, deadlines, restarts, errors
 ============================================  =========  ============================================================
 
-Two counters are kept by the worker processes themselves, in their default prometheus_client registry (export
-them with prometheus_client's multiprocess mode for prefork workers): ``fanin_worker_reports_given_up_total{kind}``
-(a report, ``terminal`` for a child's outcome or ``successor`` for a successor's final state, given up after
-``fanin_report_timeout`` or refused by the store as not transient, in the main process or a pool process) and
-``fanin_worker_reports_refused_total`` (terminal reports whose headers do not match the child).
+Two counters are kept by the worker processes themselves (`celery_fanin.worker.metrics`), not here:
+``fanin_worker_reports_given_up_total{kind}`` and ``fanin_worker_reports_refused_total``.
 
 The same port answers ``/healthz`` (liveness: 200 while the relay's loop has gone round within
 ``fanin_relay_stall_timeout``) and ``/readyz`` (readiness: that, and a ``SELECT 1`` on the store), each with a JSON
@@ -58,8 +55,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from .extension import FanIn
-from .store import observability, outbox
+from ..context import FanIn
+from ..store import observability, outbox
 
 logger = logging.getLogger("celery_fanin.metrics")
 
@@ -67,15 +64,6 @@ DEFAULT_PORT = 9808
 # Seconds the watermark trails the database clock, so that a report's transaction can commit before it is read.
 LAG_SECONDS = 2.0
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
-
-# Counted by the worker processes, in their default registry (the store cannot count what never reached it):
-# reports given up after fanin_report_timeout, or refused by the store as not transient, by kind ("terminal": a
-# child's outcome, "successor": a successor's final state), in the main process or a pool process; and terminal
-# reports the store refused because the message's batch, index or task name disagree with the child's row.
-REPORTS_GIVEN_UP = Counter(
-    "fanin_worker_reports_given_up", "Reports a worker gave up after fanin_report_timeout.", ["kind"]
-)
-REPORTS_REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
 
 # Relay statistics exported as counters: attribute of RelayStats -> (metric name, help).
 _RELAY_COUNTERS = {

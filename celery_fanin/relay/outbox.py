@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import Connection
 
-from . import publish
-from .extension import FanIn
-from .outcome import build_outcome
-from .store import batches, outbox, recovery
+from ..broker import publish
+from ..broker.control import revoke_children
+from ..codec import decode_signature
+from ..context import FanIn
+from ..store import batches, outbox, recovery
+from .payload import build_outcome
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -86,25 +88,13 @@ def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
-    sig = publish.decode_signature(fanin.app, batch.message_for(kind))
+    sig = decode_signature(fanin.app, batch.message_for(kind))
     settings = fanin.settings
     outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
     publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, sig, outcome)  # type: ignore[arg-type]
     if batch.state != "failed_threshold":
         return []
     return recovery.abandon_after_threshold(conn, batch.id)
-
-
-def revoke_children(fanin: FanIn, task_ids: Sequence[str], batch_id: uuid.UUID | None = None) -> None:
-    """Broadcast a revoke (no terminate) for children a finished batch no longer waits for.
-
-    Queued copies are then discarded by the workers and reported as revoked; a running one finishes, and its
-    report is recorded as late (if the batch had already stopped counting it) or counted.
-    """
-    for start in range(0, len(task_ids), 1000):
-        fanin.app.control.revoke(list(task_ids[start : start + 1000]))
-    if task_ids:
-        logger.info("revoked %d unfinished children (batch_id=%s)", len(task_ids), batch_id or "several")
 
 
 def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID) -> int:
@@ -126,7 +116,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
                     app,
                     prod,
                     batch_id,
-                    ((idx, task_id, publish.decode_signature(app, enc)) for idx, task_id, enc in rows),
+                    ((idx, task_id, decode_signature(app, enc)) for idx, task_id, enc in rows),
                 )
         # A short chunk was the last: nothing past it is pending, so the mark reaches the end of the batch.
         batches.mark_published(conn, batch_id, rows[-1][0] + 1 if len(rows) == chunk else None)

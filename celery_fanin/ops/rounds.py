@@ -25,11 +25,12 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import publish
-from .canvas import FanInGroup, _parse_batch_id
-from .exceptions import BatchNotFinished, BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
-from .extension import FanIn
-from .store import admin, batches, queries, successors
+from ..codec import decode_signature
+from ..context import FanIn
+from ..exceptions import BatchNotFinished, BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
+from ..producer.group import FanInGroup
+from ..producer.result import parse_batch_id
+from ..store import admin, batches, queries, successors
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class RetryRound:
 def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
     """Start the next round of `batch_id` (any round's id, or round 1's) with the failed children of its latest
     round. Raises `BatchNotFinished` while that round, or its successor, has not finished."""
-    bid = _parse_batch_id(batch_id)
+    bid = parse_batch_id(batch_id)
     app = fanin.app
     try:
         with fanin.engine.connect() as conn:
@@ -86,8 +87,8 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
         result = replace(result, nested_in=str(found[0]) if found else latest.parent_task_id)
     if not failed:
         return result
-    children = [_fresh(publish.decode_signature(app, f.message)) for f in failed]
-    then = _fresh(publish.decode_signature(app, row.successor_message))
+    children = [_fresh(decode_signature(app, f.message)) for f in failed]
+    then = _fresh(decode_signature(app, row.successor_message))
     group = FanInGroup(
         children, then=then, step=row.step, app=app, key=key, child_timeout=policy.child_timeout_seconds,
         on_lost=policy.on_lost, max_redrives=policy.max_redrives,

@@ -42,10 +42,12 @@ from celery.canvas import Signature
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import dispatch, publish
-from .exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
-from .extension import FanIn
-from .store import batches, outbox, recovery
+from ..broker import publish
+from ..broker.control import revoke_children
+from ..context import FanIn
+from ..exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
+from ..relay.outbox import publish_outbox, publish_remaining_children
+from ..store import batches, outbox, recovery
 
 logger = logging.getLogger("celery_fanin.producer")
 
@@ -365,7 +367,7 @@ def _cancel_unfinishable(fanin: FanIn, conn: Connection, root: batches.NewBatch,
         extra={"batch_id": str(root.id)},
     )
     try:
-        dispatch.revoke_children(fanin, expiry.abandoned, root.id)
+        revoke_children(fanin, expiry.abandoned, root.id)
     except Exception:
         logger.warning("could not revoke the children of cancelled batch_id=%s", root.id, exc_info=True)
 
@@ -444,7 +446,7 @@ def _publish_successor_now(fanin: FanIn, batch_id: uuid.UUID) -> None:
     try:
         with fanin.engine.connect() as conn:
             ids = outbox.pending_ids(conn, batch_id)
-        dispatch.publish_outbox(fanin, ids=ids)
+        publish_outbox(fanin, ids=ids)
     except Exception:
         logger.warning("could not publish the successor of batch_id=%s; the relay will", batch_id, exc_info=True)
 
@@ -546,7 +548,7 @@ def _resume(
     if chained != digest:
         raise InvalidFanIn(f"key {root.key!r} is taken by batch {root.id} with a different child list")
     # Children the dead producer committed but did not publish go out first.
-    dispatch.publish_remaining_children(fanin, conn, root.id)
+    publish_remaining_children(fanin, conn, root.id)
     direct = batches.direct_children(conn, root.id)
     leaves = batches.open_leaves(conn, root.id)
     conn.commit()

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import retry
-from .extension import FanIn
+from .. import retry
+from ..context import FanIn
+from ..store import successors
+from ..store.batches import Encoded
 from .metrics import REPORTS_GIVEN_UP
-from .store import successors
-from .store.batches import Encoded
 
 logger = logging.getLogger("celery_fanin.successors")
 

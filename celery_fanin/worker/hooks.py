@@ -15,7 +15,7 @@ message that cannot be decoded                    main            ``task_rejecte
                                                                   ``Consumer.on_decode_error`` (corrupt body)
 ===============================================  ==============  ==============================================
 
-A child's start is only queued by ``task_prerun`` (a thread writes starts in batches: `celery_fanin.starts`); its
+A child's start is only queued by ``task_prerun`` (a thread writes starts in batches: `celery_fanin.worker.starts`); its
 terminal outcome is one statement on the process's report connection (`store.reports`), the only round trip on the
 child's own path. Tasks without the fan-in headers return from every hook before any database work. The main
 process learns a child's headers from ``task_received`` (an in-memory map with an entry per live request), since
@@ -46,88 +46,19 @@ from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from kombu.exceptions import EncodeError
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import metrics, retry, starts, successor_runs
-from .exceptions import FanInNotConfigured
-from .extension import FanIn
-from .publish import (
-    HEADER_BATCH,
-    HEADER_CHAIN,
-    HEADER_INDEX,
-    HEADER_STEP,
-    HEADER_SUCCESSOR,
-    HEADER_TASK,
-    encode_result,
-)
-from .store import batches
-from .store.reports import ReportConnection
+from .. import retry
+from ..codec import encode_result
+from ..context import FanIn
+from ..exceptions import FanInNotConfigured
+from ..protocol import Marker
+from ..store import batches
+from ..store.reports import ReportConnection
+from . import metrics, starts, successor_runs
 
 logger = logging.getLogger("celery_fanin.hooks")
 
 _installed = False
 _install_lock = threading.Lock()
-
-
-# --- what a message says about itself ------------------------------------------------------------------------
-
-
-class _Marker:
-    """The fan-in headers of one task message: a child (batch + index) or a successor (batch + step)."""
-
-    __slots__ = ("batch_id", "index", "step", "chain", "task_name")
-
-    def __init__(
-        self, batch_id: str, index: int | None, step: str | None, chain: str | None = None, task_name: str | None = None
-    ) -> None:
-        self.batch_id = batch_id
-        self.index = index
-        self.step = step
-        self.chain = chain  # a chain child's task id (its last task's), on each of the chain's tasks
-        # The task the child was published as, which its report claims (None: unknown, a chain from before
-        # HEADER_TASK existed): the message's own task name, or HEADER_TASK on a chain's tasks and replacements.
-        self.task_name = task_name
-
-    def child_id(self, task_id: str) -> str:
-        """The task id of the child this message reports for: its own, or its chain's."""
-        return self.chain or task_id
-
-    @property
-    def is_successor(self) -> bool:
-        return self.step is not None
-
-    def headers(self) -> dict[str, Any]:
-        """The message headers that carry this marker (what a replacement task must be given)."""
-        if self.is_successor:
-            return {HEADER_SUCCESSOR: self.batch_id, HEADER_STEP: self.step}
-        headers: dict[str, Any] = {HEADER_BATCH: self.batch_id, HEADER_INDEX: self.index}
-        if self.task_name is not None:
-            headers[HEADER_TASK] = self.task_name  # a replacement reports as the task it replaced
-        return headers
-
-    def claim(self) -> batches.Claim:
-        """What this message says its child is, which the store checks before counting the report."""
-        return batches.Claim(self.batch_id, self.index, self.task_name)
-
-    @classmethod
-    def from_mapping(cls, data: Any) -> _Marker | None:
-        if not data:
-            return None
-        get = data.get if hasattr(data, "get") else (lambda k, d=None: getattr(data, k, d))
-        successor = get(HEADER_SUCCESSOR, None)
-        if successor:
-            return cls(str(successor), None, str(get(HEADER_STEP, "")))
-        batch_id = get(HEADER_BATCH, None)
-        if batch_id:
-            index = get(HEADER_INDEX, None)
-            chain = get(HEADER_CHAIN, None)
-            named = get(HEADER_TASK, None) or (None if chain else get("task", None))
-            return cls(
-                str(batch_id),
-                int(index) if index is not None else None,
-                None,
-                str(chain) if chain else None,
-                named if isinstance(named, str) else None,
-            )
-        return None
 
 
 class _ReceivedMarkers:
@@ -141,13 +72,13 @@ class _ReceivedMarkers:
     """
 
     def __init__(self, limit: int = 100_000) -> None:
-        self._data: OrderedDict[str, tuple[_Marker, weakref.ref[Any]]] = OrderedDict()
+        self._data: OrderedDict[str, tuple[Marker, weakref.ref[Any]]] = OrderedDict()
         self._limit = limit
         # Reentrant: a garbage collection can start at any allocation inside `add` and release a request whose
         # callback then runs on this thread, with the lock held.
         self._lock = threading.RLock()
 
-    def add(self, task_id: str, marker: _Marker, request: Any) -> None:
+    def add(self, task_id: str, marker: Marker, request: Any) -> None:
         def release(ref: weakref.ref[Any]) -> None:
             with self._lock:
                 entry = self._data.get(task_id)
@@ -159,12 +90,12 @@ class _ReceivedMarkers:
             if len(self._data) > self._limit:
                 self._data.popitem(last=False)
 
-    def get(self, task_id: str) -> _Marker | None:
+    def get(self, task_id: str) -> Marker | None:
         with self._lock:
             entry = self._data.get(task_id)
         return entry[0] if entry is not None else None
 
-    def pop(self, task_id: str) -> _Marker | None:
+    def pop(self, task_id: str) -> Marker | None:
         with self._lock:
             entry = self._data.pop(task_id, None)
         return entry[0] if entry is not None else None
@@ -311,13 +242,18 @@ def _exc_fields(exc: BaseException | None) -> tuple[str | None, str | None]:
     return type(exc).__name__, str(exc)[:2000]
 
 
+def claim_of(marker: Marker) -> batches.Claim:
+    """What a message says its child is, which the store checks before counting the report."""
+    return batches.Claim(marker.batch_id, marker.index, marker.task_name)
+
+
 # --- children ------------------------------------------------------------------------------------------------
 
 
 def record_child(
     fanin: FanIn,
     task_id: str,
-    marker: _Marker,
+    marker: Marker,
     state: str,
     *,
     value: Any = None,
@@ -332,7 +268,7 @@ def record_child(
         except EncodeError as err:  # the child succeeded; only its value cannot be kept
             logger.warning("result of task_id=%s cannot be encoded, stored as none: %s", task_id, err)
     exc_type, exc_message = _exc_fields(exc)
-    claim = marker.claim()
+    claim = claim_of(marker)
     rec: batches.TerminalRecord | None = _report_with_retries(
         fanin,
         f"terminal outcome of task {task_id}",
@@ -364,7 +300,7 @@ def record_child(
 
 def record_successor(
     fanin: FanIn,
-    marker: _Marker,
+    marker: Marker,
     state: str,
     exc: BaseException | None = None,
     value: Any = None,
@@ -391,7 +327,7 @@ def record_successor(
     return bool(done)
 
 
-def admit_successor(fanin: FanIn, request: Any, task_id: str, marker: _Marker) -> successor_runs.LiveRun | None:
+def admit_successor(fanin: FanIn, request: Any, task_id: str, marker: Marker) -> successor_runs.LiveRun | None:
     """Start a run of the successor for this execution (attached to its request), or None for a duplicate.
 
     A copy the relay republished starts at Celery retry count 0: the run resumes the successor's own count, so
@@ -416,7 +352,7 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def before_start_guarded(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
-        marker = _Marker.from_mapping(self.request)
+        marker = Marker.from_mapping(self.request)
         fanin = _fanin_for(self.app) if marker is not None and marker.is_successor else None
         if (
             fanin is not None
@@ -499,7 +435,7 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def on_replace_guarded(self: Any, sig: Any) -> Any:
-        marker = _Marker.from_mapping(self.request)
+        marker = Marker.from_mapping(self.request)
         if marker is None or self.request.is_eager:
             return on_replace(self, sig)
         carrier = _carrier(sig)
@@ -545,7 +481,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     task = task or sender
     if task is None or task_id is None:
         return
-    marker = _Marker.from_mapping(task.request)
+    marker = Marker.from_mapping(task.request)
     if marker is None:
         return
     fanin = _fanin_for(task.app)
@@ -570,7 +506,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
 
 
 def _successor_postrun(
-    fanin: FanIn, marker: _Marker, live: successor_runs.LiveRun | None, state: str | None, retval: Any
+    fanin: FanIn, marker: Marker, live: successor_runs.LiveRun | None, state: str | None, retval: Any
 ) -> None:
     """How an execution of a successor ended, as its run records it (see docs/concepts/terminal-outcomes.md)."""
     if live is None or live.ended:
@@ -598,7 +534,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
     task = task or sender
     if task is None or task_id is None:
         return
-    marker = _Marker.from_mapping(task.request)
+    marker = Marker.from_mapping(task.request)
     if marker is None or marker.is_successor:
         return
     fanin = _fanin_for(task.app)
@@ -612,7 +548,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
 def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     if request is None:
         return
-    marker = _Marker.from_mapping(getattr(request, "request_dict", None))
+    marker = Marker.from_mapping(getattr(request, "request_dict", None))
     if marker is not None:
         _received.add(request.id, marker, request)
 
@@ -626,7 +562,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
     # Celery 5.7 fires task_failure twice for a hard time limit, once without a request: keep the marker for the
     # repeat, which is then recorded as a late report; the entry still goes when Celery lets the request go.
     lookup = _received.get if isinstance(exception, TimeLimitExceeded) else _received.pop
-    marker = lookup(task_id) or _Marker.from_mapping(getattr(sender, "request", None))
+    marker = lookup(task_id) or Marker.from_mapping(getattr(sender, "request", None))
     fanin = _fanin_for(getattr(sender, "app", None))
     if marker is None or fanin is None:
         return
@@ -640,7 +576,7 @@ def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseE
 @_in_event_loop
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
                 **_: Any) -> None:  # fmt: skip
-    marker = _Marker.from_mapping(request)
+    marker = Marker.from_mapping(request)
     fanin = _fanin_for(getattr(sender, "app", None))
     if marker is None or fanin is None or request is None:
         return
@@ -660,7 +596,7 @@ class _Revoked(Exception):
 @_in_event_loop
 def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | None = None, name: str | None = None,
                 id: str | None = None, **_: Any) -> None:  # fmt: skip
-    marker = _Marker.from_mapping(getattr(message, "headers", None))
+    marker = Marker.from_mapping(getattr(message, "headers", None))
     fanin = _fanin_for(getattr(sender, "app", None))
     if marker is None or fanin is None or not id or _unverified(fanin, "unknown task", id, exc):
         return
@@ -673,7 +609,7 @@ def _on_unknown(sender: Any = None, message: Any = None, exc: BaseException | No
 @_in_event_loop
 def _on_rejected(sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any) -> None:
     headers = getattr(message, "headers", None) or {}
-    marker = _Marker.from_mapping(headers)
+    marker = Marker.from_mapping(headers)
     fanin = _fanin_for(getattr(sender, "app", None))
     task_id = headers.get("id")
     if marker is None or fanin is None or not task_id or _unverified(fanin, "rejected", task_id, exc):

@@ -24,15 +24,18 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from celery import Celery, signals
+from celery import signals
 from celery.exceptions import NotRegistered
 from celery.result import EagerResult
 
-from . import hooks, publish
-from .canvas import FanInResult
-from .extension import FanIn
-from .outcome import build_outcome
-from .store import batches, outbox, queries
+from ..broker import publish
+from ..codec import decode_signature
+from ..context import FanIn
+from ..protocol import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, Marker, request_header
+from ..relay.payload import build_outcome
+from ..store import batches, outbox, queries
+from ..worker import hooks
+from .result import EagerFanInResult
 
 logger = logging.getLogger("celery_fanin.eager")
 
@@ -47,20 +50,6 @@ class EagerPropagated(Exception):
     """Stands for a child's exception that `task_eager_propagates` carried out of its eager run."""
 
 
-class EagerFanInResult(FanInResult):
-    """The handle of a fan-in run eagerly: its successor has run (or the batch is still open, see the module)."""
-
-    def __init__(self, app: Celery, batch_id: str, successor_result: EagerResult | None = None) -> None:
-        super().__init__(app, batch_id)
-        self.successor_result = successor_result
-
-    def successor(self) -> Any:
-        """The successor's `EagerResult` (its return value is `.result`), if it ran in this process."""
-        if self.successor_result is not None:
-            return self.successor_result
-        return super().successor()
-
-
 # --- eager runs as the worker hooks see them ---------------------------------------------------------------------
 
 
@@ -71,7 +60,7 @@ class _RequestView:
         self._request = request
 
     def get(self, key: str, default: Any = None) -> Any:
-        return publish.request_header(self._request, key, default)
+        return request_header(self._request, key, default)
 
     def __getattr__(self, key: str) -> Any:
         return self.get(key)
@@ -89,12 +78,12 @@ class _TaskView:
         return getattr(self._task, key)
 
 
-def _eager_fanin_task(task: Any) -> tuple[_TaskView, hooks._Marker] | None:
+def _eager_fanin_task(task: Any) -> tuple[_TaskView, Marker] | None:
     request = getattr(task, "request", None)
     if request is None or not getattr(request, "is_eager", False) or not getattr(request, "headers", None):
         return None
     view = _TaskView(task)
-    marker = hooks._Marker.from_mapping(view.request)
+    marker = Marker.from_mapping(view.request)
     if marker is None or FanIn.find(task.app) is None:
         return None
     return view, marker
@@ -172,7 +161,7 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         pending = queries.unfinished_children(conn, batch_id)
         conn.rollback()
     for row in pending:
-        marker = hooks._Marker(str(batch_id), row.idx, None, task_name=row.task_name)
+        marker = Marker(str(batch_id), row.idx, None, task_name=row.task_name)
         if row.state == "started":
             # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
             # which logged it. On a worker it would have been recorded as failed.
@@ -189,13 +178,13 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         if row.task_name not in app.tasks:
             hooks.record_child(fanin, row.task_id, marker, "unknown", exc=NotRegistered(row.task_name))
             continue
-        sig = publish.decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
+        sig = decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
         if publish.is_chain(sig):
             publish.publish_chain(None, str(batch_id), row.idx, row.task_id, sig)  # type: ignore[arg-type]
             continue
         sig.apply(task_id=row.task_id, throw=False,
-                  headers={**(sig.options.get("headers") or {}), publish.HEADER_BATCH: str(batch_id),
-                           publish.HEADER_INDEX: row.idx})  # fmt: skip
+                  headers={**(sig.options.get("headers") or {}), HEADER_BATCH: str(batch_id),
+                           HEADER_INDEX: row.idx})  # fmt: skip
     with fanin.engine.begin() as conn:
         found = queries.batch(conn, batch_id)
         if found is not None:
@@ -213,13 +202,13 @@ def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
             batch, succ = row.batch, row.successor
             if batch is None or succ is None:
                 continue
-            sig = publish.decode_signature(app, batch.message_for(succ.kind))
+            sig = decode_signature(app, batch.message_for(succ.kind))
             settings = fanin.settings
             outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
             jobs.append((row, succ.task_id, sig, outcome))
         outbox.mark_sent(conn, rows)
     for row, task_id, sig, outcome in jobs:
-        headers = {**(sig.options.get("headers") or {}), publish.HEADER_SUCCESSOR: str(row.batch_id),
-                   publish.HEADER_STEP: row.step}  # fmt: skip
+        headers = {**(sig.options.get("headers") or {}), HEADER_SUCCESSOR: str(row.batch_id),
+                   HEADER_STEP: row.step}  # fmt: skip
         sig.apply(args=(outcome,), task_id=task_id, headers=headers)
     return [task_id for _, task_id, _, _ in jobs]

@@ -1,4 +1,4 @@
-"""`celery -A proj fanin ...`: thin commands over the modules above, plugged in through `celery.commands`."""
+"""`celery -A proj fanin ...`: thin commands over the library's modules, plugged in through `celery.commands`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ from typing import Any
 
 import click
 
-from .canvas import BatchStatus, read_status
-from .cli_support import _errors_as_exit, _fanin
+from ..exceptions import FanInDatabaseError
+from ..ops.inspection import describe, list_batches, parse_duration
+from ..ops.inspection import failures as read_failures
+from ..ops.retention import prune as run_prune
+from ..ops.rounds import retry_failed as start_round
+from ..producer.result import BatchStatus, parse_batch_id, read_status
+from ..relay import maintenance
+from ..relay.loop import Relay
+from ..relay.metrics import serve
+from .saga import saga
+from .support import _errors_as_exit, _fanin
 
 
 @click.group(name="fanin")
@@ -98,16 +107,12 @@ def relay(
     log_format: str,
 ) -> None:
     """Run the relay sidecar: publish successors from the outbox, and children no producer published."""
-    from .relay import Relay
-
     try:
         configure_logging(loglevel, logfile, log_format)
     except OSError as exc:
         raise click.BadParameter(f"cannot open {logfile}: {exc.strerror}", param_hint="--logfile") from exc
     r = Relay(_fanin(ctx), poll_interval=poll_interval)
     if metrics_port is not None:
-        from .metrics import serve
-
         serve(r.fanin, metrics_port, relay=r)
     if once:
         n = r.run_once()
@@ -245,8 +250,6 @@ def _render(data: dict[str, Any]) -> None:
 def status(ctx: click.Context, batch_id: str, as_json: bool, tree_limit: int) -> None:
     """Show a batch's counts, state, age, deadline, successor, its tree (leaves, nested batches, pipeline
     stages) and its retry rounds."""
-    from .inspection import describe
-
     data = describe(_fanin(ctx), batch_id, tree_limit=tree_limit)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -283,8 +286,6 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
         TimeRemainingColumn,
     )
     from rich.text import Text
-
-    from .exceptions import FanInDatabaseError
 
     class Rate(ProgressColumn):
         def render(self, task: Task) -> Text:
@@ -331,8 +332,6 @@ class Duration(click.ParamType):
     name = "duration"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        from .inspection import parse_duration
-
         try:
             return parse_duration(value)
         except ValueError as exc:
@@ -358,8 +357,6 @@ LS_STATES = ("open", "running", "complete", "expired", "cancelled", "partial", "
 def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_than: float | None,
        newer_than: float | None, step: str | None, limit: int, as_json: bool) -> None:  # fmt: skip
     """List batches, newest first (a tree's leaves and retry rounds' details are in `status`)."""
-    from .inspection import list_batches
-
     rows = list_batches(_fanin(ctx), states=states, stuck_after=stuck_after, older_than=older_than,
                         newer_than=newer_than, step=step, limit=limit)  # fmt: skip
     if as_json:
@@ -387,8 +384,6 @@ def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_th
 @_errors_as_exit
 def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> None:
     """List a batch's failed and lost children: task, state, exception and attempts, in child order."""
-    from .inspection import failures as read_failures
-
     data = read_failures(_fanin(ctx), batch_id, limit=limit)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -421,8 +416,6 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     BATCH_ID may be any round's batch: the failed children of the latest round are retried. Refused while that
     round or its successor has not finished. The successor's outcome says which round it is (`round`, `retry_of`).
     """
-    from .rounds import retry_failed as start_round
-
     done = start_round(_fanin(ctx), batch_id)
     if as_json:
         click.echo(json.dumps(done.as_dict(), indent=2))
@@ -457,8 +450,6 @@ def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, 
     """Delete finished batches (and their children, successors and outbox rows) and finished sagas that finished
     longer ago than --older-than, in short transactions. Open and running batches, batches whose successor has
     not finished, and sagas that are running or wait for an operator are never deleted."""
-    from .retention import prune as run_prune
-
     report = run_prune(_fanin(ctx), older_than, chunk=chunk, max_children=max_children, dry_run=dry_run,
                        limit=limit)  # fmt: skip
     if as_json:
@@ -486,11 +477,8 @@ def seal(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     For a batch whose producer is gone (the relay also does this after fanin_open_batch_grace). A producer still
     writing it fails on its next chunk. Exits 1 if the batch is not open.
     """
-    from . import maintenance
-    from .canvas import _parse_batch_id
-
     fanin_ext = _fanin(ctx)
-    sealed = maintenance.seal_batch(fanin_ext, _parse_batch_id(batch_id))
+    sealed = maintenance.seal_batch(fanin_ext, parse_batch_id(batch_id))
     if as_json:
         click.echo(
             json.dumps(
@@ -528,11 +516,8 @@ def cancel(ctx: click.Context, batch_id: str, proceed: bool, as_json: bool) -> N
     on_deadline='abandon' does at a deadline; --proceed runs the successor with what has arrived instead. Exits 1
     if the batch has already ended.
     """
-    from . import maintenance
-    from .canvas import _parse_batch_id
-
     fanin_ext = _fanin(ctx)
-    expiry = maintenance.cancel_batch(fanin_ext, _parse_batch_id(batch_id), proceed=proceed)
+    expiry = maintenance.cancel_batch(fanin_ext, parse_batch_id(batch_id), proceed=proceed)
     if as_json:
         click.echo(
             json.dumps(
@@ -565,8 +550,6 @@ def cancel(ctx: click.Context, batch_id: str, proceed: bool, as_json: bool) -> N
 @_errors_as_exit
 def reconcile(ctx: click.Context, as_json: bool) -> None:
     """Recompute open batches' counters from their child rows; repair and finish what disagrees."""
-    from . import maintenance
-
     fanin_ext = _fanin(ctx)
     repairs = maintenance.reconcile(fanin_ext)
     expired = maintenance.apply_deadlines(fanin_ext)
@@ -588,10 +571,4 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     Console().print(table)
 
 
-def _attach_saga_commands() -> None:
-    from .cli_saga import saga
-
-    fanin.add_command(saga)
-
-
-_attach_saga_commands()
+fanin.add_command(saga)
