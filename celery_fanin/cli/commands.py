@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ..exceptions import FanInDatabaseError
+from ..ops import schema
 from ..ops.inspection import describe, list_batches, parse_duration
 from ..ops.inspection import failures as read_failures
 from ..ops.retention import prune as run_prune
@@ -31,10 +32,28 @@ def fanin(ctx: click.Context) -> None:
 
 
 @fanin.command()
+@click.option("--check", is_flag=True, help="Apply nothing; exit 1 if migrations are pending, 0 if none.")
+@click.option("--sql", "show_sql", is_flag=True, help="Apply nothing; print the SQL that migrate would run.")
 @click.pass_context
 @_errors_as_exit
-def migrate(ctx: click.Context) -> None:
-    """Create or upgrade the schema (safe to run twice or concurrently)."""
+def migrate(ctx: click.Context, check: bool, show_sql: bool) -> None:
+    """Create or upgrade the schema (safe to run twice or concurrently).
+
+    With --check or --sql nothing is applied: --check exits 1 when migrations are pending (the schema is behind
+    this celery-fanin) and 0 when it is current; --sql prints the SQL `migrate` would run.
+    """
+    if check or show_sql:
+        todo = schema.pending(_fanin(ctx))
+        if show_sql:
+            click.echo(schema.script(todo), nl=False)
+        report = click.echo if not show_sql else lambda text: click.echo(text, err=True)
+        if todo:
+            report(f"schema is behind: {len(todo)} pending migration(s): {', '.join(map(schema.name, todo))}")
+            if check:
+                ctx.exit(1)
+        else:
+            report("schema is up to date")
+        return
     applied = _fanin(ctx).migrate()
     if applied:
         for name in applied:
