@@ -31,7 +31,7 @@ DOCS = sorted(
     + list((ROOT / "docs").rglob("*.md"))
 )
 # Settings read from app.conf outside `Settings` (each one read where it is used).
-EXTRA_SETTINGS = {"fanin_bulk_publish": "True"}
+EXTRA_SETTINGS = {"fanin_bulk_publish": "True", "fanin_amqp_frames": "True"}
 
 
 @pytest.mark.timeout(180)
