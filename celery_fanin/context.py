@@ -10,11 +10,12 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
+from urllib.parse import unquote
 
 import psycopg
 from celery import Celery
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import redact
@@ -143,6 +144,13 @@ def normalise_database_url(url: str) -> str:
         raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
     if parsed.drivername in ("postgresql", "postgresql+psycopg2"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.host and parsed.host[:3].lower() == "%2f":
+        # libpq's URI form of a Unix-socket directory (`postgresql://user@%2Fvar%2Frun/db`, as the embedded server's
+        # URLs are): SQLAlchemy hands the host to the driver undecoded, so it goes in the query, where it is decoded.
+        query = {**parsed.query, "host": unquote(parsed.host)}
+        parsed = URL.create(
+            parsed.drivername, parsed.username, parsed.password, None, parsed.port, parsed.database, query
+        )
     return parsed.render_as_string(hide_password=False)
 
 
