@@ -415,7 +415,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         go.wait()
         start = time.time()
         for i, (task_id, marker) in enumerate(zip(ids, markers, strict=True)):
-            hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
+            hooks.worker_hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
     elif kind == "raw_engine":
         from sqlalchemy import create_engine, text
 

