@@ -27,11 +27,13 @@ test: install
 chaos: install
 	$(BIN)/python -m pytest tests/chaos -m chaos -s
 
+## ruff, mypy, and the documentation site built with --strict (a broken link or a missing page fails it).
 lint: install
-	$(BIN)/ruff check celery_fanin tests example_app bench
-	$(BIN)/ruff format --check celery_fanin tests example_app bench
+	$(BIN)/ruff check celery_fanin tests example_app bench mkdocs_hooks.py
+	$(BIN)/ruff format --check celery_fanin tests example_app bench mkdocs_hooks.py
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 ## The benchmark (group vs chord vs fan_in_group) on both brokers: JSON and plots land in bench/report/, and the
 ## figures in BENCHMARKS.md are rewritten from them.

@@ -630,8 +630,13 @@ def _ratio(t: dict[str, Any], key: str) -> str:
     return f"{t[key]:.2f} ({t[f'{key}_min']:.2f}–{t[f'{key}_max']:.2f})"
 
 
+NAMES = {"group": "group", "chord": "chord", "fanin": "fan_in_group"}
+
+
 def markdown(report: dict[str, Any], command: str) -> str:
-    """The run's figures as the Markdown block BENCHMARKS.md carries for this broker (see `update_markdown`)."""
+    """The run's results as the Markdown block BENCHMARKS.md carries for its broker (see `update_markdown`): where
+    and when it ran, and one table of dispatch, end to end and producer memory per N and contender. The other
+    figures go in the targets block (`targets_markdown`), beside the other broker's."""
     c, m = report["contenders"], report["machine"]
     v = m["versions"]
     out = [
@@ -644,72 +649,100 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "| N | contender | dispatch s, median (min–max) | end to end s, median (min–max) | producer peak RSS MB |",
         "|---:|---|---:|---:|---:|",
     ]
-    names = {"group": "group", "chord": "chord", "fanin": "fan_in_group"}
     for n in sorted(set(c["group"]) | set(c["chord"]) | set(c["fanin"]), key=int):
         for contender in CONTENDERS:
             f = c[contender].get(n)
             if f is None:
-                out.append(f"| {int(n):,} | {names[contender]} | failed (see the JSON's errors) | | |")
+                out.append(f"| {int(n):,} | {NAMES[contender]} | failed (see the JSON's errors) | | |")
                 continue
             d, e, r = f["dispatch_s"], f["e2e_s"], f["rss_peak_mb"]
             out.append(
-                f"| {int(n):,} | {names[contender]} | {d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f}) | "
+                f"| {int(n):,} | {NAMES[contender]} | {d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f}) | "
                 f"{e['median']:.3f} ({e['min']:.3f}–{e['max']:.3f}) | {r['median']:.0f} |"
-            )
-    lat, db, t = report["latency"], report["db"], report["throughput"]
-    out += [
-        "",
-        "| successor latency (last child's terminal commit → successor's first line) | p50 | p99 | max |",
-        "|---|---:|---:|---:|",
-    ]
-    for contender, x in lat.items():
-        out.append(
-            f"| {names[contender]}, {x['batches']} batches of {x['batch_size']} | {x['p50_ms']:.1f} ms | "
-            f"{x['p99_ms']:.1f} ms | {x['max_ms']:.1f} ms |"
-        )
-    out += [
-        "",
-        f"| per child of a {db['children']}-child batch, counted at the worker's psycopg driver | statements |"
-        " round trips |",
-        "|---|---:|---:|",
-        f"| terminal event (`fanin_record_terminal`, autocommit) | {db['terminal_statements_per_event']:.2f} | "
-        f"{db['terminal_roundtrips_per_event']:.2f} |",
-        f"| start (a thread writes many per statement, or the terminal report carries it) | "
-        f"{db['start_statements_per_child'] or 0:.2f} | {db['start_roundtrips_per_child'] or 0:.2f} |",
-        f"| all fan-in work per child | {db['all_statements_per_child']:.2f} | {db['all_roundtrips_per_child']:.2f} |",
-        "",
-        f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes, "
-        f"{len(t['rounds'])} rounds | events/s, median | ratio to raw, median (min–max) |",
-        "|---|---:|---:|",
-        f"| one flat batch, the workers' own path (`WorkerHooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
-        f"{_ratio(t, 'ratio')} |",
-        f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
-        f"{_ratio(t, 'sql_ratio')} |",
-        f"| a tree of 16 leaf counters (`max_width={max(1, t['events'] // 16)}`) | "
-        f"{t['fanin_tree_events_per_s']:.0f} | {_ratio(t, 'tree_ratio')} |",
-        f"| raw single-row `UPDATE`, one round trip | {t['raw_update_per_s']:.0f} | 1.00 |",
-        f"| the same `UPDATE` through SQLAlchemy `engine.begin()` + pre-ping | "
-        f"{t['raw_update_engine_per_s']:.0f} | {_ratio(t, 'engine_ratio')} |",
-        "",
-        f"| target (at N = {report['targets']['at_n']:,}, this run) | result | |",
-        "|---|---:|---|",
-    ]
-    for name, target in report["targets"].items():
-        if isinstance(target, dict):
-            value = target["value"]
-            shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-            out.append(
-                f"| {name.replace('_', ' ')} {target['target']} | {shown} | "
-                f"{'met' if target['met'] else '**missed**'} |"
             )
     return "\n".join(out)
 
 
+def _met(target: dict[str, Any], digits: int = 2) -> str:
+    value = target["value"]
+    shown = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return f"{shown} {'met' if target['met'] else '**missed**'}"
+
+
+def _target_cells(r: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(figure, target, this run's value) for one report: the targets, and the per-event figures sizing needs."""
+    t, db, chord, tg = r["throughput"], r["db"], r["latency"]["chord"], r["targets"]
+    return [
+        ("dispatch speedup vs `group` (`apply_async` wall time)", ">= 5", _met(tg["dispatch_speedup_vs_group"])),
+        ("end to end vs `group`", "<= 1.0", _met(tg["e2e_ratio_vs_group"])),
+        ("end to end vs `chord`", "<= 0.8", _met(tg["e2e_ratio_vs_chord"])),
+        (
+            "successor latency p50, ms (last child's commit → successor's first line)",
+            "<= 10",
+            _met(tg["successor_p50_ms"], 1),
+        ),
+        ("successor latency p99, ms", "<= 50", _met(tg["successor_p99_ms"], 1)),
+        ("`chord`'s own successor latency p50 / p99, ms", "", f"{chord['p50_ms']:.1f} / {chord['p99_ms']:.1f}"),
+        (
+            "round trips per terminal event (counted at the worker's driver)",
+            "== 1",
+            _met(tg["roundtrips_per_terminal_event"]),
+        ),
+        (
+            "all fan-in statements / round trips per child",
+            "",
+            f"{db['all_statements_per_child']:.2f} / {db['all_roundtrips_per_child']:.2f}",
+        ),
+        (
+            "one flat batch: terminal events/s, and its ratio to a raw one-row `UPDATE`",
+            ">= 0.8",
+            f"{t['fanin_events_per_s']:.0f}/s, {_met(tg['throughput_ratio_vs_raw_update'])}",
+        ),
+        (
+            "a tree of 16 leaf counters: terminal events/s, and its ratio to the raw `UPDATE`",
+            "",
+            f"{t['fanin_tree_events_per_s']:.0f}/s, {t['tree_ratio']:.2f}",
+        ),
+        ("the raw one-row `UPDATE` (one round trip, autocommit)", "", f"{t['raw_update_per_s']:.0f}/s"),
+    ]
+
+
+def targets_markdown(reports: dict[str, dict[str, Any]]) -> str:
+    """One table of the targets, and of the per-event figures sizing needs, for every broker that has a report
+    (`reports`: broker -> the run's report), as the targets block of BENCHMARKS.md."""
+    brokers = [b for b in ("redis", "rabbitmq") if b in reports]
+    names = {"redis": "Redis", "rabbitmq": "RabbitMQ"}
+    at_n = {reports[b]["targets"]["at_n"] for b in brokers}
+    where = f"N = {next(iter(at_n)):,}" if len(at_n) == 1 else "the largest N of each run"
+    runs = ", ".join(f"{names[b]} {reports[b]['started_at'][:16].replace('T', ' ')} UTC" for b in brokers)
+    cells = [_target_cells(reports[b]) for b in brokers]
+    rows = [
+        f"Runs: {runs}; the ratios to `group` and `chord` at {where}.",
+        "",
+        "| figure | target | " + " | ".join(names[b] for b in brokers) + " |",
+        "|---|---|" + "---:|" * len(brokers),
+    ]
+    for i, (label, target, _) in enumerate(cells[0]):
+        rows.append(f"| {label} | {target} | " + " | ".join(c[i][2] for c in cells) + " |")
+    t = reports[brokers[0]]["throughput"]
+    rows += [
+        "",
+        f"Throughput: {t['events']:,} terminal events on one batch from {t['reporters']} processes, medians of "
+        f"{len(t['rounds'])} rounds (each ratio taken within its round).",
+    ]
+    return "\n".join(rows)
+
+
+def has_block(path: Path, name: str) -> bool:
+    text = path.read_text()
+    return f"<!-- bench:{name}:start -->" in text and f"<!-- bench:{name}:end -->" in text
+
+
 def update_markdown(path: Path, broker: str, block: str) -> None:
-    """Replace the text between this broker's markers in `path` (BENCHMARKS.md) with `block`."""
+    """Replace the text between the markers of block `broker` (a broker, or `targets`) in `path` (BENCHMARKS.md)."""
     start, end = f"<!-- bench:{broker}:start -->", f"<!-- bench:{broker}:end -->"
     text = path.read_text()
-    if start not in text or end not in text:
+    if not has_block(path, broker):
         raise SystemExit(f"{path} has no {start} ... {end} block to rewrite")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
@@ -870,4 +903,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown is not None:
         update_markdown(args.markdown, args.broker, markdown(report, report["command"]))
         print(f"rewrote the {args.broker} figures in {args.markdown}")
+        if has_block(args.markdown, "targets"):
+            # Each broker's latest report in --out (the other broker's from its own, earlier run).
+            suffix = "-smoke" if args.smoke else ""
+            paths = {b: args.out / f"bench-{b}{suffix}.json" for b in ("redis", "rabbitmq")}
+            reports = {b: json.loads(p.read_text()) for b, p in paths.items() if p.exists()}
+            update_markdown(args.markdown, "targets", targets_markdown(reports))
+            print(f"rewrote the targets in {args.markdown}")
     return 0

@@ -8,12 +8,14 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar, cast
+from urllib.parse import unquote
 
 import psycopg
 from celery import Celery
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import redact
@@ -47,6 +49,8 @@ class Settings:
     max_depth: int = 8
     relay_poll_interval: float = 1.0
     relay_batch_size: int = 100
+    # The relay's liveness probe (/healthz) fails once its loop has not gone round for this long (a stuck round).
+    relay_stall_timeout: float = 300.0
     # Seconds a worker keeps retrying a report (a child's terminal outcome, a successor's state) while the store
     # is unreachable, with jittered backoff, before it logs, counts (fanin_worker_reports_given_up_total) and leaves
     # it to reconciliation and child_timeout. The pool process waits meanwhile: a report is never dropped sooner.
@@ -57,7 +61,7 @@ class Settings:
     # process at most every start_write_interval seconds, many starts per statement (see celery_fanin.worker.starts).
     track_started: bool = True
     start_write_interval: float = 0.25
-    # Default per-batch child timeout in seconds (None: children may run forever) and what happens past it.
+    # Default per-batch child timeout in seconds (None or 0: children may run forever) and what happens past it.
     child_timeout: float | None = 6 * 3600.0
     on_lost: str = "fail"
     max_redrives: int = 3
@@ -92,13 +96,40 @@ class Settings:
     def from_conf(cls, conf: Any) -> Settings:
         values: dict[str, Any] = {}
         for name in cls.__dataclass_fields__:
-            key = f"fanin_{name}"
-            value = conf.get(key)
-            if value is not None:
-                values[name] = value
+            value = conf.get(f"fanin_{name}", _UNSET)
+            if value is _UNSET or (value is None and name not in NONE_ALLOWED):
+                continue
+            values[name] = _seconds(name, value)
         if not values.get("database_url"):
             values["database_url"] = os.environ.get("FANIN_DATABASE_URL") or None
         return cls(**values)
+
+
+# Settings given as seconds; a timedelta is taken too, as Celery's own durations (`result_expires`) are.
+DURATIONS = frozenset(
+    {
+        "report_timeout",
+        "start_write_interval",
+        "child_timeout",
+        "successor_timeout",
+        "successor_lease",
+        "successor_lease_grace",
+        "relay_poll_interval",
+        "relay_stall_timeout",
+        "reaper_interval",
+        "expires_grace",
+        "reconcile_interval",
+        "open_batch_grace",
+    }
+)
+# Settings for which an explicit None means "none" (`fanin_child_timeout = None`: no timeout) rather than "the
+# default"; for every other setting None is the same as not setting it.
+NONE_ALLOWED = frozenset({"child_timeout"})
+_UNSET = object()
+
+
+def _seconds(name: str, value: Any) -> Any:
+    return value.total_seconds() if name in DURATIONS and isinstance(value, timedelta) else value
 
 
 def normalise_database_url(url: str) -> str:
@@ -113,6 +144,13 @@ def normalise_database_url(url: str) -> str:
         raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
     if parsed.drivername in ("postgresql", "postgresql+psycopg2"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.host and parsed.host[:3].lower() == "%2f":
+        # libpq's URI form of a Unix-socket directory (`postgresql://user@%2Fvar%2Frun/db`, as the embedded server's
+        # URLs are): SQLAlchemy hands the host to the driver undecoded, so it goes in the query, where it is decoded.
+        query = {**parsed.query, "host": unquote(parsed.host)}
+        parsed = URL.create(
+            parsed.drivername, parsed.username, parsed.password, None, parsed.port, parsed.database, query
+        )
     return parsed.render_as_string(hide_password=False)
 
 
@@ -221,8 +259,10 @@ class FanIn:
 
     def setting(self, name: str) -> Any:
         """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
-        value = self.app.conf.get(f"fanin_{name}")
-        return Settings.__dataclass_fields__[name].default if value is None else value
+        value = self.app.conf.get(f"fanin_{name}", _UNSET)
+        if value is _UNSET or (value is None and name not in NONE_ALLOWED):
+            return Settings.__dataclass_fields__[name].default
+        return _seconds(name, value)
 
     def dispose(self) -> None:
         with self._engine_lock:

@@ -10,13 +10,16 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from celery import Celery
+from celery.contrib.testing.worker import TestWorkController, start_worker
+from celery.worker import WorkController
 from psycopg import sql
 
 from .embedded import EmbeddedPostgres
@@ -24,7 +27,11 @@ from .extension import FanIn
 from .producer.eager import run_eagerly
 from .producer.group import FanInGroup
 from .producer.result import EagerFanInResult
+from .relay.loop import Relay
 from .store.reports import libpq_conninfo
+from .worker import hooks
+
+CONTRIB_PLUGIN = "celery.contrib.pytest"
 
 PLUGIN_NAME = "celery_fanin.testing"
 ENABLE_INI = "celery_fanin"
@@ -161,3 +168,74 @@ def fanin_run() -> Callable[[FanInGroup], EagerFanInResult]:
                 conf.task_always_eager = before
 
     return run
+
+
+# --- live workers ------------------------------------------------------------------------------------------------
+
+
+def _contrib_fixture(request: pytest.FixtureRequest, name: str) -> Any:
+    try:
+        return request.getfixturevalue(name)
+    except pytest.FixtureLookupError:
+        pytest.fail(
+            f"fanin_worker and fanin_relay run on {CONTRIB_PLUGIN}'s {name}: enable that plugin too "
+            f'(-p {CONTRIB_PLUGIN}, or pytest_plugins = ["{CONTRIB_PLUGIN}", "{PLUGIN_NAME}"] in conftest.py)',
+            pytrace=False,
+        )
+
+
+@pytest.fixture
+def fanin_celery_app(request: pytest.FixtureRequest, fanin_database: str) -> Iterator[Celery]:
+    """``celery.contrib.pytest``'s ``celery_app`` (configured by ``celery_config``), wired with FanIn on the test
+    database, for ``fanin_worker`` and ``fanin_relay``."""
+    celery_app: Celery = _contrib_fixture(request, "celery_app")
+    if celery_app.conf.task_always_eager:
+        pytest.fail("fanin_worker runs tasks on a worker: remove task_always_eager from celery_config", pytrace=False)
+    celery_app.conf.fanin_database_url = fanin_database
+    fanin = FanIn(celery_app)
+    yield celery_app
+    fanin.dispose()
+
+
+@pytest.fixture
+def fanin_worker(request: pytest.FixtureRequest, fanin_celery_app: Celery) -> Iterator[WorkController]:
+    """A Celery worker in a thread of this process, consuming from ``celery_app``'s broker, with the fan-in hooks:
+    children's outcomes are counted and successors run as on any worker. Stopped when the test ends. Its pool
+    and options come from ``celery_worker_pool`` (``solo``) and ``celery_worker_parameters``."""
+    pool = _contrib_fixture(request, "celery_worker_pool")
+    parameters: Mapping[str, Any] = _contrib_fixture(request, "celery_worker_parameters")
+
+    class FanInTestWorker(TestWorkController):
+        def reload(self, modules: Any = None, reload: bool = False, reloader: Any = None) -> None:
+            # Tasks defined after the worker started get the successor run guard a worker gives its tasks at start.
+            hooks.guard_tasks(self.app)
+            super().reload(modules, reload=reload, reloader=reloader)
+
+    # No ping task: it needs a result backend, which fan-ins do not (their results are in PostgreSQL).
+    options = {"perform_ping_check": False, **parameters}
+    with start_worker(fanin_celery_app, pool=pool, WorkController=FanInTestWorker, **options) as worker:
+        yield worker
+
+
+@contextlib.contextmanager
+def running_relay(app: Celery, poll_interval: float = 0.1) -> Iterator[Relay]:
+    """Run the relay of `app` (wired with FanIn) in a thread of this process until the block ends; yields it (its
+    ``stats`` count what it did). For any test setup: `fanin_relay` uses it, and so can a pytest-celery suite."""
+    relay = Relay(FanIn.of(app), poll_interval=poll_interval)
+    thread = threading.Thread(target=relay.run, name="fanin-relay", daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+        thread.join(30)
+    if thread.is_alive():
+        raise RuntimeError("the relay thread did not stop within 30 s")
+
+
+@pytest.fixture
+def fanin_relay(fanin_celery_app: Celery) -> Iterator[Relay]:
+    """The relay in a thread of this process, polling every 0.1 s; stopped (and waited for) when the test ends.
+    Its ``stats`` count what it did (``successors_published``, ...)."""
+    with running_relay(fanin_celery_app) as relay:
+        yield relay

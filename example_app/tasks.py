@@ -44,12 +44,8 @@ def database_url() -> str:
 
 
 def child_task_id(run_label: str, external_id: str) -> str:
-    """A child's task id names its user, so the report can tell which users failed from the batch's failures."""
+    """A child's task id names its user, so that logs and `fanin failures` show whom a failed task was for."""
     return f"partner-sync:{run_label}:{external_id}"
-
-
-def external_id_of(task_id: str) -> str:
-    return task_id.rsplit(":", 1)[1]
 
 
 def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -174,7 +170,8 @@ def write_report(outcome: Mapping[str, Any], run_label: str) -> dict[str, Any]:
         synced=batch.succeeded - discarded,
         discarded=discarded,
         failed=batch.failed,
-        failed_external_ids=sorted(external_id_of(f["task_id"]) for f in failures),
+        # A failure carries its child's arguments (JSON children): sync_user(external_id, partner_id).
+        failed_external_ids=sorted(f["args"][0] for f in failures),
         failure_types=dict(sorted(Counter(f["exc_type"] or f["state"] for f in failures).items())),
     )
     with db.connect(database_url()) as conn:

@@ -371,3 +371,24 @@ def test_serialize_is_kombus_dumps() -> None:
         codec.serialize([object()], "json")
     with pytest.raises(EncodeError):
         kombu_dumps([object()], serializer="json")
+
+
+VERSIONS = [("5.1.1", True), ("5.1.0", False), ("5.4.2", True), ("5.4.99", True), ("5.5.0", False)]
+VERSIONS += [("6.0.0", False), ("5.3.0rc1", True), ("4.6.11", False), ("not a version", False)]
+
+
+@pytest.mark.parametrize(("version", "ok"), VERSIONS)
+def test_the_frame_writer_is_used_only_with_a_tested_py_amqp(version: str, ok: bool) -> None:
+    assert amqp_frames.supported(version) is ok
+
+
+def test_the_installed_py_amqp_is_tested_and_declared() -> None:
+    """The py-amqp this suite runs with is within the fast path's range, and pyproject.toml declares the range
+    the fallback covers (the dependency must not be narrower than the tested range)."""
+    import amqp
+
+    from tests.workers import ROOT
+
+    assert amqp_frames.SUPPORTED and amqp_frames.supported(amqp.__version__)
+    assert '"amqp>=5.1.1,<6",' in (ROOT / "pyproject.toml").read_text()
+    assert amqp_frames.TESTED_VERSIONS[0] == (5, 1, 1)

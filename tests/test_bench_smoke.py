@@ -50,7 +50,10 @@ TARGET_KEYS = (
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
     doc = tmp_path / "BENCHMARKS.md"  # the block a run rewrites, between its broker's markers
-    doc.write_text(f"before\n<!-- bench:{broker}:start -->\nold figures\n<!-- bench:{broker}:end -->\nafter\n")
+    doc.write_text(
+        f"before\n<!-- bench:{broker}:start -->\nold figures\n<!-- bench:{broker}:end -->\nbetween\n"
+        "<!-- bench:targets:start -->\nold targets\n<!-- bench:targets:end -->\nafter\n"
+    )
     out = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--broker", broker, "--out", str(tmp_path), "--markdown", str(doc)],
         cwd=ROOT,
@@ -82,8 +85,10 @@ def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
     assert set(TARGET_KEYS) <= report["targets"].keys()
     assert "bench-" in (report["plot"] or "bench-")  # the plot needs matplotlib (the dev extra)
     text = doc.read_text()
-    assert text.startswith("before\n") and text.endswith("after\n") and "old figures" not in text
-    assert "| 20 | fan_in_group |" in text and "| 20 | chord |" in text and "successor latency" in text
+    assert text.startswith("before\n") and text.endswith("after\n") and "\nbetween\n" in text
+    assert "old figures" not in text and "old targets" not in text
+    assert "| 20 | fan_in_group |" in text and "| 20 | chord |" in text
+    assert "successor latency p50" in text and "terminal events/s" in text  # the targets block, this broker's
 
 
 @pytest.mark.timeout(240)

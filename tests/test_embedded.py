@@ -27,7 +27,6 @@ from tests.workers import start_relay, start_worker
 @pytest.fixture(scope="module")
 def embedded() -> Iterator[EmbeddedPostgres]:
     base = Path(tempfile.mkdtemp(prefix="fanin-embedded-test-"))
-    base.chmod(0o755)  # the server may run as another user (root runs it as nobody): it must reach its directory
     pg = EmbeddedPostgres(base / "pg", database="fanin_e2e", ephemeral=True)
     pg.start()
     try:
@@ -37,20 +36,46 @@ def embedded() -> Iterator[EmbeddedPostgres]:
         shutil.rmtree(base)
 
 
-def test_start_is_shared_and_the_last_stop_stops(tmp_path: Path) -> None:
+def test_start_is_shared_and_the_last_stop_stops() -> None:
     base = Path(tempfile.mkdtemp(prefix="fanin-embedded-test-"))
-    base.chmod(0o755)
     first = EmbeddedPostgres(base / "pg", ephemeral=True)
-    with first:
-        assert first.started_here and reachable(first.url)
-        second = EmbeddedPostgres(base / "pg", ephemeral=True)
-        second.start()
-        assert not second.started_here and second.port == first.port
-        assert second.stop() is False, "another user is still registered: the server keeps running"
-        assert first.running()
-    assert not first.running()
-    assert not (base / "pg").exists(), "an ephemeral data directory is deleted on the last stop"
-    shutil.rmtree(base)
+    try:
+        with first:
+            assert reachable(first.url)
+            second = EmbeddedPostgres(base / "pg", ephemeral=True)
+            assert second.start() == first.url, "the running server is found, not started twice"
+            assert second.stop() is False, "another user is still registered: the server keeps running"
+            assert first.running() and reachable(first.url)
+        assert not first.running()
+        assert not (base / "pg").exists(), "an ephemeral data directory is deleted on the last stop"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_ephemeral_server_trades_durability_for_speed(embedded: EmbeddedPostgres) -> None:
+    with psycopg.connect(embedded.admin_url) as conn:
+        settings = {name: conn.execute(f"SHOW {name}").fetchone() for name in ("fsync", "full_page_writes")}
+    assert settings == {"fsync": ("off",), "full_page_writes": ("off",)}
+
+
+def test_its_urls_name_the_socket_and_work_everywhere_a_url_is_taken(embedded: EmbeddedPostgres) -> None:
+    """The socket directory in libpq's %2F form: psycopg, SQLAlchemy (through fanin_database_url) and kombu's
+    SQLAlchemy transport all reach it, and a database's URL is the server's URL with another last segment."""
+    from sqlalchemy import create_engine, text
+
+    from celery_fanin.context import normalise_database_url
+
+    url = embedded.url
+    assert url.startswith("postgresql+psycopg://postgres@%2F") and url.endswith("/fanin_e2e")
+    assert embedded.admin_url.rsplit("/", 1)[0] + "/fanin_e2e" == url.replace("+psycopg", "", 1)
+    engine = create_engine(normalise_database_url(url))
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT current_database()")).scalar_one() == "fanin_e2e"
+    finally:
+        engine.dispose()
+    with psycopg.connect(embedded.admin_url) as conn:
+        assert conn.execute("SELECT current_database()").fetchone() == ("postgres",)
 
 
 @pytest.mark.e2e
@@ -118,7 +143,6 @@ def test_the_default_data_dir_is_project_local(monkeypatch: pytest.MonkeyPatch) 
 def test_the_demo_runs_without_any_service(tmp_path: Path) -> None:
     """`python -m example_app.demo --embedded`: what `make demo` does on a machine without PostgreSQL or a broker."""
     base = Path(tempfile.mkdtemp(prefix="fanin-embedded-demo-"))
-    base.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("FANIN_DATABASE_URL", "FANIN_BROKER_URL")}
     env.update(FANIN_EMBEDDED_DIR=str(base / "pg"), COLUMNS="160")
     root = Path(__file__).resolve().parent.parent
@@ -149,31 +173,3 @@ def test_the_demo_runs_without_any_service(tmp_path: Path) -> None:
         assert not EmbeddedPostgres(base / "pg").running(), "the demo stops the server it started"
     finally:
         shutil.rmtree(base, ignore_errors=True)
-
-
-def test_binaries_the_server_user_cannot_reach_are_copied_where_it_can(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Run as root, the server runs as `nobody`, which cannot reach a virtualenv under /root (0700)."""
-    import pwd
-
-    from celery_fanin import embedded
-
-    hidden = tmp_path / "hidden"
-    hidden.mkdir(mode=0o700)
-    package = embedded.bin_dir().parent.parent
-    shutil.copytree(package, hidden / package.name, symlinks=True)
-    libs = package.parent / f"{package.name}.libs"
-    if libs.exists():
-        shutil.copytree(libs, hidden / libs.name, symlinks=True)
-    monkeypatch.setattr(embedded, "bin_dir", lambda: hidden / package.name / "pginstall" / "bin")
-    monkeypatch.delenv("FANIN_PG_BIN", raising=False)
-    nobody = pwd.getpwnam("nobody")
-    assert not embedded._reachable_by(embedded.bin_dir(), nobody.pw_uid, nobody.pw_gid)
-
-    found = EmbeddedPostgres(tmp_path / "pg", run_as="nobody")._bin_dir()
-    try:
-        assert embedded._reachable_by(found, nobody.pw_uid, nobody.pw_gid)
-        assert (found / "postgres").exists() and (found.parent / "share").is_dir()
-    finally:
-        shutil.rmtree(found.parent.parent.parent)

@@ -77,6 +77,8 @@ def _rows(url: str) -> tuple[int, int]:
 @example(options={"child_timeout": float("nan")}, children=["sig"], step=None)
 @example(options={"child_timeout": 1e308}, children=["sig"], step=None)
 @example(options={"deadline": timedelta(days=999_999_999)}, children=["sig"], step=None)
+@example(options={"deadline": 1e308}, children=["sig"], step=None)
+@example(options={"deadline": 2**70}, children=["sig"], step=None)
 @example(options={"max_redrives": 2**40}, children=["sig"], step=None)
 @example(options={"max_failures": 2**40}, children=["sig"], step=None)
 @example(options={"key": "x\x00y"}, children=["sig"], step=None)

@@ -3,9 +3,14 @@ its successor and the successor starts."""
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -15,6 +20,8 @@ from sqlalchemy import text
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay, metrics
 from celery_fanin.store import batches, successors
+from celery_fanin.worker import successor_runs
+from tests.workers import ROOT, wait_for
 
 # Far longer than the test takes: no batch turns stuck by itself while it runs, only when the test ages it.
 STUCK_AFTER = 600.0
@@ -101,6 +108,46 @@ def test_metrics_follow_a_batch(app: Celery, server: metrics.MetricsServer, rela
     assert 0 <= started["fanin_successor_latency_seconds_sum"] < 60
     # Counters only grow: a later scrape does not count the same children again.
     assert started['fanin_children_finished_total{state="succeeded"}'] == 2
+    assert not any(name.startswith("fanin_successors_finished_total{") for name in started)
+
+    assert successor_runs.record_final(FanIn.of(app), handle.batch_id, status.step, "failed", run=run.number)
+    finished = scrape(server)
+    assert finished['fanin_successors_finished_total{state="failed"}'] == 1  # what "successors failing" alerts on
+    assert scrape(server)['fanin_successors_finished_total{state="failed"}'] == 1
+
+
+def probe(server: metrics.MetricsServer, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_probes_follow_the_relay_loop_and_the_store(app: Celery, server: metrics.MetricsServer, relay: Relay) -> None:
+    assert probe(server, "/healthz") == (200, {"status": "ok", "checks": {"relay_loop": "ok"}})
+    assert probe(server, "/readyz") == (200, {"status": "ok", "checks": {"relay_loop": "ok", "database": "ok"}})
+    # A loop that has not gone round for longer than fanin_relay_stall_timeout (its last beat moved back).
+    relay._beat -= 2 * FanIn.of(app).settings.relay_stall_timeout
+    code, body = probe(server, "/healthz")
+    assert code == 503 and body["status"] == "failing" and body["checks"]["relay_loop"].startswith("no round for")
+    assert probe(server, "/readyz")[0] == 503
+    relay.beat()
+    assert probe(server, "/healthz")[0] == 200
+
+
+def test_the_relay_loop_beats_while_it_runs(app: Celery) -> None:
+    relay = Relay(FanIn.of(app), poll_interval=0.1)
+    relay._beat -= 10_000.0
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: relay.stalled_for(60.0) is None and relay.stats.rounds > 0, 30, message="a beat")
+        assert relay.stalled_for(60.0) is None
+    finally:
+        relay.stop()
+        thread.join(15)
+    assert not thread.is_alive()
 
 
 def test_an_unreachable_store_is_reported_not_raised() -> None:
@@ -110,8 +157,51 @@ def test_an_unreachable_store_is_reported_not_raised() -> None:
     srv = metrics.serve(FanIn(app), 0, "127.0.0.1")
     try:
         samples = scrape(srv)
+        readiness, liveness = probe(srv, "/readyz"), probe(srv, "/healthz")
     finally:
         srv.stop()
         FanIn.of(app).dispose()
     assert samples["fanin_up"] == 0
     assert "fanin_batches_open" not in samples
+    assert readiness[0] == 503 and readiness[1]["checks"]["database"].startswith("unreachable")
+    assert liveness == (200, {"status": "ok", "checks": {}}), "no relay here: alive while it serves"
+
+
+def _names(exposition: str) -> tuple[set[str], set[str]]:
+    """The names a query can use (a counter's `_total`, a histogram's `_bucket`, `_sum` and `_count`, a gauge's),
+    and each metric's name as the reference lists it (a histogram by its own name)."""
+    samples, metrics_ = set(), set()
+    for family in text_string_to_metric_families(exposition):
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        samples |= {family.name + suffix for suffix in suffixes}
+        metrics_.add(family.name + ("_total" if family.type == "counter" else ""))
+    return samples, metrics_
+
+
+def test_the_dashboard_alerts_and_reference_use_only_metrics_that_exist(server: metrics.MetricsServer) -> None:
+    """docs/ops/ (the Grafana dashboard, the Prometheus rules) and docs/reference/metrics.md name only metrics that
+    the endpoint (a relay's) or a worker's registry exposes, and the reference lists every one of them."""
+    import yaml
+    from prometheus_client import REGISTRY, generate_latest
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as response:
+        exposed, listed = _names(response.read().decode())
+    worker_samples, worker_metrics = _names(generate_latest(REGISTRY).decode())  # the workers' own counters
+    exposed |= worker_samples
+    listed |= worker_metrics
+
+    ops = ROOT / "docs" / "ops"
+    dashboard = json.loads((ops / "grafana-dashboard.json").read_text())
+    rules = yaml.safe_load((ops / "alerts.yml").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for group in rules["groups"] for r in group["rules"]]
+    used = {name for e in exprs for name in re.findall(r"\bfanin_[a-z_]+", e)}
+    assert len(used) > 15 and used <= exposed, used - exposed
+    alerts = {r["alert"] for group in rules["groups"] for r in group["rules"]}
+    assert {"FanInBatchesStuck", "FanInRelayLagging", "FanInSuccessorsFailing"} <= alerts
+    assert all(r.get("annotations", {}).get("summary") for group in rules["groups"] for r in group["rules"])
+
+    reference = (ROOT / "docs" / "reference" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `(fanin_[a-z_]+)", reference, re.M))
+    ours = {name for name in listed if name.startswith("fanin_") and not name.endswith("_created")}
+    assert documented == ours, documented ^ ours

@@ -23,7 +23,8 @@ from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.relay import Relay
-from celery_fanin.worker import hooks, report
+from celery_fanin.store import batches
+from celery_fanin.worker import hooks, report, successor_runs
 from tests.faults import TcpProxy, proxy_for, release_producer_app
 from tests.store.helpers import create, make_engine
 from tests.workers import wait_for
@@ -107,6 +108,30 @@ def test_a_report_is_given_up_after_report_timeout(
     pg_proxy.restore()
     # Nothing was recorded: the child stays open for child_timeout and reconciliation to settle.
     assert _states(direct, batch.id) == ["pending"]
+
+
+def test_a_successor_state_given_up_by_its_pool_process_is_counted(
+    proxied_app: Celery, pg_proxy: TcpProxy, direct: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool process that ran a successor records its final state itself (`successor_runs.finish`); given up
+    after `fanin_report_timeout`, it is counted as a successor report given up, as the main process's are."""
+    batch, children, _ = create(direct, 1)
+    with direct.begin() as conn:
+        assert batches.record_terminal(conn, children[0].task_id, "succeeded").counted  # creates the successor
+    with direct.connect() as conn:
+        task_id = conn.execute(
+            text("SELECT task_id FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id}
+        ).scalar_one()
+    live = successor_runs.admit(FanIn.of(proxied_app), str(batch.id), batch.step, task_id, 0)
+    assert live is not None
+    proxied_app.conf.fanin_report_timeout = 1.5
+    given_up = _given_up("successor")
+    pg_proxy.cut()
+    with caplog.at_level(logging.ERROR, logger="celery_fanin.successors"):
+        assert successor_runs.finish(live, "succeeded") is False
+    pg_proxy.restore()
+    assert _given_up("successor") == given_up + 1
+    assert any("gave up recording successor" in r.getMessage() for r in caplog.records)
 
 
 def test_a_permanent_error_is_not_retried(

@@ -400,3 +400,50 @@ def test_rabbitmq_chunks_are_recorded_only_once_confirmed(
         FanIn.of(app).dispose()
         with Connection(RABBITMQ_URL) as conn:
             conn.default_channel.queue_delete(queue)
+
+
+@pytest.mark.parametrize("why", ["fanin_amqp_frames=False", "py-amqp outside the tested range"])
+def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successors(
+    e2e_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """The AMQP frame fast path switched off (the setting, or a py-amqp it is not tested with): the confirm channel
+    writes through py-amqp's own `basic_publish`, and children and the successor are published and confirmed."""
+    from celery_fanin.broker import amqp_frames
+    from celery_fanin.relay import Relay
+    from celery_fanin.store import batches
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the frame writer was used")
+
+    monkeypatch.setattr(amqp_frames.FrameBuffer, "publish", never)
+    conf: dict[str, Any] = {}
+    if why.startswith("fanin_amqp_frames"):
+        conf["fanin_amqp_frames"] = False
+    else:
+        monkeypatch.setattr(amqp_frames, "SUPPORTED", amqp_frames.supported("6.0.0"))
+    queue = f"fanin-pub-{uuid.uuid4().hex[:10]}"
+    env = {**e2e_env, "FANIN_TEST_BROKER": RABBITMQ_URL, "FANIN_TEST_QUEUE": queue, "ROUTED_QUEUE": f"{queue}-r"}
+    app = _producer_app(env, **conf)
+    echo = app.tasks[publish_tasks.ECHO]
+    try:
+        assert not publish.amqp_frames_enabled(app)
+        handle = fan_in_group([echo.s(i) for i in range(5)], then=echo.s(), app=app).apply_async()
+        assert handle.status().published == 5, "every child confirmed by the broker"
+        with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+            ids = [r[0] for r in conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx",
+                                              (handle.batch_id,))]  # fmt: skip
+        with FanIn.of(app).engine.begin() as conn:
+            for task_id in ids:
+                assert batches.record_terminal(conn, task_id, "succeeded").counted
+        assert Relay(FanIn.of(app)).run_once() == 1  # the successor, on the same kind of confirm channel
+        headers = []
+        with Connection(RABBITMQ_URL) as conn:
+            channel = conn.default_channel
+            while (message := channel.basic_get(queue, no_ack=True)) is not None:
+                headers.append(message.headers)
+        assert [h["fanin_index"] for h in headers[:5]] == list(range(5))
+        assert len(headers) == 6 and headers[5]["fanin_successor"] == handle.batch_id
+    finally:
+        FanIn.of(app).dispose()
+        with Connection(RABBITMQ_URL) as conn:
+            conn.default_channel.queue_delete(queue)

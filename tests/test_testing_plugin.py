@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 pytest_plugins = ["pytester"]
+CONTRIB = "celery.contrib.pytest"  # Celery's own fixtures (celery_app, celery_config), which the live ones use
 
 USER_TESTS = """
 import pytest
@@ -152,6 +153,56 @@ def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks, fanin_database):
 """
 
 
+LIVE_TESTS = """
+import pytest
+from celery_fanin import BatchOutcome, fan_in_group
+
+
+@pytest.fixture
+def tasks(celery_app):
+    @celery_app.task
+    def square(i):
+        if i == 3:
+            raise ValueError("three")
+        return i * i
+
+    @celery_app.task
+    def total(outcome, label):
+        result = BatchOutcome.from_message(outcome, app=celery_app)
+        return {"label": label, "ok": result.succeeded, "failed": result.failed, "values": list(result.values()),
+                "failures": [[f["index"], f["exc_type"], f["args"]] for f in result.failures]}
+
+    return square, total
+
+
+def test_a_fan_in_on_a_live_worker_and_relay(tasks, fanin_worker, fanin_relay, celery_app):
+    square, total = tasks
+    assert not celery_app.conf.task_always_eager
+    handle = fan_in_group([square.s(i) for i in range(5)], then=total.s("live")).apply_async()
+    status = handle.wait(timeout=60)
+    assert (status.state, status.succeeded, status.failed) == ("complete", 4, 1)
+    assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
+    assert handle.result() == {"label": "live", "ok": 4, "failed": 1, "values": [0, 1, 4, 16],
+                               "failures": [[3, "ValueError", [3]]]}
+    assert fanin_relay.stats.successors_published == 1  # the relay published it: nothing ran eagerly
+
+
+def test_tasks_defined_after_the_worker_started(celery_app, fanin_worker, fanin_relay):
+    @celery_app.task
+    def double(i):
+        return 2 * i
+
+    @celery_app.task
+    def collect(outcome):
+        return list(BatchOutcome.from_message(outcome, app=celery_app).values())
+
+    fanin_worker.reload()
+    handle = fan_in_group([double.s(i) for i in range(3)], then=collect.s()).apply_async()
+    assert handle.result(timeout=60) == [0, 2, 4]
+    assert handle.status().successor_runs == 1
+"""
+
+
 def _ini(pytester: pytest.Pytester, database_url: str | None, enable: bool = True) -> None:
     lines = ["[pytest]"]
     if enable:
@@ -201,3 +252,50 @@ def test_off_unless_enabled(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-q")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*fixture 'fanin_app' not found*"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("broker", ["redis", "memory"])
+def test_live_worker_and_relay_fixtures_on_celery_contrib_pytest(
+    pytester: pytest.Pytester, database_url: str, clean_redis: str, broker: str
+) -> None:
+    """`fanin_worker` and `fanin_relay` on Celery's own `celery_app`, configured by `celery_config`: the user's
+    Redis broker, or Celery's default in-memory one."""
+    _ini(pytester, database_url)
+    if broker == "redis":
+        pytester.makeconftest(
+            "import pytest\n\n\n@pytest.fixture(scope='session')\ndef celery_config():\n"
+            f"    return {{'broker_url': {clean_redis!r}}}\n"
+        )
+    pytester.makepyfile(test_live=LIVE_TESTS)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", CONTRIB)
+    result.assert_outcomes(passed=2)
+    if broker == "redis":
+        import redis
+
+        # The messages went through the user's Redis: kombu's bindings of the default queue are there.
+        assert redis.Redis.from_url(clean_redis).exists("_kombu.binding.celery")
+
+
+@pytest.mark.timeout(120)
+def test_fanin_worker_refuses_an_eager_app(pytester: pytest.Pytester, database_url: str) -> None:
+    _ini(pytester, database_url)
+    pytester.makeconftest(
+        "import pytest\n\n\n@pytest.fixture(scope='session')\ndef celery_config():\n"
+        "    return {'task_always_eager': True}\n"
+    )
+    pytester.makepyfile(test_eager_worker="def test_it(fanin_worker):\n    pass\n")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", CONTRIB)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*remove task_always_eager from celery_config*"])
+
+
+@pytest.mark.timeout(120)
+def test_the_live_fixtures_say_when_celery_contrib_pytest_is_not_enabled(
+    pytester: pytest.Pytester, database_url: str
+) -> None:
+    _ini(pytester, database_url)
+    pytester.makepyfile(test_no_contrib="def test_it(fanin_relay):\n    pass\n")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*run on celery.contrib.pytest's celery_app: enable that plugin too*"])

@@ -66,14 +66,17 @@ class ConfirmChannel:
     raised by the wait whose range holds it, so that a refused message fails its own chunk and no other.
     """
 
-    def __init__(self, prod: Producer) -> None:
+    def __init__(self, prod: Producer, frames: bool = True) -> None:
         conn = prod.connection
         self.transport_connection = conn.connection
         self.channel = conn.channel()
         self.channel.confirm_select()
         # Instead of py-amqp's write per message (which, with `confirm_publish`, also waits for each message's
-        # ack): the same frames, held and written a stretch at a time, flushed before every wait.
-        self.frames = FrameBuffer(self.channel)
+        # ack): the same frames, held and written a stretch at a time, flushed before every wait. Without them
+        # (`fanin_amqp_frames = False`, or a py-amqp outside amqp_frames.TESTED_VERSIONS), py-amqp writes each
+        # message itself, at once; the confirms are waited for the same way.
+        self.frames: FrameBuffer | None = FrameBuffer(self.channel) if frames else None
+        self._write = self.frames.publish if self.frames is not None else self.channel.basic_publish
         self.channel.basic_publish = self._basic_publish
         self.channel.events["basic_ack"].add(self._on_ack)
         self.channel.events["basic_nack"].add(self._on_nack)
@@ -86,9 +89,15 @@ class ConfirmChannel:
         self._discarded = False
 
     def _basic_publish(self, *args: Any, **kwargs: Any) -> None:
-        """The channel's ``basic_publish``: counts the message (a delivery tag) and hands it to the frames."""
+        """The channel's ``basic_publish``: counts the message (a delivery tag) and hands it to the frames (or to
+        py-amqp's own writer)."""
         self.published += 1
-        self.frames.publish(*args, **kwargs)
+        self._write(*args, **kwargs)
+
+    def flush(self) -> None:
+        """Write what the frames hold (nothing is held without them)."""
+        if self.frames is not None:
+            self.frames.flush()
 
     @property
     def usable(self) -> bool:
@@ -120,7 +129,7 @@ class ConfirmChannel:
         if self._discarded and self.floor < target:
             # Closed after an earlier failure: these confirms will never come (the channel's count is lost).
             raise OperationalError("the confirm channel was closed after an earlier failure; messages unconfirmed")
-        self.frames.flush()
+        self.flush()
         deadline = time.monotonic() + timeout
         connection = self.channel.connection
         while self.floor < target:
@@ -139,19 +148,21 @@ class ConfirmChannel:
     def discard(self) -> None:
         """After a failure the channel's count is unknown: close it; the next call opens a fresh one."""
         self._discarded = True
-        self.frames.clear()
+        if self.frames is not None:
+            self.frames.clear()
         try:
             self.channel.close()
         except Exception:  # noqa: BLE001 - the channel may be gone with its connection already
             logger.debug("closing the confirm channel failed", exc_info=True)
 
 
-def confirm_channel(prod: Producer) -> ConfirmChannel:
-    """The connection's confirm channel, opened on first use and reused by later calls on the same connection."""
+def confirm_channel(prod: Producer, frames: bool = True) -> ConfirmChannel:
+    """The connection's confirm channel, opened on first use and reused by later calls on the same connection
+    (with `frames`: written through `amqp_frames` rather than py-amqp's writer)."""
     conn = prod.connection
     existing: ConfirmChannel | None = getattr(conn, "_fanin_confirms", None)
-    if existing is not None and existing.usable:  # possibly with an earlier call's messages still unconfirmed
-        return existing
-    confirms = ConfirmChannel(prod)
+    if existing is not None and existing.usable and (existing.frames is not None) == frames:
+        return existing  # possibly with an earlier call's messages still unconfirmed
+    confirms = ConfirmChannel(prod, frames=frames)
     conn._fanin_confirms = confirms
     return confirms

@@ -29,6 +29,7 @@ from kombu.entity import maybe_delivery_mode
 
 from ..codec import serialize
 from ..protocol import HEADER_BATCH, HEADER_CHAIN, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, HEADER_TASK
+from . import amqp_frames
 from .amqp_frames import FrameBuffer
 from .confirms import ConfirmChannel, Unconfirmed, confirm_channel
 
@@ -347,6 +348,12 @@ def bulk_publish_enabled(app: Celery) -> bool:
     return not (conf.task_always_eager or conf.task_send_sent_event or int(conf.task_protocol or 2) != 2)
 
 
+def amqp_frames_enabled(app: Celery) -> bool:
+    """Whether a RabbitMQ confirm channel writes through `amqp_frames` (``fanin_amqp_frames``, default on, and a
+    py-amqp within the tested range) rather than py-amqp's own writer."""
+    return bool(app.conf.get("fanin_amqp_frames", True)) and amqp_frames.SUPPORTED
+
+
 def publish_mode(prod: Producer) -> str:
     """How `publish_children` writes to this producer's broker: ``pipeline`` (Redis), ``confirm`` (AMQP) or
     ``single`` (anything else, one message at a time)."""
@@ -385,7 +392,7 @@ def publish_children(
     builder = _Builder(app, bid)
     driver = prod.connection.transport.driver_type
     quorum = fast and _has_quorum_queues(app, driver)
-    confirms = confirm_channel(prod) if mode == "confirm" else None
+    confirms = confirm_channel(prod, amqp_frames_enabled(app)) if mode == "confirm" else None
     target = confirms.producer if confirms is not None else prod
     frames = confirms.frames if confirms is not None else None
     first = confirms.sent + 1 if confirms is not None else 1  # this call's delivery tags: first..confirms.sent
@@ -422,7 +429,7 @@ def publish_children(
             if wait:
                 confirms.wait(since=first)
                 return Unconfirmed()
-            confirms.frames.flush()
+            confirms.flush()
             return Unconfirmed(confirms, first, confirms.sent)
     except BaseException:
         if confirms is not None:
@@ -676,7 +683,7 @@ def publish_successor(
         # RabbitMQ: on the confirm channel, and only returned once the broker confirmed it, so that the caller
         # records it as sent only then (a refusal or no answer raises: the outbox row stays pending).
         _ensure_connection(app, prod)
-        confirms = confirm_channel(prod)
+        confirms = confirm_channel(prod, amqp_frames_enabled(app))
     first = confirms.sent + 1 if confirms is not None else 1
     try:
         _publish_successor(app, prod, confirms, batch_id, task_id, then, outcome, marker)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ..exceptions import FanInDatabaseError
+from ..ops import schema
 from ..ops.inspection import describe, list_batches, parse_duration
 from ..ops.inspection import failures as read_failures
 from ..ops.retention import prune as run_prune
@@ -46,10 +48,28 @@ def fanin(ctx: click.Context) -> None:
 
 
 @fanin.command()
+@click.option("--check", is_flag=True, help="Apply nothing; exit 1 if migrations are pending, 0 if none.")
+@click.option("--sql", "show_sql", is_flag=True, help="Apply nothing; print the SQL that migrate would run.")
 @click.pass_context
 @_errors_as_exit
-def migrate(ctx: click.Context) -> None:
-    """Create or upgrade the schema (safe to run twice or concurrently)."""
+def migrate(ctx: click.Context, check: bool, show_sql: bool) -> None:
+    """Create or upgrade the schema (safe to run twice or concurrently).
+
+    With --check or --sql nothing is applied: --check exits 1 when migrations are pending (the schema is behind
+    this celery-fanin) and 0 when it is current; --sql prints the SQL `migrate` would run.
+    """
+    if check or show_sql:
+        todo = schema.pending(_fanin(ctx))
+        if show_sql:
+            click.echo(schema.script(todo), nl=False)
+        report = click.echo if not show_sql else lambda text: click.echo(text, err=True)
+        if todo:
+            report(f"schema is behind: {len(todo)} pending migration(s): {', '.join(map(schema.name, todo))}")
+            if check:
+                ctx.exit(1)
+        else:
+            report("schema is up to date")
+        return
     applied = _fanin(ctx).migrate()
     if applied:
         for name in applied:
@@ -58,20 +78,74 @@ def migrate(ctx: click.Context) -> None:
         click.echo("schema is up to date")
 
 
+LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configure_logging(loglevel: str, logfile: str | None, log_format: str) -> None:
+    """The relay's log: stderr or `logfile`, as text or as one JSON object per line (python-json-logger: the time,
+    level, logger and message, plus a line's `batch_id`, `step` or `saga_id`, and the traceback as `exc_info`)."""
+    # A file is reopened when logrotate moves it away (WatchedFileHandler), so no copytruncate is needed.
+    handler = logging.handlers.WatchedFileHandler(logfile) if logfile else logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(levelname)s %(name)s %(message)s",
+                rename_fields={"levelname": "level", "name": "logger"},
+                timestamp="time",
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=loglevel.upper(), handlers=[handler])
+
+
 @fanin.command()
 @click.option(
     "--poll-interval", type=float, default=None, help="Seconds between polls (default fanin_relay_poll_interval)."
 )
 @click.option("--once", is_flag=True, help="Run one round and exit.")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
-@click.option("-l", "--loglevel", default="INFO", show_default=True)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (/metrics), with the /healthz and /readyz probes.",
+)
+@click.option(
+    "-l", "--loglevel", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True
+)
+@click.option(
+    "-f",
+    "--logfile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append the log to this file (default stderr).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(("text", "json")),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line (time, level, logger, message, batch_id/step where a line has them).",
+)
 @click.pass_context
 @_errors_as_exit
-def relay(ctx: click.Context, poll_interval: float | None, once: bool, metrics_port: int | None, loglevel: str) -> None:
+def relay(
+    ctx: click.Context,
+    poll_interval: float | None,
+    once: bool,
+    metrics_port: int | None,
+    loglevel: str,
+    logfile: str | None,
+    log_format: str,
+) -> None:
     """Run the relay sidecar: publish successors from the outbox, and children no producer published."""
-    logging.basicConfig(
-        level=loglevel.upper(), stream=sys.stderr, format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
-    )
+    try:
+        configure_logging(loglevel, logfile, log_format)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot open {logfile}: {exc.strerror}", param_hint="--logfile") from exc
     r = Relay(_fanin(ctx), poll_interval=poll_interval)
     if metrics_port is not None:
         serve(r.fanin, metrics_port, relay=r)

@@ -149,7 +149,9 @@ class Policy:
                 if _aware(self.deadline) <= datetime.now(timezone.utc):
                     raise InvalidFanIn(f"deadline {self.deadline.isoformat()} is in the past")
             else:
-                raise InvalidFanIn(f"deadline must be a timedelta or a datetime, not {type(self.deadline).__name__}")
+                raise InvalidFanIn(
+                    f"deadline must be a timedelta, a number of seconds or a datetime, not {self.deadline!r}"
+                )
         if self.on_deadline not in ("proceed", "abandon"):
             raise InvalidFanIn(f"on_deadline must be 'proceed' or 'abandon', not {self.on_deadline!r}")
         if self.on_expire is not None:
@@ -196,6 +198,16 @@ def _as_timedelta(value: timedelta | float | int | None, what: str) -> timedelta
     return timedelta(seconds=value) if value else None
 
 
+def _relative_seconds(value: Any) -> Any:
+    """`deadline=` given in seconds from now (as `child_timeout=` and Celery's `countdown` take them), as a
+    timedelta; anything else is left for `Policy.validate` to accept or refuse."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value
+    if not math.isfinite(value) or not 0 < value <= _MAX_SECONDS:
+        raise InvalidFanIn(f"deadline must be a positive number of seconds, at most {_MAX_SECONDS:.0f}, not {value!r}")
+    return timedelta(seconds=value)
+
+
 # What the store's columns hold: counts are PostgreSQL integers, durations and times must stay representable.
 _MAX_INT = 2**31 - 1
 _MAX_SECONDS = 100 * 365 * 24 * 3600.0  # a century: beyond it a timeout or deadline is a mistake
@@ -225,7 +237,7 @@ class FanInGroup:
         child_timeout: Any = _DEFAULT,
         on_lost: str | None = None,
         max_redrives: int | None = None,
-        deadline: timedelta | datetime | None = None,
+        deadline: timedelta | datetime | float | None = None,
         on_deadline: str = "proceed",
         on_expire: Signature | None = None,
         max_failures: int | float | None = None,
@@ -364,7 +376,7 @@ class FanInGroup:
             child_timeout=_as_timedelta(timeout, "child_timeout"),
             on_lost=opts["on_lost"] if opts["on_lost"] is not None else settings.on_lost,
             max_redrives=opts["max_redrives"] if opts["max_redrives"] is not None else settings.max_redrives,
-            deadline=opts["deadline"],
+            deadline=_relative_seconds(opts["deadline"]),
             on_deadline=opts["on_deadline"],
             on_expire=opts["on_expire"],
             max_failures=opts["max_failures"],
@@ -544,11 +556,12 @@ def fan_in_group(
     `step` names the successor within the batch (default: its task name). The successor receives the outcome
     mapping as its first argument, before its own arguments, as a chord body receives the header's results.
 
-    Recovery options (keyword only): `child_timeout` (timedelta or seconds; default `fanin_child_timeout`) with
-    `on_lost` ("fail": count the child as `lost`; "redrive": re-publish it, up to `max_redrives` times);
-    `deadline` (timedelta or datetime) with `on_deadline` ("proceed": run the successor with a partial outcome;
-    "abandon": mark the batch expired and run `on_expire` if given); `max_failures` (a count, or a ratio of the
-    children) after which the batch finishes early and `on_failure` (or the successor) runs.
+    Recovery options (keyword only): `child_timeout` (timedelta or seconds; default `fanin_child_timeout`; None
+    or 0: none) with `on_lost` ("fail": count the child as `lost`; "redrive": re-publish it, up to `max_redrives`
+    times); `deadline` (timedelta, seconds from now, or datetime) with `on_deadline` ("proceed": run the successor
+    with a partial outcome; "abandon": mark the batch expired and run `on_expire` if given); `max_failures` (a
+    count, or a ratio of the children) after which the batch finishes early and `on_failure` (or the successor)
+    runs.
 
     Scale options: `key` (an idempotency key, unique per app: a second call returns the existing batch, and
     resumes it if its producer died mid-stream); `max_width` (default `fanin_max_width`): above it, the batch

@@ -57,9 +57,23 @@ class Relay:
         self._listener: psycopg.Connection[tuple[object, ...]] | None = None
         self._next_reap = 0.0
         self._next_reconcile = 0.0
+        # When the loop last went round (or passed from one duty to the next): the liveness probe reads it.
+        self._beat = time.monotonic()
 
     def stop(self, *_: object) -> None:
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def beat(self) -> None:
+        self._beat = time.monotonic()
+
+    def stalled_for(self, timeout: float) -> float | None:
+        """Seconds since the loop last went round, if that is more than `timeout` (it is stuck); else None."""
+        since = time.monotonic() - self._beat
+        return since if since > timeout else None
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -77,6 +91,7 @@ class Relay:
         failures = 0
         logger.info("relay started (poll every %.1fs)", self.poll_interval)
         while not self._stop.is_set():
+            self.beat()
             try:
                 self._ensure_listener()
                 self.run_once()
@@ -111,10 +126,12 @@ class Relay:
             self.stats.successors_restarted += len(maintenance_duties.restart_stalled_successors(self.fanin))
             self.stats.open_batches_sealed += len(maintenance_duties.seal_lapsed_open_batches(self.fanin))
         if maintenance or (maintenance is None and now >= self._next_reconcile):
+            self.beat()
             self._next_reconcile = now + settings.reconcile_interval
             self.stats.repairs += len(maintenance_duties.reconcile(self.fanin))
         published = 0
         while not self._stop.is_set():
+            self.beat()
             n = outbox.publish_outbox(self.fanin)
             published += n
             self.stats.successors_published += n
@@ -144,6 +161,7 @@ class Relay:
         assert self._listener is not None
         deadline = time.monotonic() + self.poll_interval
         while not self._stop.is_set():
+            self.beat()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -1,16 +1,20 @@
 """Prometheus metrics read from the store when Prometheus scrapes, plus the relay's own counters;
-`serve(fanin, port, relay=relay)` serves them (docs/reference/metrics.md lists them).
+`serve(fanin, port, relay=relay)` serves them with the relay's `/healthz` and `/readyz` probes
+(docs/reference/metrics.md lists them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,11 +23,11 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..context import FanIn
@@ -70,6 +74,9 @@ class FanInCollector(Collector):
             buckets=LATENCY_BUCKETS,
             registry=None,
         )
+        self._successors = Counter(
+            "fanin_successors_finished", "Successors that reached a final state, by state.", ["state"], registry=None
+        )
 
     def describe(self) -> Iterable[Metric]:
         return []  # collected on scrape only: registering must not query the store
@@ -89,6 +96,7 @@ class FanInCollector(Collector):
             yield GaugeMetricFamily("fanin_up", "1 if the last scrape could read the fan-in store.", value=up)
             yield from gauges
             yield from self._finished.collect()
+            yield from self._successors.collect()
             yield from self._latency.collect()
             yield from self._relay_metrics()
             yield GaugeMetricFamily(
@@ -122,6 +130,8 @@ class FanInCollector(Collector):
             self._finished.labels(state=state).inc(count)
         for seconds in observability.successor_latencies(conn, since, until):
             self._latency.observe(max(0.0, seconds))
+        for state, count in observability.successors_finished_by_state(conn, since, until):
+            self._successors.labels(state=state).inc(count)
 
     def _relay_metrics(self) -> Iterator[Metric]:
         stats = getattr(self.relay, "stats", None)
@@ -164,12 +174,59 @@ def registry_for(
     return registry, collector
 
 
+def health(fanin: FanIn, relay: Any = None, ready: bool = False) -> tuple[bool, dict[str, str]]:
+    """The probes' checks: the relay's loop went round within ``fanin_relay_stall_timeout`` (if a relay is served),
+    and for readiness the store answers. Returns (all passed, check -> "ok" or why not)."""
+    checks: dict[str, str] = {}
+    if relay is not None:
+        stalled = relay.stalled_for(fanin.settings.relay_stall_timeout)
+        checks["relay_loop"] = "ok" if stalled is None else f"no round for {stalled:.0f}s"
+    if ready:
+        try:
+            with fanin.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            checks["database"] = "ok"
+        except SQLAlchemyError as exc:
+            checks["database"] = f"unreachable: {str(exc).splitlines()[0]}"
+    return all(v == "ok" for v in checks.values()), checks
+
+
+def wsgi_app(registry: CollectorRegistry, fanin: FanIn, relay: Any = None) -> Callable[..., Any]:
+    """``/healthz`` and ``/readyz`` (JSON, 200 or 503), and the metrics on every other path, as prometheus_client
+    serves them."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/healthz", "/readyz"):
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        ok, checks = health(fanin, relay, ready=path == "/readyz")
+        body = json.dumps({"status": "ok" if ok else "failing", "checks": checks}).encode()
+        status = "200 OK" if ok else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scrape or probe never holds up the process's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's signature
+        """No access log per scrape or probe on stderr."""
+
+
 def serve(
     fanin: FanIn, port: int = DEFAULT_PORT, addr: str = "0.0.0.0", *, relay: Any = None, stuck_after: float = 600.0
 ) -> MetricsServer:
-    """Serve the metrics on ``http://addr:port/metrics`` from a daemon thread (port 0: any free port)."""
+    """Serve the metrics on ``http://addr:port/metrics`` (and the ``/healthz``, ``/readyz`` probes) from a daemon
+    thread (port 0: any free port)."""
     registry, collector = registry_for(fanin, relay=relay, stuck_after=stuck_after)
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    server = make_server(addr, port, wsgi_app(registry, fanin, relay), _ThreadingServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="fanin-metrics", daemon=True)
+    thread.start()
     bound = int(server.server_port)
-    logger.info("serving Prometheus metrics on http://%s:%d/metrics", addr, bound)
+    logger.info("serving Prometheus metrics on http://%s:%d/metrics (probes: /healthz, /readyz)", addr, bound)
     return MetricsServer(bound, registry, collector, server, thread)

@@ -74,3 +74,9 @@ def migrate(engine: Engine) -> list[Migration]:
 
 def is_current(engine: Engine) -> bool:
     return set(applied(engine)) >= {m.version for m in available()}
+
+
+def pending(engine: Engine) -> list[Migration]:
+    """The migrations `migrate` would apply now, oldest first (reads only: for `migrate --check` and `--sql`)."""
+    have = set(applied(engine))
+    return [m for m in available() if m.version not in have]

@@ -62,3 +62,18 @@ def successor_latencies(conn: Connection, since: datetime, until: datetime) -> l
         {"since": since, "until": until},
     )
     return [float(r[0]) for r in rows]
+
+
+def successors_finished_by_state(conn: Connection, since: datetime, until: datetime) -> list[tuple[str, int]]:
+    """Successors that reached a final state in the window, by state."""
+    rows = conn.execute(
+        text(
+            """
+            SELECT state, count(*) FROM fanin_successors
+             WHERE finished_at >= :since AND finished_at < :until
+             GROUP BY state
+            """
+        ),
+        {"since": since, "until": until},
+    )
+    return [(str(r[0]), int(r[1])) for r in rows]

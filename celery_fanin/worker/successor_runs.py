@@ -25,6 +25,7 @@ from ..context import FanIn
 from ..protocol import SuccessorState
 from ..store import successors
 from ..store.batches import Encoded
+from .report import REPORTS_GIVEN_UP
 
 logger = logging.getLogger("celery_fanin.successors")
 
@@ -215,6 +216,7 @@ def finish(
             timeout=float(live.fanin.setting("report_timeout")),
         )
     except (retry.GaveUp, SQLAlchemyError):
+        REPORTS_GIVEN_UP.labels(kind="successor").inc()
         logger.exception(
             "gave up recording successor batch_id=%s as %s: its lease lapses, the relay reruns it", run.batch_id, state
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -23,16 +23,29 @@ def _admin() -> psycopg.Connection:
 
 
 @pytest.fixture
-def fresh_db_url() -> Iterator[str]:
-    """An empty database of its own (no schema at all), dropped after the test."""
-    name = f"fanin_fresh_{uuid.uuid4().hex[:10]}"
-    with _admin() as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
+def fresh_db() -> Iterator[Callable[[], str]]:
+    """`fresh_db()`: the URL of a new empty database (no schema at all); every one is dropped after the test."""
+    names: list[str] = []
+
+    def create() -> str:
+        name = f"fanin_fresh_{uuid.uuid4().hex[:10]}"
+        with _admin() as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
+        names.append(name)
+        return f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+
     try:
-        yield f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+        yield create
     finally:
         with _admin() as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            for name in names:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def fresh_db_url(fresh_db: Callable[[], str]) -> str:
+    """An empty database of its own (no schema at all), dropped after the test."""
+    return fresh_db()
 
 
 @pytest.fixture

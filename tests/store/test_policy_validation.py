@@ -17,7 +17,9 @@ from .helpers import Tasks, row_counts
 CASES: list[Any] = [
     pytest.param({"deadline": timedelta(seconds=-1)}, "deadline must be a positive timedelta", id="negative-deadline"),
     pytest.param({"deadline": datetime(2000, 1, 1, tzinfo=timezone.utc)}, "is in the past", id="past-deadline"),
-    pytest.param({"deadline": "tomorrow"}, "deadline must be a timedelta or a datetime", id="deadline-type"),
+    pytest.param(
+        {"deadline": "tomorrow"}, "deadline must be a timedelta, a number of seconds or a datetime", id="deadline-type"
+    ),
     pytest.param({"on_deadline": "later"}, "on_deadline must be 'proceed' or 'abandon'", id="on-deadline"),
     pytest.param({"child_timeout": -5}, "child_timeout must not be negative", id="negative-timeout"),
     pytest.param({"child_timeout": "5m"}, "child_timeout must be a timedelta or a number", id="timeout-type"),

@@ -1,0 +1,83 @@
+"""The relay as docs/how-to/relay-in-production.md runs it: `--logfile` with `--log-format json`, `--metrics-port`
+serving the metrics and the `/healthz` and `/readyz` probes, a stop on SIGTERM; a real `celery fanin relay`
+process publishing a real worker's batch's successor."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_fanin import fan_in_group
+from tests import app as tasks
+from tests.workers import CeleryProcess, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""  # not listening yet
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_relay_with_a_json_logfile_metrics_and_probes(
+    e2e_env: dict[str, str], producer: Any, processes: Any, tmp_path: Path
+) -> None:
+    logfile, port = tmp_path / "relay.jsonl", _free_port()
+    relay = CeleryProcess(
+        ["fanin", "relay", "--poll-interval", "0.2", "--metrics-port", str(port), "--logfile", str(logfile),
+         "--log-format", "json", "-l", "info"],
+        e2e_env, tmp_path / "relay.out", ready_marker=None,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _get(port, "/readyz")[0] == 200, 30, 0.1, "the relay's /readyz")
+        status, body = _get(port, "/healthz")
+        assert status == 200 and json.loads(body) == {"status": "ok", "checks": {"relay_loop": "ok"}}
+        ready = json.loads(_get(port, "/readyz")[1])
+        assert ready == {"status": "ok", "checks": {"relay_loop": "ok", "database": "ok"}}
+        assert "fanin_up 1.0" in _get(port, "/metrics")[1]
+
+        processes.worker()
+        handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("ops")).apply_async()
+        assert handle.wait(timeout=60).successor_state == "succeeded"
+        wait_for(lambda: "fanin_relay_successors_published_total 1.0" in _get(port, "/metrics")[1], 30, 0.1,
+                 "the relay's counter of published successors")  # fmt: skip
+    finally:
+        code = relay.stop()
+    assert code == 0, relay.output()[-3000:]
+    lines = _json_lines(logfile)  # every line is one JSON object
+    assert {"time", "level", "logger", "message"} <= lines[0].keys()
+    messages = [line["message"] for line in lines]
+    assert any(m.startswith("relay started") for m in messages)
+    assert any(m.startswith("relay stopped") for m in messages), messages[-5:]
+    published = [line for line in lines if line.get("batch_id") == handle.batch_id]
+    assert published, "the lines about the batch carry its batch_id as a field"
+    assert relay.output().strip() == "", "with --logfile nothing goes to stderr"
+
+
+def test_a_logfile_that_cannot_be_opened_is_a_usage_error(e2e_env: dict[str, str], tmp_path: Path) -> None:
+    from tests.e2e.test_cli import celery
+
+    done = celery(e2e_env, "relay", "--once", "--logfile", str(tmp_path / "missing" / "relay.log"))
+    assert done.returncode == 2
+    assert "cannot open" in done.stderr and "--logfile" in done.stderr
