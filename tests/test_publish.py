@@ -323,6 +323,9 @@ _PUBLISH_ARGS = frozenset(
 def test_unmodelled_options_go_through_celery(monkeypatch: pytest.MonkeyPatch) -> None:
     """A link (or any option the fast path does not build) is published by apply_async, the others are not."""
     app = Celery("tests.app", broker="memory://", set_as_current=False)
+    # kombu's memory transport is one per process: a queue of the test's own, so no other test's message is read.
+    queue_name = f"pub-{uuid.uuid4().hex[:10]}"
+    app.conf.task_default_queue = queue_name
     publish_tasks.register(app)
     echo = app.tasks[publish_tasks.ECHO]
     calls = _count_celery_path(monkeypatch)
@@ -331,7 +334,7 @@ def test_unmodelled_options_go_through_celery(monkeypatch: pytest.MonkeyPatch) -
         publish.publish_children(app, prod, uuid.uuid4(), children)
     assert len(calls) == 1
     with app.connection_for_write() as conn:
-        queue = conn.SimpleQueue("celery")
+        queue = conn.SimpleQueue(queue_name)
         received = [queue.get(timeout=1) for _ in range(2)]
         assert sorted(json.loads(json.dumps(m.headers["fanin_index"])) for m in received) == [0, 1]
         assert {m.headers["fanin_batch"] for m in received} == {received[0].headers["fanin_batch"]}
