@@ -1,6 +1,5 @@
-"""Moving committed rows onto the broker: the outbox claim, and children whose producer died before publishing.
-
-Shared by the producer's fast path and the relay, so both publish the same way and keep the same bookkeeping.
+"""Moving committed rows onto the broker: the one claim-and-publish of successors (`publish_outbox`, called by
+the producer, the relay and eager mode), and children whose producer died before publishing them.
 """
 
 from __future__ import annotations
