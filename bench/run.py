@@ -415,7 +415,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         go.wait()
         start = time.time()
         for i, (task_id, marker) in enumerate(zip(ids, markers, strict=True)):
-            hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
+            hooks.worker_hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
     elif kind == "raw_engine":
         from sqlalchemy import create_engine, text
 
@@ -614,7 +614,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             f"{db['all_roundtrips_per_child']:.2f} |",
             "", f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes, "
             f"{len(t['rounds'])} rounds | events/s, median | ratio to raw, median (min–max) |", "|---|---:|---:|",
-            f"| one flat batch, the workers' own path (`hooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
+            f"| one flat batch, the workers' own path (`WorkerHooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
             f"{_ratio(t, 'ratio')} |",
             f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
             f"{_ratio(t, 'sql_ratio')} |",

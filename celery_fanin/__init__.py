@@ -15,6 +15,7 @@ from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
 from .producer.group import FanInGroup, fan_in_group
 from .producer.result import BatchStatus, FanInResult
+from .protocol import BatchState, ChildState, SagaState, SuccessorState
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
@@ -23,8 +24,10 @@ __all__ = [
     "BatchNotFound",
     "BatchNotOpen",
     "BatchOutcome",
+    "BatchState",
     "BatchStatus",
     "ChildResult",
+    "ChildState",
     "FanIn",
     "FanInDatabaseError",
     "FanInDepthExceeded",
@@ -34,7 +37,9 @@ __all__ = [
     "FanInResult",
     "InvalidFanIn",
     "SagaResult",
+    "SagaState",
     "SagaStatus",
+    "SuccessorState",
     "compensated",
     "fan_in_group",
     "manual",

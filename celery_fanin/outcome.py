@@ -12,6 +12,7 @@ from celery import Celery, current_app
 from .codec import decode_result
 from .context import FanIn
 from .producer.result import FanInResult
+from .protocol import BatchState, ChildState
 from .relay.payload import failure_entry
 from .sagas.driver import compensate_batch
 from .store import queries
@@ -26,7 +27,7 @@ class ChildResult:
 
     @property
     def ok(self) -> bool:
-        return self.state == "succeeded"
+        return self.state == ChildState.SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class BatchOutcome:
     failures_truncated: bool = False
     # "count" or "bytes": which of fanin_outcome_failures_limit and fanin_outcome_max_bytes cut the list short
     failures_truncated_by: str | None = None
-    state: str = "complete"
+    state: str = BatchState.COMPLETE.value
     partial: bool = False
     abandoned: int = 0
     unfinished: int = 0
@@ -62,7 +63,7 @@ class BatchOutcome:
                 failures=list(outcome.get("failures") or []),
                 failures_truncated=bool(outcome.get("failures_truncated", False)),
                 failures_truncated_by=outcome.get("failures_truncated_by") or None,
-                state=str(outcome.get("state", "complete")),
+                state=str(outcome.get("state", BatchState.COMPLETE.value)),
                 partial=bool(outcome.get("partial", False)),
                 abandoned=int(outcome.get("abandoned", 0)),
                 unfinished=int(outcome.get("unfinished", 0)),

@@ -1,10 +1,9 @@
-"""What a celery-fanin message says about itself: the header names, the marker they make, the library's task names.
-
-The producer and the relay write these headers; the worker hooks, eager mode and the built-in tasks read them.
-"""
+"""The names celery-fanin's processes agree on: message headers and the marker they make, the library's task names,
+and the states of children, batches, successors and sagas (the SQL's CHECK constraints allow exactly these)."""
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 HEADER_BATCH = "fanin_batch"
@@ -95,3 +94,85 @@ class Marker:
                 named if isinstance(named, str) else None,
             )
         return None
+
+
+class State(str, Enum):
+    """A state as the store spells it: equal to, hashed and formatted as its text, so rows compare with it."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
+class ChildState(State):
+    """A child's row: open while `pending` or `started`, then one terminal state (only `succeeded` is a success)."""
+
+    PENDING = "pending"
+    STARTED = "started"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIME_LIMIT = "time_limit"
+    WORKER_LOST = "worker_lost"
+    REVOKED = "revoked"
+    REJECTED = "rejected"
+    UNKNOWN = "unknown"
+    LOST = "lost"  # set by recovery (child_timeout), never by a worker
+    ABANDONED = "abandoned"  # set when the batch stopped waiting for it (deadline, threshold, cancel)
+
+
+class BatchState(State):
+    """A batch: `open` while a streaming producer writes it, `running` until it finishes in one of the others."""
+
+    OPEN = "open"
+    RUNNING = "running"
+    COMPLETE = "complete"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    PARTIAL = "partial"
+    FAILED_THRESHOLD = "failed_threshold"
+
+
+class SuccessorState(State):
+    """A successor's row, from its creation with the batch's last outcome to the end of its last run."""
+
+    PENDING = "pending"
+    SENT = "sent"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    REQUEUED = "requeued"
+    REPLACED = "replaced"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    REVOKED = "revoked"
+    IGNORED = "ignored"
+
+
+class SagaState(State):
+    """A saga: its steps run, then (after a step failed for good) its compensations, until one of the final four."""
+
+    RUNNING = "running"
+    COMPENSATING = "compensating"
+    SUCCEEDED = "succeeded"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+    MANUAL_ACTION_REQUIRED = "manual_action_required"
+
+
+# A child not yet terminal: published (or about to be), or started by a worker.
+CHILD_OPEN = frozenset({ChildState.PENDING, ChildState.STARTED})
+# A batch still counting its children.
+BATCH_ACTIVE = frozenset({BatchState.OPEN, BatchState.RUNNING})
+# A batch whose successor runs before every child has finished.
+BATCH_PARTIAL = frozenset({BatchState.PARTIAL, BatchState.FAILED_THRESHOLD, BatchState.EXPIRED, BatchState.CANCELLED})
+# A batch that may end with no successor at all (an abandoned deadline or a cancel, without `on_expire`).
+BATCH_ENDED_WITHOUT_SUCCESSOR = frozenset({BatchState.EXPIRED, BatchState.CANCELLED})
+# A successor whose run ended for good: nothing runs its body again.
+SUCCESSOR_FINAL = frozenset(
+    {SuccessorState.SUCCEEDED, SuccessorState.FAILED, SuccessorState.REVOKED, SuccessorState.IGNORED}
+)
+# A saga after which nothing happens without an operator (`SagaResult.wait()` returns on them).
+SAGA_FINAL = frozenset(
+    {SagaState.SUCCEEDED, SagaState.COMPENSATED, SagaState.COMPENSATION_FAILED, SagaState.MANUAL_ACTION_REQUIRED}
+)

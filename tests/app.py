@@ -381,7 +381,7 @@ def fanin_received_markers(state: Any) -> dict[str, int]:
     from celery_fanin.worker import hooks
 
     gc.collect()  # a request released in a reference cycle goes with the next collection
-    return {"markers": len(hooks._received)}
+    return {"markers": len(hooks.worker_hooks.received)}
 
 
 # --- outcome rows (tests/e2e/test_outcome_rows.py) ------------------------------------------------------------------

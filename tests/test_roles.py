@@ -161,16 +161,24 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         for index, task_id in enumerate(plain_ids):
             marker = protocol.Marker(plain.batch_id, index, None)
             state = "failed" if index == 2 else "succeeded"
-            rec = hooks.record_child(fanin_w, task_id, marker, state, value=index * 10, has_value=state == "succeeded",
-                                     exc=ValueError("no") if state == "failed" else None)  # fmt: skip
+            rec = hooks.worker_hooks.record_child(
+                fanin_w,
+                task_id,
+                marker,
+                state,
+                value=index * 10,
+                has_value=state == "succeeded",
+                exc=ValueError("no") if state == "failed" else None,
+            )
             assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
         for index, task_id in enumerate(tree_ids):
-            rec = hooks.record_child(fanin_w, task_id, protocol.Marker(tree.batch_id, index, None), "succeeded",
-                                     value=index, has_value=True)  # fmt: skip
+            rec = hooks.worker_hooks.record_child(
+                fanin_w, task_id, protocol.Marker(tree.batch_id, index, None), "succeeded", value=index, has_value=True
+            )
             assert rec is not None and rec.counted
         assert tree.status().state == "complete", "the leaves settled their root as the worker role"
         marker = protocol.Marker(threshold.batch_id, 0, None)
-        rec = hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
+        rec = hooks.worker_hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
         assert rec is not None and rec.successor_created, "a leaf's failure passed its root's threshold"
 
         # --- the relay: outbox, orphaned children, lost children, deadlines, stalled successors, reconcile ------
@@ -212,7 +220,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         assert live is not None
         outcome = BatchOutcome(plain.batch_id, status.step, 3, 2, 1, app=worker)
         assert list(outcome.values()) == [0, 10]
-        assert hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
+        assert hooks.worker_hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
         assert plain.status().successor_state == "succeeded"
 
         # --- retention ----------------------------------------------------------------------------------------
@@ -228,7 +236,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         marker = protocol.Marker(empty.batch_id, None, status.step)
         live = successor_runs.admit(fanin_w, empty.batch_id, status.step, status.successor_task_id, 0)
         assert live is not None
-        assert hooks.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
+        assert hooks.worker_hooks.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
         maintenance = _app(cluster, "maintenance")
         apps = (*apps, maintenance)
         assert retention.prune(FanIn.of(maintenance), 0).batches == 1
@@ -278,7 +286,7 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
             with psycopg.connect(cluster.url("worker")) as conn:
                 row = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", (batch_id,))
                 (task_id,) = row.fetchone() or ("",)
-            rec = hooks.record_child(fanin_w, task_id, protocol.Marker(batch_id, 0, None), state,
+            rec = hooks.worker_hooks.record_child(fanin_w, task_id, protocol.Marker(batch_id, 0, None), state,
                                      value=1, has_value=state == "succeeded",
                                      exc=RuntimeError("declined") if state == "failed" else None)  # fmt: skip
             assert rec is not None and rec.counted, f"the worker role could not record {task_id}"

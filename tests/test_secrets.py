@@ -64,7 +64,7 @@ def test_a_driver_error_quoting_the_password_is_redacted_everywhere(
     fanin = FanIn.of(broken_app)
     # The worker's report path: the error is logged (with its traceback), never the password.
     with caplog.at_level(logging.DEBUG):
-        rec = hooks.record_child(fanin, "t-1", protocol.Marker(str(uuid.uuid4()), 0, None), "succeeded")
+        rec = hooks.worker_hooks.record_child(fanin, "t-1", protocol.Marker(str(uuid.uuid4()), 0, None), "succeeded")
     assert rec is None
     assert caplog.records, "the failed report was logged"
     logged = "\n".join(

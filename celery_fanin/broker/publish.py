@@ -44,6 +44,8 @@ from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
 from celery.canvas import Signature, _chain
+from celery.utils.nodenames import anon_nodename
+from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.saferepr import saferepr
 from celery.utils.time import subtract_datetimes
 from kombu import Exchange, Producer
@@ -135,8 +137,6 @@ class _Builder:
         self.argsrepr_size = self.amqp.argsrepr_maxsize
         self.kwargsrepr_size = self.amqp.kwargsrepr_maxsize
         self.reply_to = app.thread_oid
-        from celery.utils.nodenames import anon_nodename
-
         self.origin = anon_nodename()
         # As `send_task` does: a batch created inside a task is that task's child.
         parent = app.current_worker_task
@@ -625,10 +625,6 @@ def _peer_closed(conn: Any) -> bool:
 
 
 def _has_quorum_queues(app: Celery, driver: str) -> bool:
-    try:
-        from celery.utils.quorum_queues import detect_quorum_queues
-    except ImportError:  # pragma: no cover - celery < 5.5
-        return False
     return bool(detect_quorum_queues(app, driver)[0])
 
 

@@ -9,6 +9,21 @@ import time
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
 
 from ..exceptions import FanInDatabaseError
 from ..ops.inspection import describe, list_batches, parse_duration
@@ -16,6 +31,7 @@ from ..ops.inspection import failures as read_failures
 from ..ops.retention import prune as run_prune
 from ..ops.rounds import retry_failed as start_round
 from ..producer.result import BatchStatus, parse_batch_id, read_status
+from ..protocol import BatchState, SuccessorState
 from ..relay import maintenance
 from ..relay.loop import Relay
 from ..relay.metrics import serve
@@ -83,18 +99,8 @@ def _ago(seconds: float | None) -> str:
     return sign + " ".join(parts)
 
 
-def escape(text: str) -> str:
-    """Text shown as is by rich (a step or an exception message may hold `[...]`); rich is imported lazily, as
-    every `celery` command loads this module."""
-    from rich.markup import escape as rich_escape
-
-    return rich_escape(text)
-
-
 def _console() -> Any:
     """The terminal's console; piped output is 160 columns wide, so that batch ids are never cut."""
-    from rich.console import Console
-
     console = Console()
     return console if console.is_terminal else Console(width=max(console.width, 160))
 
@@ -120,10 +126,6 @@ def _node_line(node: dict[str, Any]) -> str:
 
 
 def _render(data: dict[str, Any]) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn
-    from rich.table import Table
-    from rich.tree import Tree
-
     console = _console()
     table = Table(show_header=False, box=None)
     deadline = "-"
@@ -220,17 +222,6 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
     Exits 0 when the successor succeeded, 1 when it failed or was revoked, the batch expired or was cancelled
     with nothing to run, or --timeout passed first.
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        Task,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
 
     class Rate(ProgressColumn):
         def render(self, task: Task) -> Text:
@@ -266,7 +257,7 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
             progress.update(bar, total=max(st.planned, 1), completed=st.planned - st.remaining, **fields(st))
     summary = (f"batch {st.batch_id}: {st.state}, {st.succeeded} succeeded, {st.failed} failed; "
                f"successor {st.successor_state or f'none ({st.state})'}")  # fmt: skip
-    if st.successor_state != "succeeded":
+    if st.successor_state != SuccessorState.SUCCEEDED:
         raise click.ClickException(summary)
     click.echo(summary)
 
@@ -283,7 +274,7 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-LS_STATES = ("open", "running", "complete", "expired", "cancelled", "partial", "failed_threshold", "stuck")
+LS_STATES = (*(s.value for s in BatchState), "stuck")
 
 
 @fanin.command(name="ls")
@@ -310,8 +301,6 @@ def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_th
     if not rows:
         click.echo("no batches match")
         return
-    from rich.table import Table
-
     table = Table("batch", "age", "step", "state", "done", "failed", "successor", "round")
     for r in rows:
         state = r["state"] + (" [yellow](stuck)[/yellow]" if r["stuck"] else "")
@@ -337,8 +326,6 @@ def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> No
     if not data["total"]:
         click.echo(f"batch {data['batch_id']} ({data['state']}) has no failed children")
         return
-    from rich.table import Table
-
     console = _console()
     shown = f"{len(listed)} of {data['total']}" if len(listed) < data["total"] else str(data["total"])
     console.print(f"{shown} failed children of batch {data['batch_id']} ({data['state']})")
@@ -505,9 +492,6 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     if not repairs and not expired:
         click.echo("all batches agree with their child rows")
         return
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table("batch", "found", "done")
     for r in repairs:
         table.add_row(str(r.batch_id), "\n".join(r.problems), "\n".join(r.actions) or "reported only")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import click
+from rich.console import Console
+from rich.table import Table
 
 from ..sagas import driver
 from ..sagas import status as saga_status
@@ -17,9 +19,6 @@ def saga() -> None:
 
 
 def _render(status: saga_status.SagaStatus) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     head = Table(show_header=False, box=None)
     rows: list[tuple[str, str]] = [("saga", status.saga_id), ("state", status.state)]

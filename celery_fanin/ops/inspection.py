@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..context import FanIn
 from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
 from ..producer.result import parse_batch_id, read_status
+from ..protocol import BatchState
 from ..relay.payload import failure_entry
 from ..store import admin, queries
 
@@ -151,7 +152,7 @@ def list_batches(
 ) -> list[dict[str, Any]]:
     """`ls`: root batches, newest first; `states` may include `stuck` (see `store.admin.list_batches`)."""
     real = tuple(s for s in states if s != "stuck")
-    unknown = [s for s in real if s not in admin.BATCH_STATES]
+    unknown = [s for s in real if s not in set(BatchState)]
     if unknown:
         raise ValueError(f"unknown state {unknown[0]!r}")
     conn = _read(fanin, "list batches")

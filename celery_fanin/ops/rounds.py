@@ -30,7 +30,8 @@ from ..context import FanIn
 from ..exceptions import BatchNotFinished, BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
 from ..producer.group import FanInGroup
 from ..producer.result import parse_batch_id
-from ..store import admin, batches, queries, successors
+from ..protocol import BATCH_ACTIVE, BATCH_ENDED_WITHOUT_SUCCESSOR, SUCCESSOR_FINAL
+from ..store import admin, batches, queries
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,14 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
 
 def _check_finished(n: admin.Node) -> None:
     what = f"batch {n.id}" + (f" (round {n.round})" if n.round > 1 else "")
-    if n.state in ("open", "running"):
+    if n.state in BATCH_ACTIVE:
         raise BatchNotFinished(
             f"{what} is still {n.state} ({n.remaining} of {n.planned} children unfinished): retry-failed needs a "
             f"finished batch; wait for it (`fanin watch {n.id}`)"
         )
-    if n.successor_state is None and n.state not in batches.ENDED_WITHOUT_SUCCESSOR:
+    if n.successor_state is None and n.state not in BATCH_ENDED_WITHOUT_SUCCESSOR:
         raise BatchNotFinished(f"{what} is {n.state} but its successor was not created yet: wait for it")
-    if n.successor_state is not None and n.successor_state not in successors.FINAL_STATES:
+    if n.successor_state is not None and n.successor_state not in SUCCESSOR_FINAL:
         raise BatchNotFinished(
             f"{what} is {n.state} but its successor is still {n.successor_state}: retry-failed runs it again, so "
             "it waits until this run has finished"

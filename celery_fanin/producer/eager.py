@@ -31,10 +31,18 @@ from celery.result import EagerResult
 from ..broker import publish
 from ..codec import decode_signature
 from ..context import FanIn
-from ..protocol import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, Marker, request_header
-from ..relay.payload import build_outcome
+from ..protocol import (
+    HEADER_BATCH,
+    HEADER_INDEX,
+    HEADER_STEP,
+    HEADER_SUCCESSOR,
+    ChildState,
+    Marker,
+    request_header,
+)
+from ..relay.outbox import Due, publish_outbox
 from ..store import batches, outbox, queries
-from ..worker import hooks
+from ..worker.hooks import worker_hooks
 from .result import EagerFanInResult
 
 logger = logging.getLogger("celery_fanin.eager")
@@ -99,7 +107,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         # What the run guard does on a worker: start a run and move the successor to `running`. An eager run
         # cannot be refused from here; a refusal (it ran already) is logged.
         fanin = FanIn.of(task.app)
-        if hooks.admit_successor(fanin, task.request, task_id, marker) is None:
+        if worker_hooks.admit_successor(fanin, task.request, task_id, marker) is None:
             logger.warning("eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
                            marker.batch_id, marker.step, task_id)  # fmt: skip
         return
@@ -113,7 +121,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     if found is None or task_id is None:
         return
     view, marker = found
-    hooks._on_postrun(sender=view, task_id=task_id, task=view, retval=retval, state=state)
+    worker_hooks.task_postrun(sender=view, task_id=task_id, task=view, retval=retval, state=state)
     if marker.is_successor and state in ("SUCCESS", "FAILURE"):
         with _install_lock:
             _successor_results[task_id] = EagerResult(task_id, retval, state, name=task.name)
@@ -162,21 +170,21 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         conn.rollback()
     for row in pending:
         marker = Marker(str(batch_id), row.idx, None, task_name=row.task_name)
-        if row.state == "started":
+        if row.state == ChildState.STARTED:
             # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
             # which logged it. On a worker it would have been recorded as failed.
-            hooks.record_child(
+            worker_hooks.record_child(
                 fanin,
                 row.task_id,
                 marker,
-                "failed",
+                ChildState.FAILED,
                 exc=EagerPropagated(
                     "the child raised with task_eager_propagates on; its exception was logged by the producer"
                 ),
             )
             continue
         if row.task_name not in app.tasks:
-            hooks.record_child(fanin, row.task_id, marker, "unknown", exc=NotRegistered(row.task_name))
+            worker_hooks.record_child(fanin, row.task_id, marker, ChildState.UNKNOWN, exc=NotRegistered(row.task_name))
             continue
         sig = decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
         if publish.is_chain(sig):
@@ -192,23 +200,14 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
 
 
 def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
-    """Claim the batch's unsent outbox rows as a relay would, then run their successors inline."""
-    app = fanin.app
-    jobs = []
-    with fanin.engine.begin() as conn:
+    """Claim the batch's unsent outbox rows as the relay does (`publish_outbox`), then run their successors inline."""
+    with fanin.engine.connect() as conn:
         ids = outbox.pending_ids(conn, batch_id)
-        rows = outbox.claim(conn, len(ids), ids) if ids else []
-        for row in rows:
-            batch, succ = row.batch, row.successor
-            if batch is None or succ is None:
-                continue
-            sig = decode_signature(app, batch.message_for(succ.kind))
-            settings = fanin.settings
-            outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
-            jobs.append((row, succ.task_id, sig, outcome))
-        outbox.mark_sent(conn, rows)
-    for row, task_id, sig, outcome in jobs:
-        headers = {**(sig.options.get("headers") or {}), HEADER_SUCCESSOR: str(row.batch_id),
-                   HEADER_STEP: row.step}  # fmt: skip
-        sig.apply(args=(outcome,), task_id=task_id, headers=headers)
-    return [task_id for _, task_id, _, _ in jobs]
+    due: list[Due] = []
+    if ids:
+        publish_outbox(fanin, ids=ids, limit=len(ids), deliver=due.append)
+    for d in due:
+        sig = d.signature
+        headers = {**(sig.options.get("headers") or {}), HEADER_SUCCESSOR: str(d.batch_id), HEADER_STEP: d.step}
+        sig.apply(args=(d.outcome,), task_id=d.task_id, headers=headers)
+    return [d.task_id for d in due]

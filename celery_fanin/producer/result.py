@@ -17,9 +17,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..codec import decode_result
 from ..context import FanIn
 from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
-from ..protocol import RUN_GROUP_TASK
+from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL
 from ..relay import maintenance
-from ..store import batches, queries, successors
+from ..store import batches, queries
 
 
 @dataclass(frozen=True)
@@ -47,14 +47,14 @@ class BatchStatus:
     @property
     def finished(self) -> bool:
         """True once the successor has run to a final state."""
-        return self.successor_state in successors.FINAL_STATES
+        return self.successor_state in SUCCESSOR_FINAL
 
     @property
     def done(self) -> bool:
         """True once nothing more will happen: the successor has finished, or the batch ended with nothing to run
         (`expired` by an abandoned deadline, or `cancelled`, without `on_expire`: the row that runs `on_expire` is
         created in the same transaction as that state, so none will come later)."""
-        return self.finished or (self.state in batches.ENDED_WITHOUT_SUCCESSOR and self.successor_state is None)
+        return self.finished or (self.state in BATCH_ENDED_WITHOUT_SUCCESSOR and self.successor_state is None)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)

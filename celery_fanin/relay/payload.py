@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from ..protocol import BATCH_PARTIAL, CHILD_OPEN, BatchState, ChildState
 from ..store import queries
 
 
@@ -21,7 +22,7 @@ def build_outcome(
     (`BatchOutcome.iter_failures` streams it).
     """
     succeeded, failed_count = batch.succeeded, batch.failed
-    if batch.state == "complete":
+    if batch.state == BatchState.COMPLETE:
         # Every child reached a terminal state by being counted (none abandoned: that is the deadline's path), so
         # there is nothing unfinished to count, and failures to list only if some were counted: the common case
         # costs no scan of the batch's children.
@@ -32,8 +33,10 @@ def build_outcome(
         failed = queries.failures(conn, batch.id, limit=failures_limit + 1)
         # Finished early, a tree's root has not yet heard of the successes of leaves still counting: the child
         # rows say what happened, for a flat batch and a tree alike.
-        succeeded = counts.get("succeeded", 0)
-        failed_count = sum(n for state, n in counts.items() if state not in ("pending", "started", "succeeded"))
+        succeeded = counts.get(ChildState.SUCCEEDED, 0)
+        failed_count = sum(
+            n for state, n in counts.items() if state not in CHILD_OPEN and state != ChildState.SUCCEEDED
+        )
     listed, truncated_by = _listed_failures(failed, failures_limit, max_bytes)
     return {
         "batch_id": str(batch.id),
@@ -41,12 +44,12 @@ def build_outcome(
         # complete | partial (deadline passed, on_deadline="proceed", or cancelled --proceed) | failed_threshold
         # | expired | cancelled
         "state": batch.state,
-        "partial": batch.state in PARTIAL_STATES,
+        "partial": batch.state in BATCH_PARTIAL,
         "planned": batch.planned,
         "succeeded": succeeded,
         "failed": failed_count,
-        "abandoned": counts.get("abandoned", 0),
-        "unfinished": counts.get("pending", 0) + counts.get("started", 0),
+        "abandoned": counts.get(ChildState.ABANDONED, 0),
+        "unfinished": sum(counts.get(state, 0) for state in CHILD_OPEN),
         "failures": listed,
         "failures_truncated": truncated_by is not None,
         # why the list stops short: "count" (fanin_outcome_failures_limit) or "bytes" (fanin_outcome_max_bytes)
@@ -78,10 +81,6 @@ def _listed_failures(
             used += size
         listed.append(entry)
     return listed, None
-
-
-# Batch states in which the successor runs before every child has finished.
-PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired", "cancelled"})
 
 
 def failure_entry(row: queries.FailureRow) -> dict[str, Any]:

@@ -24,7 +24,15 @@ from ..context import FanIn
 from ..exceptions import FanInDatabaseError, FanInDepthExceeded, InvalidFanIn, SagaNotFound, SagaStateError, summarise
 from ..producer.group import FanInGroup
 from ..producer.result import FanInResult
-from ..protocol import COMPENSATION_DONE_TASK, HEADER_UNDO, HEADER_UNDO_OF, SAGA_STEP_DONE_TASK
+from ..protocol import (
+    BATCH_ACTIVE,
+    COMPENSATION_DONE_TASK,
+    HEADER_UNDO,
+    HEADER_UNDO_OF,
+    SAGA_STEP_DONE_TASK,
+    ChildState,
+    SagaState,
+)
 from ..store import batches, queries
 from ..store import sagas as store
 from .status import SagaStatus, parse_saga_id, read_status
@@ -33,7 +41,6 @@ logger = logging.getLogger("celery_fanin.sagas")
 
 # Compensation task ids are derived from the original's identity and the attempt, in this namespace.
 _TASK_ID_NAMESPACE = uuid.UUID("5d0a8c4e-7f1b-4e57-9a43-6b2f0c1d9e8a")
-_OPEN_BATCH_STATES = ("open", "running")
 
 
 def undo_of_signature(sig: Signature) -> dict[str, Any] | None:
@@ -122,9 +129,9 @@ def kick(fanin: FanIn, saga_id: uuid.UUID) -> None:
         if mark == previous:
             return
         previous = mark
-        if row.state == "running":
+        if row.state == SagaState.RUNNING:
             moved = _drive_step(fanin, row)
-        elif row.state == "compensating":
+        elif row.state == SagaState.COMPENSATING:
             moved = _drive_stage(fanin, row)
         else:
             return
@@ -155,7 +162,7 @@ def _drive_step(fanin: FanIn, row: store.SagaRow) -> bool:
                     extra={"saga_id": str(row.id), "batch_id": str(batch_id)})  # fmt: skip
     with fanin.engine.connect() as conn:
         state = store.batch_state(conn, batch_id)
-    if state is None or state in _OPEN_BATCH_STATES:
+    if state is None or state in BATCH_ACTIVE:
         return False
     return settle_step(fanin, row.id, position)
 
@@ -176,7 +183,7 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
     app = fanin.app
     with fanin.engine.begin() as conn:
         row = store.get_saga(conn, saga_id, lock=True)
-        if row is None or row.state != "running" or row.current_step != position:
+        if row is None or row.state != SagaState.RUNNING or row.current_step != position:
             return False
         steps = store.get_steps(conn, saga_id)
         step = steps[position - 1]
@@ -186,7 +193,7 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
             if step.batch_id is None:
                 return False
             state = store.batch_state(conn, step.batch_id)
-            if state is None or state in _OPEN_BATCH_STATES:
+            if state is None or state in BATCH_ACTIVE:
                 return False
             child = store.first_child(conn, step.batch_id)
             unit = _unit_of(conn, step)
@@ -194,10 +201,10 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
                 step.kind == "group" and unit is not None
                 and batches.find_by_key(conn, row.app_name, compensation_key(str(unit), 1)) is not None
             )  # fmt: skip
-            if child is not None and child.state == "succeeded" and not rejected:
+            if child is not None and child.state == ChildState.SUCCEEDED and not rejected:
                 store.finish_step(conn, saga_id, position, "succeeded")
                 if position == row.steps:
-                    store.set_state(conn, saga_id, "succeeded", finished=True)
+                    store.set_state(conn, saga_id, SagaState.SUCCEEDED, finished=True)
                 else:
                     store.advance(conn, saga_id, position + 1)
                 logger.info("saga_id=%s step %d succeeded", saga_id, position, extra={"saga_id": str(saga_id)})
@@ -262,12 +269,14 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
     stage = row.current_stage
     with fanin.engine.begin() as conn:
         locked = store.get_saga(conn, row.id, lock=True)
-        if locked is None or (locked.state, locked.current_stage) != ("compensating", stage):
+        if locked is None or (locked.state, locked.current_stage) != (SagaState.COMPENSATING, stage):
             return False
         comps = store.get_compensations(conn, row.id, stage)
         if not comps:
             pending = store.manual_pending(conn, row.id)
-            store.set_state(conn, row.id, "manual_action_required" if pending else "compensated", finished=True)
+            store.set_state(
+                conn, row.id, SagaState.MANUAL_ACTION_REQUIRED if pending else SagaState.COMPENSATED, finished=True
+            )
             logger.info("saga_id=%s rolled back%s", row.id, f"; {pending} manual actions required" if pending else "",
                         extra={"saga_id": str(row.id)})  # fmt: skip
             return True
@@ -296,7 +305,7 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
     assert batch_id is not None
     with fanin.engine.connect() as conn:
         state = store.batch_state(conn, batch_id)
-    if state in _OPEN_BATCH_STATES:
+    if state in BATCH_ACTIVE:
         return False
     return settle_stage(fanin, row.id, stage)
 
@@ -332,16 +341,16 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
     the rollback at the first that failed for good. False if not finished yet, or someone else already did."""
     with fanin.engine.begin() as conn:
         row = store.get_saga(conn, saga_id, lock=True)
-        if row is None or (row.state, row.current_stage) != ("compensating", stage):
+        if row is None or (row.state, row.current_stage) != (SagaState.COMPENSATING, stage):
             return False
         outcomes = [o for o in store.stage_outcomes(conn, saga_id, stage) if o.state in ("pending", "running")]
         for batch_id in {o.batch_id for o in outcomes}:
             state = store.batch_state(conn, batch_id) if batch_id is not None else None
-            if state is None or state in _OPEN_BATCH_STATES:
+            if state is None or state in BATCH_ACTIVE:
                 return False
         failed: list[store.StageOutcome] = []
         for o in outcomes:
-            if o.child_state == "succeeded":
+            if o.child_state == ChildState.SUCCEEDED:
                 store.finish_compensation(conn, saga_id, o.undo_of, "succeeded")
             else:
                 exc_type = o.exc_type or (o.child_state if o.child_state else "NotRun")
@@ -354,7 +363,7 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
             named = "; ".join(f"step {o.position}: {o.task_name} (task {o.task_id}, undoing {o.undo_of}) "
                               f"ended {o.child_state or 'not run'}: {o.exc_type or ''}: {o.exc_message or ''}"
                               for o in failed)  # fmt: skip
-            store.set_state(conn, saga_id, "compensation_failed", finished=True, failed_compensation=named)
+            store.set_state(conn, saga_id, SagaState.COMPENSATION_FAILED, finished=True, failed_compensation=named)
             store.set_step_states(conn, saga_id, {o.position for o in failed} - {row.failed_step},
                                   "compensation_failed", ["compensating"])  # fmt: skip
             logger.error("saga_id=%s rollback stopped: %s", saga_id, named, extra={"saga_id": str(saga_id)})
@@ -370,9 +379,9 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
 def _stop(fanin: FanIn, saga_id: uuid.UUID, stage: int, reason: str) -> bool:
     with fanin.engine.begin() as conn:
         row = store.get_saga(conn, saga_id, lock=True)
-        if row is None or (row.state, row.current_stage) != ("compensating", stage):
+        if row is None or (row.state, row.current_stage) != (SagaState.COMPENSATING, stage):
             return False
-        store.set_state(conn, saga_id, "compensation_failed", finished=True, failed_compensation=reason)
+        store.set_state(conn, saga_id, SagaState.COMPENSATION_FAILED, finished=True, failed_compensation=reason)
     logger.error("saga_id=%s rollback stopped: %s", saga_id, reason, extra={"saga_id": str(saga_id)})
     return True
 
@@ -388,7 +397,7 @@ def resume(fanin: FanIn, saga_id: str | uuid.UUID) -> SagaStatus:
             row = store.get_saga(conn, sid, lock=True)
             if row is None:
                 raise SagaNotFound(f"no saga with id {sid}")
-            if row.state == "compensation_failed":
+            if row.state == SagaState.COMPENSATION_FAILED:
                 retried = set()
                 for comp in store.get_compensations(conn, sid, row.current_stage):
                     if comp.kind == "manual" or comp.state == "succeeded" or comp.message is None:
@@ -401,7 +410,7 @@ def resume(fanin: FanIn, saga_id: str | uuid.UUID) -> SagaStatus:
                     retried.add(comp.position)
                 store.set_step_states(conn, sid, retried, "compensating", ["compensation_failed"])
                 store.mark_resumed(conn, sid)
-            elif row.state not in ("running", "compensating"):
+            elif row.state not in (SagaState.RUNNING, SagaState.COMPENSATING):
                 raise SagaStateError(f"saga {sid} is {row.state}: there is nothing to resume")
         kick(fanin, sid)
     except SQLAlchemyError as exc:
@@ -423,8 +432,8 @@ def acknowledge(fanin: FanIn, saga_id: str | uuid.UUID, step: str | int, by: str
                 state = steps[position - 1].state
                 raise SagaStateError(f"step {position} of saga {sid} is not waiting for a manual action "
                                      f"(step state: {state})")  # fmt: skip
-            if row.state == "manual_action_required" and store.manual_pending(conn, sid) == 0:
-                store.set_state(conn, sid, "compensated", finished=True)
+            if row.state == SagaState.MANUAL_ACTION_REQUIRED and store.manual_pending(conn, sid) == 0:
+                store.set_state(conn, sid, SagaState.COMPENSATED, finished=True)
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not acknowledge step {step} of saga {sid}: {summarise(exc)}") from exc
     logger.info("saga_id=%s step %s manual action acknowledged by %s", sid, step, by or "an operator",

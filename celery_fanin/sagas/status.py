@@ -13,10 +13,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..context import FanIn
 from ..exceptions import FanInDatabaseError, SagaNotFound, summarise
 from ..producer.result import poll_until_finished
+from ..protocol import SAGA_FINAL
 from ..store import sagas as store
-
-# Saga states after which nothing happens without an operator (`wait()` returns on them).
-FINAL_STATES = frozenset({"succeeded", "compensated", "compensation_failed", "manual_action_required"})
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class SagaStatus:
     @property
     def finished(self) -> bool:
         """True once nothing more happens without an operator (succeeded, rolled back, or stopped)."""
-        return self.state in FINAL_STATES
+        return self.state in SAGA_FINAL
 
     def step(self, position: int) -> StepStatus:
         return self.steps[position - 1]

@@ -22,6 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .. import retry
 from ..context import FanIn
+from ..protocol import SuccessorState
 from ..store import successors
 from ..store.batches import Encoded
 
@@ -107,7 +108,7 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
             "owner": owner(),
         }
         got = successors.claim_run(conn, bid, step, task_id, retries, **kwargs)
-        if isinstance(got, successors.Refusal) and got.state == "running" and _gone(got.owner):
+        if isinstance(got, successors.Refusal) and got.state == SuccessorState.RUNNING and _gone(got.owner):
             got = successors.claim_run(conn, bid, step, task_id, retries, dead_owner=got.owner, **kwargs)
         if isinstance(got, successors.Refusal):
             successors.count_duplicate(conn, bid, step)

@@ -126,9 +126,9 @@ def test_the_worker_hook_logs_a_refused_report(
     batch, children, _ = create(store_engine, 1)
     forged = protocol.Marker(str(batch.id), 0, None, task_name="t.forged")
     with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
-        rec = hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
+        rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
     assert rec is not None and rec.refused and not rec.counted
     assert "report refused" in caplog.text and children[0].task_id in caplog.text
     genuine = protocol.Marker(str(batch.id), 0, None, task_name="t.child")
-    rec = hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
+    rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
     assert rec is not None and rec.counted and rec.successor_created
