@@ -334,13 +334,18 @@ def test_successor_message_lost_is_published_again(
 
 
 def test_successor_whose_whole_worker_died_is_published_again(
-    producer: Any, processes: Any, successor_runs: Runs
+    producer: Any, processes: Any, successor_runs: Runs, clean_redis: str
 ) -> None:
+    import redis
+
     lease = {"FANIN_TEST_SUCCESSOR_LEASE": "2", "FANIN_TEST_SUCCESSOR_LEASE_GRACE": "1"}
     first = processes.worker(extra_env=lease)
     processes.relay(extra_env={**lease, "FANIN_TEST_SUCCESSOR_TIMEOUT": "2"})
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_once_successor.s("phoenix", 60)).apply_async()
     wait_for(lambda: handle.status().successor_state == "running", 30, message="the successor running")
+    # Its body has begun (counted its first run): killed before that, the run after it would be the one to sleep.
+    began = f"e2e:slow_once_successor:{handle.batch_id}"
+    wait_for(lambda: redis.Redis.from_url(clean_redis).get(began) == b"1", 30, message="the first run's body")
     first.kill()  # main process too: nothing reports, and without acks_late nothing redelivers
     processes.worker(extra_env=lease)
     # Its lease is no longer renewed: once it has lapsed for the grace, the relay publishes the successor again,
