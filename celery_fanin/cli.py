@@ -535,8 +535,10 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
 
 def _attach_saga_commands() -> None:
     from .cli_saga import saga
+    from .web.cli import dashboard
 
     fanin.add_command(saga)
+    fanin.add_command(dashboard)
 
 
 _attach_saga_commands()
