@@ -7,6 +7,7 @@ until the command runs.
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 
 import click
@@ -38,6 +39,10 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 @click.command()
@@ -90,6 +95,10 @@ def dashboard(
     shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
     click.echo(f"dashboard at http://{shown}:{bound[1]}/" + (" (token required)" if token else ""), err=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it found:
+    # this one, so that a warm stop exits 0 (as the relay does) instead of dying by the signal.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _exit_cleanly)
     try:
         server.run(sockets=[sock])
     finally:

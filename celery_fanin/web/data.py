@@ -228,7 +228,8 @@ class StartsChart:
 
 def sample_counts(sizes: Sequence[int]) -> list[int]:
     """How many children to read from each batch of a tree (the root's own children first, then each leaf's):
-    SAMPLE in all, in proportion to each one's size (all of them when the whole is smaller)."""
+    about SAMPLE in all (each share rounded up), in proportion to each one's size; all of them when the whole is
+    smaller."""
     total = sum(sizes)
     if total <= SAMPLE:
         return list(sizes)
