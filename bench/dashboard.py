@@ -14,6 +14,7 @@ import argparse
 import http.client
 import json
 import math
+import os
 import socket
 import statistics
 import sys
@@ -216,8 +217,8 @@ def pages(info: dict[str, Any], client: Client) -> dict[str, str]:
     }
 
 
-def measure(client: Client, paths: dict[str, str], repeats: int) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
+def measure(client: Client, paths: dict[str, str], repeats: int) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
     for name, path in paths.items():
         status, _ = client.get(path)  # warm-up: the plan, the pool, the cache
         if status != 200:
@@ -236,6 +237,33 @@ def measure(client: Client, paths: dict[str, str], repeats: int) -> dict[str, di
             "max_ms": round(times[-1], 1),
         }
     return out
+
+
+def statement_ms(engine: Any, path: str) -> float | None:
+    """For a batches page: its statement's own time in PostgreSQL (EXPLAIN ANALYZE: planning and execution), the
+    part of the page that grows with the store; None for the other pages."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    from celery_fanin.web import data
+    from celery_fanin.web.sql import sql
+
+    url = urlsplit(path)
+    if url.path != "/batches":
+        return None
+    query = dict(parse_qsl(url.query))
+    before = data.Cursor.decode(query.get("before"))
+    params = {
+        **data.BatchFilters.from_query(query).params(),
+        "n": 51,
+        "before_at": before.created_at if before else None,
+        "before_id": before.id if before else None,
+    }
+    with data.read(engine) as conn:
+        plan = conn.execute(
+            text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql("dashboard", "batches_page")), params
+        ).scalar_one()
+    top = plan[0] if isinstance(plan, list) else json.loads(plan)[0]
+    return round(float(top["Planning Time"]) + float(top["Execution Time"]), 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,23 +295,34 @@ def main(argv: list[str] | None = None) -> int:
             f"{info['children']:,} children, {info['sagas']:,} sagas; filled and analysed in {filled:.1f} s",
             flush=True,
         )
+        load_before = os.getloadavg()[0]
         dashboard = create_app(fanin)
         port, server, thread = _serve(dashboard)
         client = Client(port)
         try:
-            figures = measure(client, pages(info, client), args.repeats)
+            paths = pages(info, client)
+            figures = measure(client, paths, args.repeats)
+            for name, path in paths.items():
+                figures[name]["sql_ms"] = statement_ms(dashboard.state.engine, path)
         finally:
             client.close()
             server.should_exit = True
             thread.join(10)
             dashboard.state.engine.dispose()
             fanin.dispose()
+    load_after = os.getloadavg()[0]
+    print(
+        f"machine: {os.cpu_count()} cores, load average {load_before:.1f} before the requests, {load_after:.1f} after"
+    )
     width = max(len(n) for n in figures)
-    print(f"{'page':<{width}}  {'p50 ms':>8}  {'p95 ms':>8}  {'max ms':>8}   ({args.repeats} requests each)")
+    head = f"{'page':<{width}}  {'p50 ms':>8}  {'p95 ms':>8}  {'max ms':>8}  {'SQL ms':>7}"
+    print(f"{head}   ({args.repeats} requests each; SQL: the batches statement's planning and execution)")
     for name, f in figures.items():
-        print(f"{name:<{width}}  {f['p50_ms']:>8}  {f['p95_ms']:>8}  {f['max_ms']:>8}")
+        sql_ms = "" if f["sql_ms"] is None else f["sql_ms"]
+        print(f"{name:<{width}}  {f['p50_ms']:>8}  {f['p95_ms']:>8}  {f['max_ms']:>8}  {sql_ms:>7}")
     if args.json:
-        print(json.dumps({"store": info, "filled_s": round(filled, 1), "pages": figures}, indent=2))
+        machine = {"cores": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(load_after, 2)}
+        print(json.dumps({"store": info, "filled_s": round(filled, 1), "machine": machine, "pages": figures}, indent=2))
     worst = max(f["p95_ms"] for n, f in figures.items() if n.startswith("batches"))
     ok = worst < args.budget_ms
     print(
