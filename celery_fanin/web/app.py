@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 import jinja2
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
@@ -57,11 +58,14 @@ def read_only_engine(fanin: FanIn, pool_size: int, statement_timeout: float) -> 
     neither a bug nor a heavy page can write or hold the database; statements never prepared server-side, so each
     is planned with its parameters' values (see store/sql/dashboard.sql)."""
     url = fanin.database_url
+    ours = f"-c default_transaction_read_only=on -c statement_timeout={int(statement_timeout * 1000)}"
+    given = make_url(url).query.get("options")  # the URL's own server options (a search_path, say) are kept
+    given = given[-1] if isinstance(given, tuple) else given
     args: dict[str, Any] = {
         **connect_options(url),
         "prepare_threshold": None,
         "application_name": "celery-fanin dashboard",
-        "options": f"-c default_transaction_read_only=on -c statement_timeout={int(statement_timeout * 1000)}",
+        "options": f"{given} {ours}" if given else ours,
     }
     return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True, connect_args=args)
 

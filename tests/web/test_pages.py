@@ -391,3 +391,19 @@ def test_refresh_comes_from_the_app_conf(app: Celery, store: Store) -> None:
         web.state.engine.dispose()
     finally:
         app.conf.fanin_dashboard_refresh = None
+
+
+def test_the_urls_own_server_options_are_kept_beside_read_only(app: Celery) -> None:
+    custom = Celery("with-options", set_as_current=False)
+    custom.conf.fanin_database_url = app.conf.fanin_database_url + "?options=-c%20lock_timeout%3D1234"
+    web = create_app(custom, statement_timeout=7)
+    try:
+        with web.state.engine.connect() as conn:
+            shown = [
+                conn.execute(text(f"SHOW {name}")).scalar_one()
+                for name in ("lock_timeout", "statement_timeout", "transaction_read_only")
+            ]
+        assert shown == ["1234ms", "7s", "on"]
+    finally:
+        web.state.engine.dispose()
+        FanIn.of(custom).dispose()

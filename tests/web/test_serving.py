@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from celery_fanin.web import MISSING_EXTRA, create_app
+from celery_fanin.web import MISSING_EXTRA, MissingExtra, create_app
 from celery_fanin.web.cli import dashboard as dashboard_command
 from celery_fanin.web.cli import is_loopback
 from celery_fanin.web.sql import parse, statements
@@ -175,6 +175,12 @@ def test_without_the_extra_the_command_says_what_to_install(monkeypatch: pytest.
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [f"Error: {MISSING_EXTRA} (uvicorn is not installed)"]
     assert 'pip install "celery-fanin[web]"' in result.output
+
+
+def test_without_the_extra_create_app_says_what_to_install(monkeypatch: pytest.MonkeyPatch, app: Celery) -> None:
+    monkeypatch.setitem(sys.modules, "starlette", None)
+    with pytest.raises(MissingExtra, match=re.escape('pip install "celery-fanin[web]" (starlette is not installed)')):
+        create_app(app)
 
 
 def test_a_public_address_needs_a_token(app: Celery) -> None:
