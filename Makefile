@@ -31,6 +31,7 @@ lint: install
 	$(BIN)/ruff check celery_fanin tests example_app bench
 	$(BIN)/ruff format --check celery_fanin tests example_app bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 ## The benchmark (group vs chord vs fan_in_group) on both brokers: JSON and plots land in bench/report/, and the
 ## figures in BENCHMARKS.md are rewritten from them.

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from celery_fanin.extension import normalise_database_url
+from celery_fanin.context import normalise_database_url
 
 # One statement per table. Batch i (1-based) of `:batches`; batch 1 is the big tree's root, whose `:leaves` leaf
 # counters (ids from 'leaf' || k) hold `:big` children; the other roots hold `:per` children each. States, steps,

@@ -391,8 +391,10 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     """One concurrent reporter process: the worker's own terminal path, or a raw UPDATE, once per id."""
     from celery import Celery
 
-    from celery_fanin import FanIn, hooks
+    from celery_fanin import FanIn
+    from celery_fanin.protocol import Marker
     from celery_fanin.store.batches import Claim
+    from celery_fanin.worker import hooks
 
     claims: dict[str, Claim] = {}
     if kind in ("fanin", "fanin_sql"):  # what each child's message says it is, read before the clock starts
@@ -405,7 +407,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         app = Celery("bench-reporter", set_as_current=False)
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
-        markers = [hooks._Marker(c.batch_id, c.index, None, task_name=c.task_name) for c in map(claims.get, ids) if c]
+        markers = [Marker(c.batch_id, c.index, None, task_name=c.task_name) for c in map(claims.get, ids) if c]
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
         fanin.reports.record_starts([])
@@ -413,7 +415,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         go.wait()
         start = time.time()
         for i, (task_id, marker) in enumerate(zip(ids, markers, strict=True)):
-            hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
+            hooks.worker_hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
     elif kind == "raw_engine":
         from sqlalchemy import create_engine, text
 
@@ -612,7 +614,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             f"{db['all_roundtrips_per_child']:.2f} |",
             "", f"| terminal events, {t['events']:,} on one batch, {t['reporters']} reporter processes, "
             f"{len(t['rounds'])} rounds | events/s, median | ratio to raw, median (min–max) |", "|---|---:|---:|",
-            f"| one flat batch, the workers' own path (`hooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
+            f"| one flat batch, the workers' own path (`WorkerHooks.record_child`) | {t['fanin_events_per_s']:.0f} | "
             f"{_ratio(t, 'ratio')} |",
             f"| one flat batch, the same function called bare from psycopg | {t['fanin_sql_events_per_s']:.0f} | "
             f"{_ratio(t, 'sql_ratio')} |",

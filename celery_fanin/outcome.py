@@ -1,123 +1,21 @@
-"""`BatchOutcome`: what a successor receives, and child results streamed from the store."""
+"""`BatchOutcome`: a successor's view of its batch, and the children's results streamed from the store."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Celery, current_app
-from sqlalchemy import Connection
 
-from .extension import FanIn
-from .publish import decode_result
+from .codec import decode_result
+from .context import FanIn
+from .producer.result import FanInResult
+from .protocol import BatchState, ChildState
+from .relay.payload import failure_entry
+from .sagas.driver import compensate_batch
 from .store import queries
-
-if TYPE_CHECKING:
-    from .canvas import FanInResult
-
-
-def build_outcome(
-    conn: Connection, batch: queries.BatchRow, failures_limit: int, *, max_bytes: int | None = None
-) -> dict[str, Any]:
-    """The JSON-serialisable mapping a successor gets as its first argument.
-
-    Built when the successor is published, after the transaction that saw zero committed, so every child's
-    terminal row is visible. Failures are listed in child order up to `failures_limit` entries and `max_bytes`
-    bytes of JSON (a child's arguments can be large), whichever comes first; the full list stays in Postgres
-    (`BatchOutcome.iter_failures` streams it).
-    """
-    succeeded, failed_count = batch.succeeded, batch.failed
-    if batch.state == "complete":
-        # Every child reached a terminal state by being counted (none abandoned: that is the deadline's path), so
-        # there is nothing unfinished to count, and failures to list only if some were counted: the common case
-        # costs no scan of the batch's children.
-        counts: dict[str, int] = {}
-        failed = queries.failures(conn, batch.id, limit=failures_limit + 1) if batch.failed else []
-    else:
-        counts = queries.child_counts(conn, batch.id)
-        failed = queries.failures(conn, batch.id, limit=failures_limit + 1)
-        # Finished early, a tree's root has not yet heard of the successes of leaves still counting: the child
-        # rows say what happened, for a flat batch and a tree alike.
-        succeeded = counts.get("succeeded", 0)
-        failed_count = sum(n for state, n in counts.items() if state not in ("pending", "started", "succeeded"))
-    listed, truncated_by = _listed_failures(failed, failures_limit, max_bytes)
-    return {
-        "batch_id": str(batch.id),
-        "step": batch.step,
-        # complete | partial (deadline passed, on_deadline="proceed", or cancelled --proceed) | failed_threshold
-        # | expired | cancelled
-        "state": batch.state,
-        "partial": batch.state in PARTIAL_STATES,
-        "planned": batch.planned,
-        "succeeded": succeeded,
-        "failed": failed_count,
-        "abandoned": counts.get("abandoned", 0),
-        "unfinished": counts.get("pending", 0) + counts.get("started", 0),
-        "failures": listed,
-        "failures_truncated": truncated_by is not None,
-        # why the list stops short: "count" (fanin_outcome_failures_limit) or "bytes" (fanin_outcome_max_bytes)
-        "failures_truncated_by": truncated_by,
-        # 1, or the number of a retry round (`celery -A proj fanin retry-failed`) and the batch of round 1
-        "round": batch.round,
-        "retry_of": str(batch.retry_of) if batch.retry_of else None,
-    }
-
-
-def _listed_failures(
-    rows: list[queries.FailureRow], limit: int, max_bytes: int | None
-) -> tuple[list[dict[str, Any]], str | None]:
-    """The first failures, in child order, that fit both budgets, and which budget stopped the list (or None).
-
-    The list is a prefix, so a successor that wants the rest can read on from the last listed index. An entry is
-    measured as the JSON it adds to the message (its separator included).
-    """
-    listed: list[dict[str, Any]] = []
-    used = 2  # the list's brackets
-    for row in rows:
-        if len(listed) == limit:
-            return listed, "count"
-        entry = failure_entry(row)
-        if max_bytes is not None:
-            size = len(json.dumps(entry, default=str).encode()) + (2 if listed else 0)
-            if used + size > max_bytes:
-                return listed, "bytes"
-            used += size
-        listed.append(entry)
-    return listed, None
-
-
-# Batch states in which the successor runs before every child has finished.
-PARTIAL_STATES = frozenset({"partial", "failed_threshold", "expired", "cancelled"})
-
-
-def failure_entry(row: queries.FailureRow) -> dict[str, Any]:
-    """One failed child as the outcome lists it: which child (index, task, its arguments) and why it failed.
-
-    Arguments are included when the child was encoded as JSON, so the entry stays JSON-serialisable whatever
-    serializer the successor uses; other serializers' arguments stay in Postgres only.
-    """
-    entry: dict[str, Any] = {
-        "index": row.index,
-        "task_id": row.task_id,
-        "task_name": row.task_name,
-        "state": row.state,
-        "exc_type": row.exc_type,
-        "exc_message": row.exc_message,
-        "attempts": row.attempts,
-    }
-    if row.late_state is not None:
-        entry["late_state"] = row.late_state
-    if row.message.content_type == "application/json":
-        try:
-            sig = json.loads(row.message.body)
-            entry["args"] = sig.get("args", [])
-            entry["kwargs"] = sig.get("kwargs", {})
-        except (ValueError, AttributeError):  # a hand-edited row: leave the arguments out rather than fail
-            pass
-    return entry
 
 
 @dataclass(frozen=True)
@@ -129,7 +27,7 @@ class ChildResult:
 
     @property
     def ok(self) -> bool:
-        return self.state == "succeeded"
+        return self.state == ChildState.SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -145,7 +43,7 @@ class BatchOutcome:
     failures_truncated: bool = False
     # "count" or "bytes": which of fanin_outcome_failures_limit and fanin_outcome_max_bytes cut the list short
     failures_truncated_by: str | None = None
-    state: str = "complete"
+    state: str = BatchState.COMPLETE.value
     partial: bool = False
     abandoned: int = 0
     unfinished: int = 0
@@ -165,7 +63,7 @@ class BatchOutcome:
                 failures=list(outcome.get("failures") or []),
                 failures_truncated=bool(outcome.get("failures_truncated", False)),
                 failures_truncated_by=outcome.get("failures_truncated_by") or None,
-                state=str(outcome.get("state", "complete")),
+                state=str(outcome.get("state", BatchState.COMPLETE.value)),
                 partial=bool(outcome.get("partial", False)),
                 abandoned=int(outcome.get("abandoned", 0)),
                 unfinished=int(outcome.get("unfinished", 0)),
@@ -223,6 +121,4 @@ class BatchOutcome:
         child it undoes and that child's task id as `task.request.fanin_undo_of`. Inside a saga, the step counts as
         failed: the saga waits for these undos, then compensates the earlier steps.
         """
-        from .sagas import compensate_batch
-
         return compensate_batch(self._app(), self.batch_id)

@@ -37,15 +37,19 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import psycopg
 import pytest
+from celery import Celery
+from psycopg import sql
 
-if TYPE_CHECKING:
-    from celery import Celery
-
-    from .canvas import FanInGroup
-    from .eager import EagerFanInResult
+from .embedded import EmbeddedPostgres
+from .extension import FanIn
+from .producer.eager import run_eagerly
+from .producer.group import FanInGroup
+from .producer.result import EagerFanInResult
+from .store.reports import libpq_conninfo
 
 PLUGIN_NAME = "celery_fanin.testing"
 ENABLE_INI = "celery_fanin"
@@ -91,10 +95,6 @@ def _configured_url(config: pytest.Config) -> str | None:
 
 
 def _migrate(url: str) -> None:
-    from celery import Celery
-
-    from .extension import FanIn
-
     app = Celery("celery-fanin-testing-migrate", set_as_current=False)
     app.conf.fanin_database_url = url
     fanin = FanIn(app)
@@ -112,8 +112,6 @@ def fanin_database_url(pytestconfig: pytest.Config) -> Iterator[str]:
         _migrate(url)
         yield url
         return
-    from .embedded import EmbeddedPostgres
-
     base = Path(tempfile.mkdtemp(prefix="celery-fanin-pytest-"))
     base.chmod(0o755)  # run as root, the server runs as another user, which must reach its data directory
     server = EmbeddedPostgres(base / "pg", database="fanin_test", ephemeral=True)
@@ -129,11 +127,6 @@ def fanin_database_url(pytestconfig: pytest.Config) -> Iterator[str]:
 @pytest.fixture
 def fanin_database(fanin_database_url: str) -> str:
     """The session database with every fan-in table emptied."""
-    import psycopg
-    from psycopg import sql
-
-    from .store.reports import libpq_conninfo
-
     with psycopg.connect(libpq_conninfo(fanin_database_url), autocommit=True) as conn:
         tables = [r[0] for r in conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'fanin\\_%%' "
@@ -158,10 +151,6 @@ def fanin_celery_config() -> dict[str, Any]:
 @pytest.fixture
 def fanin_app(fanin_database: str, fanin_celery_config: dict[str, Any]) -> Iterator[Celery]:
     """A Celery app wired with FanIn on the test database; define tasks on it with ``@fanin_app.task``."""
-    from celery import Celery
-
-    from .extension import FanIn
-
     app = Celery("fanin-tests", set_as_current=False)
     app.conf.update(fanin_celery_config)
     app.conf.fanin_database_url = fanin_database
@@ -173,8 +162,6 @@ def fanin_app(fanin_database: str, fanin_celery_config: dict[str, Any]) -> Itera
 @pytest.fixture
 def fanin_run() -> Callable[[FanInGroup], EagerFanInResult]:
     """``fanin_run(group)``: run a fan-in to completion in this process, eagerly, and return its handle."""
-    from .eager import EagerFanInResult, run_eagerly
-    from .extension import FanIn
 
     def run(group: FanInGroup) -> EagerFanInResult:
         app = group.app

@@ -19,12 +19,12 @@ from typing import Any
 
 from celery import Task
 
-from celery_fanin import FanIn, SagaResult, compensated, manual, saga, sagas
+from celery_fanin import FanIn, SagaResult, builtin_tasks, compensated, manual, saga
 
 from . import db
 from .celeryapp import app
 
-sagas.register(app)  # the saga's internal tasks; harmless once FanIn(app) registers them itself
+builtin_tasks.register(app)  # the saga's internal tasks; harmless once FanIn(app) registers them itself
 
 
 class CarrierUnavailable(Exception):

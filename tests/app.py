@@ -293,9 +293,9 @@ def fail_first_time(key: str) -> str:
 # the original's identity: a step's own task id, and for a compensation `request.fanin_undo_of` (the task id of the
 # work it undoes). "Compensated exactly once" is then what the effects table says, however often a task ran.
 
-from celery_fanin import sagas as _sagas  # noqa: E402
+from celery_fanin import builtin_tasks  # noqa: E402
 
-_sagas.register(app)  # until FanIn(app) does it
+builtin_tasks.register(app)  # until FanIn(app) does it
 
 SAGA_TABLES_DDL = """
 CREATE TABLE IF NOT EXISTS e2e_saga_calls (
@@ -377,10 +377,10 @@ def saga_merge(outcome: dict[str, Any]) -> dict[str, Any]:
 @inspect_command()
 def fanin_received_markers(state: Any) -> dict[str, int]:
     """How many received fan-in messages the worker's main process still keeps a marker for (asked by the tests)."""
-    from celery_fanin import hooks
+    from celery_fanin.worker import hooks
 
     gc.collect()  # a request released in a reference cycle goes with the next collection
-    return {"markers": len(hooks._received)}
+    return {"markers": len(hooks.worker_hooks.received)}
 
 
 # --- outcome rows (tests/e2e/test_outcome_rows.py) ------------------------------------------------------------------

@@ -135,7 +135,7 @@ def release_producer_app(app: Any) -> None:
     kombu keeps broker connection pools in a process-wide registry keyed by broker URL: two apps on the same
     broker share one pool, and `app.pool.force_close_all()` closes it for every one of them ("Acquire on closed
     pool" in every later test that publishes to that broker). Stale connections need no closing: redis-py
-    reconnects on its own, and celery_fanin.publish replaces an AMQP connection the broker closed.
+    reconnects on its own, and celery_fanin.broker.publish replaces an AMQP connection the broker closed.
     """
     from celery_fanin import FanIn
 

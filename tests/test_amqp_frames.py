@@ -21,7 +21,8 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.transport.pyamqp import Channel as PyAmqpChannel
 
-from celery_fanin import amqp_frames, amqp_properties, publish
+from celery_fanin import codec
+from celery_fanin.broker import amqp_frames, amqp_properties, publish
 
 
 class _Transport:
@@ -263,8 +264,8 @@ OPTIONS = [{}, {"compression": "zlib"}, {"serializer": "pickle"}, {"priority": 3
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(sorted(o)) or "json")
 def test_a_message_sent_straight_to_the_frames_is_what_kombu_sends(options: dict[str, Any]) -> None:
-    """On RabbitMQ the fast path does kombu's `Producer.publish` itself (`publish._publish_frames`), encoding the
-    body with `publish.serialize`: the frames on the wire are the ones kombu writes for the same message."""
+    """On RabbitMQ the fast path does kombu's `Producer.publish` itself (`broker.publish._publish_frames`), encoding the
+    body with `codec.serialize`: the frames on the wire are the ones kombu writes for the same message."""
     app = Celery("tests.frames", broker="memory://", set_as_current=False)
     app.conf.accept_content = ["json", "pickle"]
     when = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
@@ -298,8 +299,8 @@ def test_serialize_is_kombus_dumps() -> None:
     ]
     for value in values:
         for serializer in ("json", "pickle"):
-            assert publish.serialize(value, serializer) == kombu_dumps(value, serializer=serializer), value
+            assert codec.serialize(value, serializer) == kombu_dumps(value, serializer=serializer), value
     with pytest.raises(EncodeError):
-        publish.serialize([object()], "json")
+        codec.serialize([object()], "json")
     with pytest.raises(EncodeError):
         kombu_dumps([object()], serializer="json")

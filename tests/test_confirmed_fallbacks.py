@@ -18,7 +18,7 @@ from celery import Celery, chain
 from kombu import Connection
 
 from celery_fanin import FanIn, fan_in_group
-from celery_fanin.publish import ConfirmChannel
+from celery_fanin.broker.confirms import ConfirmChannel
 from celery_fanin.relay import Relay
 from celery_fanin.store import outbox
 from tests import publish_tasks

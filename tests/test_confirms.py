@@ -1,4 +1,4 @@
-"""`publish.ConfirmChannel`'s bookkeeping of RabbitMQ's publisher confirms, against a scripted broker.
+"""`broker.confirms.ConfirmChannel`'s bookkeeping of RabbitMQ's publisher confirms, against a scripted broker.
 
 The producer keeps several chunks in flight on one confirm channel, so confirms for a later chunk's messages
 arrive while an earlier chunk is waited for. A refused message (basic.nack) must fail the chunk that holds it and
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from kombu.exceptions import OperationalError
 
-from celery_fanin.publish import ConfirmChannel, Unconfirmed
+from celery_fanin.broker.confirms import ConfirmChannel, Unconfirmed
 
 Event = Callable[[ConfirmChannel], None]
 

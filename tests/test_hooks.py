@@ -1,12 +1,13 @@
-"""The main process's map of received fan-in messages: an entry lives as long as Celery's request for it."""
+"""The worker hooks: the main process's map of received fan-in messages (an entry lives as long as Celery's request
+for it), what a message's marker claims, and one documented method per Celery signal."""
 
 from __future__ import annotations
 
 import gc
 
-from celery_fanin.hooks import _Marker, _ReceivedMarkers
-from celery_fanin.publish import HEADER_TASK
+from celery_fanin.protocol import HEADER_TASK, Marker
 from celery_fanin.store.batches import Claim
+from celery_fanin.worker.hooks import ReceivedMarkers, claim_of
 
 
 class _Request:
@@ -16,12 +17,12 @@ class _Request:
         self.id = task_id
 
 
-def _marker(index: int = 0) -> _Marker:
-    return _Marker("batch-1", index, None)
+def _marker(index: int = 0) -> Marker:
+    return Marker("batch-1", index, None)
 
 
 def test_an_entry_lives_while_its_request_does() -> None:
-    markers = _ReceivedMarkers()
+    markers = ReceivedMarkers()
     request = _Request("t1")
     markers.add(request.id, _marker(3), request)
     gc.collect()
@@ -33,7 +34,7 @@ def test_an_entry_lives_while_its_request_does() -> None:
 
 def test_a_released_request_takes_its_entry_with_it() -> None:
     """A child that succeeds ends in the pool process: nothing in the main process pops its entry but this."""
-    markers = _ReceivedMarkers()
+    markers = ReceivedMarkers()
     requests = [_Request(f"t{i}") for i in range(100)]
     for r in requests:
         markers.add(r.id, _marker(), r)
@@ -45,7 +46,7 @@ def test_a_released_request_takes_its_entry_with_it() -> None:
 
 
 def test_a_redelivery_under_the_same_id_keeps_its_own_entry() -> None:
-    markers = _ReceivedMarkers()
+    markers = ReceivedMarkers()
     first = _Request("t1")
     markers.add("t1", _marker(1), first)
     second = _Request("t1")
@@ -57,7 +58,7 @@ def test_a_redelivery_under_the_same_id_keeps_its_own_entry() -> None:
 
 
 def test_the_bound_drops_the_oldest_entry() -> None:
-    markers = _ReceivedMarkers(limit=3)
+    markers = ReceivedMarkers(limit=3)
     alive = [_Request(f"t{i}") for i in range(4)]
     for r in alive:
         markers.add(r.id, _marker(), r)
@@ -70,25 +71,43 @@ def test_the_bound_drops_the_oldest_entry() -> None:
 
 
 def test_a_plain_child_claims_its_own_task_name() -> None:
-    marker = _Marker.from_mapping({"task": "proj.add", "fanin_batch": "b", "fanin_index": 2})
-    assert marker is not None and marker.claim() == Claim("b", 2, "proj.add")
+    marker = Marker.from_mapping({"task": "proj.add", "fanin_batch": "b", "fanin_index": 2})
+    assert marker is not None and claim_of(marker) == Claim("b", 2, "proj.add")
 
 
 def test_a_chain_childs_tasks_claim_the_chains_last_task() -> None:
     """Any task of a chain child reports for the chain (its last task's id and name), whichever of them ran."""
     headers = {"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1", "fanin_task": "p.last"}
-    marker = _Marker.from_mapping(headers)
-    assert marker is not None and marker.child_id("first-id") == "c1" and marker.claim() == Claim("b", 0, "p.last")
+    marker = Marker.from_mapping(headers)
+    assert marker is not None and marker.child_id("first-id") == "c1" and claim_of(marker) == Claim("b", 0, "p.last")
     # A chain published before HEADER_TASK: its earlier task cannot say the child's name; batch and index still hold.
-    old = _Marker.from_mapping({"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1"})
-    assert old is not None and old.claim() == Claim("b", 0, None)
+    old = Marker.from_mapping({"task": "proj.first", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "c1"})
+    assert old is not None and claim_of(old) == Claim("b", 0, None)
 
 
 def test_a_replacement_claims_the_task_it_replaced() -> None:
     """Task.replace keeps the task id and changes the name: the replacement carries the replaced name on."""
-    original = _Marker.from_mapping({"task": "proj.original", "fanin_batch": "b", "fanin_index": 1})
+    original = Marker.from_mapping({"task": "proj.original", "fanin_batch": "b", "fanin_index": 1})
     assert original is not None
     carried = original.headers()
     assert carried[HEADER_TASK] == "proj.original"
-    replacement = _Marker.from_mapping({"task": "proj.replacement", **carried})
-    assert replacement is not None and replacement.claim() == Claim("b", 1, "proj.original")
+    replacement = Marker.from_mapping({"task": "proj.replacement", **carried})
+    assert replacement is not None and claim_of(replacement) == Claim("b", 1, "proj.original")
+
+
+# --- the hooks class: one method per Celery signal --------------------------------------------------------------
+
+
+def test_each_signal_is_one_documented_method_connected_once() -> None:
+    from celery import signals
+
+    from celery_fanin.worker import hooks
+
+    hooks.worker_hooks.install()
+    hooks.worker_hooks.install()  # a second FanIn(app) in the same process connects nothing more
+    for name, uid in hooks._SIGNALS:
+        method = getattr(hooks.WorkerHooks, name)
+        doc = (method.__doc__ or "").strip()
+        assert doc and "\n" not in doc, f"WorkerHooks.{name} needs a one-line docstring"
+        connected = [r for key, r in getattr(signals, name).receivers if key[0] == f"celery_fanin.{uid}"]
+        assert len(connected) == 1, f"{name}: {len(connected)} receivers"

@@ -12,8 +12,8 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from celery_fanin import FanIn, fan_in_group, metrics
-from celery_fanin.relay import Relay
+from celery_fanin import FanIn, fan_in_group
+from celery_fanin.relay import Relay, metrics
 from celery_fanin.store import batches, successors
 
 # Far longer than the test takes: no batch turns stuck by itself while it runs, only when the test ages it.

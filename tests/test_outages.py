@@ -21,8 +21,9 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from celery_fanin import FanIn, fan_in_group, hooks
+from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.relay import Relay
+from celery_fanin.worker import hooks, report
 from tests.faults import TcpProxy, proxy_for, release_producer_app
 from tests.store.helpers import create, make_engine
 from tests.workers import wait_for
@@ -54,8 +55,8 @@ def proxied_app(app: Celery, pg_proxy: TcpProxy) -> Celery:
 
 
 def _report(app: Celery, task_id: str, batch_id: uuid.UUID, index: int) -> Any:
-    marker = hooks._Marker(str(batch_id), index, None)
-    return hooks.record_child(FanIn.of(app), task_id, marker, "succeeded", value=index, has_value=True)
+    marker = protocol.Marker(str(batch_id), index, None)
+    return hooks.worker_hooks.record_child(FanIn.of(app), task_id, marker, "succeeded", value=index, has_value=True)
 
 
 def _states(engine: Engine, batch_id: uuid.UUID) -> list[str]:
@@ -65,7 +66,7 @@ def _states(engine: Engine, batch_id: uuid.UUID) -> list[str]:
 
 
 def _given_up(kind: str) -> float:
-    return hooks.REPORTS_GIVEN_UP.labels(kind=kind)._value.get()
+    return report.REPORTS_GIVEN_UP.labels(kind=kind)._value.get()
 
 
 def test_reports_wait_out_a_database_cut(proxied_app: Celery, pg_proxy: TcpProxy, direct: Engine) -> None:
@@ -281,10 +282,10 @@ def test_a_main_process_report_does_not_hold_the_event_loop(
     pg_proxy.cut()
     try:
         started = time.monotonic()
-        hooks._on_revoked(sender=sender, request=_Request(children[0].task_id, batch.id, 0), expired=True)
+        hooks.worker_hooks.task_revoked(sender=sender, request=_Request(children[0].task_id, batch.id, 0), expired=True)
         assert time.monotonic() - started < 3.0  # one attempt, not fanin_report_timeout
         assert _states(direct, batch.id) == ["pending"]
     finally:
         pg_proxy.restore()
     wait_for(lambda: _states(direct, batch.id) == ["revoked"], 20, message="the revoked report recorded")
-    assert hooks._background.flush(5)
+    assert report.background.flush(5)

@@ -1,4 +1,4 @@
-"""Bulk publishing of children (celery_fanin/publish.py), on Redis and RabbitMQ, with a real prefork worker.
+"""Bulk publishing of children (celery_fanin/broker/publish.py), on Redis and RabbitMQ, with a real prefork worker.
 
 The fast path builds each message once with Celery's own `create_task_message`, routes it as Celery would, and
 pipelines the writes (kombu's `Producer.batch` on Redis, confirmed back-to-back publishes on RabbitMQ). These tests
@@ -22,7 +22,8 @@ import pytest
 from celery import Celery
 from kombu import Connection
 
-from celery_fanin import FanIn, fan_in_group, publish
+from celery_fanin import FanIn, fan_in_group, protocol
+from celery_fanin.broker import confirms, publish
 from tests import publish_tasks
 from tests.workers import CeleryProcess, start_relay, start_worker
 
@@ -246,7 +247,7 @@ def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]
     publish_tasks.register(app)
     sig = app.signature(name, args=(1, "a"), kwargs={"k": [1, 2]}, **options)
     task_id = str(uuid.uuid4())
-    headers = {**(options.get("headers") or {}), publish.HEADER_BATCH: "b", publish.HEADER_INDEX: 3}
+    headers = {**(options.get("headers") or {}), protocol.HEADER_BATCH: "b", protocol.HEADER_INDEX: 3}
     with app.connection_for_write() as conn:
         capture = _Capture(conn)
         sig.apply_async(task_id=task_id, producer=capture, headers=headers, add_to_parent=False)
@@ -283,15 +284,15 @@ def test_successor_message_matches_what_celery_publishes(name: str, options: dic
     with app.connection_for_write() as conn:
         capture = _Capture(conn)
         sig.apply_async(args=(outcome,), task_id=task_id, producer=capture, add_to_parent=False,
-                        headers={**(options.get("headers") or {}), publish.HEADER_SUCCESSOR: "b",
-                                 publish.HEADER_STEP: "merge"})  # fmt: skip
+                        headers={**(options.get("headers") or {}), protocol.HEADER_SUCCESSOR: "b",
+                                 protocol.HEADER_STEP: "merge"})  # fmt: skip
         ours = _Capture(conn)
         publish.publish_successor(app, ours, uuid.UUID(int=0), "merge", task_id, sig, outcome)  # type: ignore[arg-type]
     ((celery_body, celery_kwargs),) = capture.published
     ((our_body, our_kwargs),) = ours.published
     assert our_body == celery_body and our_body[0][0] == outcome
     theirs, mine = dict(celery_kwargs["headers"]), dict(our_kwargs["headers"])
-    theirs[publish.HEADER_SUCCESSOR] = str(uuid.UUID(int=0))
+    theirs[protocol.HEADER_SUCCESSOR] = str(uuid.UUID(int=0))
     for key in ("eta", "expires"):
         assert (mine.pop(key) is None) == (theirs.pop(key) is None), key
     assert mine == theirs
@@ -357,19 +358,19 @@ def test_rabbitmq_chunks_are_recorded_only_once_confirmed(
         assert handle.status().published == 13
         assert _queued_indexes(queue) == list(range(13))
 
-        real_wait = publish.Unconfirmed.wait
+        real_wait = confirms.Unconfirmed.wait
         waits: list[int] = []
 
-        def second_chunk_unconfirmed(self: publish.Unconfirmed) -> None:
+        def second_chunk_unconfirmed(self: confirms.Unconfirmed) -> None:
             if self.pending:
                 waits.append(1)
                 if len(waits) == 2:
                     raise OSError("no confirms from the broker")
             real_wait(self)
 
-        monkeypatch.setattr(publish.Unconfirmed, "wait", second_chunk_unconfirmed)
+        monkeypatch.setattr(confirms.Unconfirmed, "wait", second_chunk_unconfirmed)
         handle = fan_in_group(children(), then=echo.s(), app=app).apply_async()
-        monkeypatch.setattr(publish.Unconfirmed, "wait", real_wait)
+        monkeypatch.setattr(confirms.Unconfirmed, "wait", real_wait)
         assert handle.status().published == 4, "only the first chunk is known to be on the broker"
         first = _queued_indexes(queue)
         assert first[:8] == list(range(8)), "the second chunk was written; it is just not confirmed"

@@ -111,7 +111,7 @@ def test_time_bound_gives_up_with_the_last_error_as_cause() -> None:
 
 
 def test_a_60s_outage_fits_in_the_default_report_timeout() -> None:
-    from celery_fanin.extension import Settings
+    from celery_fanin.context import Settings
 
     clock = FakeClock()
     down_until = clock.now + 60

@@ -28,14 +28,14 @@ from celery_fanin import (
     FanIn,
     compensated,
     fan_in_group,
-    hooks,
-    retention,
+    protocol,
     saga,
     sagas,
-    successor_runs,
 )
+from celery_fanin.ops import retention
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
+from celery_fanin.worker import hooks, successor_runs
 from tests.conftest import ADMIN_URL
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "how-to"
@@ -159,18 +159,26 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         started = [batches.Start(t, 0, "worker@test", datetime.now(timezone.utc)) for t in plain_ids]
         assert fanin_w.reports.record_starts(started) == len(plain_ids)  # what a worker's main process writes
         for index, task_id in enumerate(plain_ids):
-            marker = hooks._Marker(plain.batch_id, index, None)
+            marker = protocol.Marker(plain.batch_id, index, None)
             state = "failed" if index == 2 else "succeeded"
-            rec = hooks.record_child(fanin_w, task_id, marker, state, value=index * 10, has_value=state == "succeeded",
-                                     exc=ValueError("no") if state == "failed" else None)  # fmt: skip
+            rec = hooks.worker_hooks.record_child(
+                fanin_w,
+                task_id,
+                marker,
+                state,
+                value=index * 10,
+                has_value=state == "succeeded",
+                exc=ValueError("no") if state == "failed" else None,
+            )
             assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
         for index, task_id in enumerate(tree_ids):
-            rec = hooks.record_child(fanin_w, task_id, hooks._Marker(tree.batch_id, index, None), "succeeded",
-                                     value=index, has_value=True)  # fmt: skip
+            rec = hooks.worker_hooks.record_child(
+                fanin_w, task_id, protocol.Marker(tree.batch_id, index, None), "succeeded", value=index, has_value=True
+            )
             assert rec is not None and rec.counted
         assert tree.status().state == "complete", "the leaves settled their root as the worker role"
-        marker = hooks._Marker(threshold.batch_id, 0, None)
-        rec = hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
+        marker = protocol.Marker(threshold.batch_id, 0, None)
+        rec = hooks.worker_hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
         assert rec is not None and rec.successor_created, "a leaf's failure passed its root's threshold"
 
         # --- the relay: outbox, orphaned children, lost children, deadlines, stalled successors, reconcile ------
@@ -207,12 +215,12 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
 
         # The successor of `plain` runs on a worker: start guard, body reading the results, state and result.
         status = plain.status()
-        succ_marker = hooks._Marker(plain.batch_id, None, status.step)
+        succ_marker = protocol.Marker(plain.batch_id, None, status.step)
         live = successor_runs.admit(fanin_w, plain.batch_id, status.step, status.successor_task_id, 0)
         assert live is not None
         outcome = BatchOutcome(plain.batch_id, status.step, 3, 2, 1, app=worker)
         assert list(outcome.values()) == [0, 10]
-        assert hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
+        assert hooks.worker_hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
         assert plain.status().successor_state == "succeeded"
 
         # --- retention ----------------------------------------------------------------------------------------
@@ -225,10 +233,10 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
             assert left.fetchone() == (0,), "its children went with it"
         # `fanin prune` as the same role, once the empty batch's successor has run.
         status = empty.status()
-        marker = hooks._Marker(empty.batch_id, None, status.step)
+        marker = protocol.Marker(empty.batch_id, None, status.step)
         live = successor_runs.admit(fanin_w, empty.batch_id, status.step, status.successor_task_id, 0)
         assert live is not None
-        assert hooks.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
+        assert hooks.worker_hooks.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
         maintenance = _app(cluster, "maintenance")
         apps = (*apps, maintenance)
         assert retention.prune(FanIn.of(maintenance), 0).batches == 1
@@ -269,8 +277,8 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
     apps = (producer, worker, saga_worker)
     try:
         fanin_w = FanIn.of(worker)
-        step_done = saga_worker.tasks[sagas.STEP_DONE_TASK]
-        compensation_done = saga_worker.tasks[sagas.COMPENSATION_DONE_TASK]
+        step_done = saga_worker.tasks[protocol.SAGA_STEP_DONE_TASK]
+        compensation_done = saga_worker.tasks[protocol.COMPENSATION_DONE_TASK]
 
         def finish(batch_id: str | None, state: str) -> str:
             """A worker's hooks record the batch's one child (the step's task, or a stage's compensation)."""
@@ -278,7 +286,7 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
             with psycopg.connect(cluster.url("worker")) as conn:
                 row = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", (batch_id,))
                 (task_id,) = row.fetchone() or ("",)
-            rec = hooks.record_child(fanin_w, task_id, hooks._Marker(batch_id, 0, None), state,
+            rec = hooks.worker_hooks.record_child(fanin_w, task_id, protocol.Marker(batch_id, 0, None), state,
                                      value=1, has_value=state == "succeeded",
                                      exc=RuntimeError("declined") if state == "failed" else None)  # fmt: skip
             assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
@@ -458,10 +466,10 @@ def test_the_dashboard_serves_every_page_as_a_select_only_role(cluster: Cluster)
         ).apply_async()
         fanin_w = FanIn.of(worker)
         for index, state in ((0, "succeeded"), (1, "failed")):
-            rec = hooks.record_child(
+            rec = hooks.worker_hooks.record_child(
                 fanin_w,
                 ids[index],
-                hooks._Marker(flat.batch_id, index, None),
+                protocol.Marker(flat.batch_id, index, None),
                 state,
                 value=index,
                 has_value=state == "succeeded",

@@ -8,7 +8,7 @@ import uuid
 
 from celery.utils import uuid as celery_uuid
 
-from celery_fanin.task_ids import random_ids
+from celery_fanin.producer.task_ids import random_ids
 
 CANONICAL = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 

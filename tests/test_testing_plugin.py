@@ -102,7 +102,7 @@ def eager_tasks(fanin_app):
 
 
 def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fanin_app, eager_tasks):
-    from celery_fanin.eager import run_eagerly
+    from celery_fanin.producer.eager import run_eagerly
     from celery_fanin import FanIn
 
     double, fails, total = eager_tasks

@@ -40,7 +40,8 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from celery_fanin import FanIn, FanInDatabaseError, fan_in_group, publish
+from celery_fanin import FanIn, FanInDatabaseError, codec, fan_in_group
+from celery_fanin.broker import publish
 from celery_fanin.store.batches import Encoded
 from tests.faults import release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
@@ -217,7 +218,7 @@ class Chaos:
         app = producer
         with publish.producer(app) as prod:
             for batch_id, idx, task_id, body, ct, ce in rows:
-                sig = publish.decode_signature(app, Encoded(ct, ce, bytes(body)))
+                sig = codec.decode_signature(app, Encoded(ct, ce, bytes(body)))
                 publish.publish_children(app, prod, batch_id, [(idx, task_id, sig)])
 
     def duplicate_successors(self) -> None:

@@ -12,7 +12,8 @@ import signal
 import sys
 from typing import Any
 
-from celery_fanin import fan_in_group, publish
+from celery_fanin import fan_in_group
+from celery_fanin.broker import confirms, publish
 from celery_fanin.store import batches
 from tests import app as tasks
 
@@ -24,7 +25,7 @@ def main() -> None:
     calls = {"n": 0}
     real = publish.publish_children
 
-    def crashing(*args: Any, **kwargs: Any) -> publish.Unconfirmed:
+    def crashing(*args: Any, **kwargs: Any) -> confirms.Unconfirmed:
         calls["n"] += 1
         if calls["n"] == kill_on:
             os.kill(os.getpid(), signal.SIGKILL)

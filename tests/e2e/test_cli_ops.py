@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from celery_fanin import FanIn, FanInResult, fan_in_group, retention
+from celery_fanin import FanIn, FanInResult, builtin_tasks, fan_in_group, protocol
 from tests import app as tasks
 from tests.e2e import clock
 from tests.e2e.test_cli import celery
@@ -327,8 +327,8 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
     assert _json(e2e_env, "prune", "--older-than", "30d")["batches"] == 0
 
     # The periodic task (`celery_fanin.prune`, for celery beat), run in this process.
-    retention.register(producer)
-    done = producer.tasks[retention.TASK_NAME].apply(kwargs={"older_than": "1d"}).get()
+    builtin_tasks.register(producer)
+    done = producer.tasks[protocol.PRUNE_TASK].apply(kwargs={"older_than": "1d"}).get()
     assert (done["batches"], done["children"]) == (1, 1)
     assert rows([recent.batch_id]) == (0, 0, 0, 0) and rows([old_running.batch_id])[:2] == (1, 1)
     shown = celery(e2e_env, "prune", "--older-than", "1d")

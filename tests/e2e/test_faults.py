@@ -224,7 +224,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
 def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    from celery_fanin import maintenance
+    from celery_fanin.relay import maintenance
 
     processes.worker()
     fanin = FanIn.of(producer)
@@ -255,7 +255,7 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
 def test_reconcile_beside_live_traffic_changes_nothing(producer: Any, processes: Any, successor_runs: Runs) -> None:
     import threading
 
-    from celery_fanin import maintenance
+    from celery_fanin.relay import maintenance
 
     processes.worker()
     processes.relay()
@@ -281,7 +281,7 @@ def test_reconcile_beside_live_traffic_changes_nothing(producer: Any, processes:
 
 
 def test_reconcile_reports_deleted_child_rows(producer: Any, processes: Any) -> None:
-    from celery_fanin import maintenance
+    from celery_fanin.relay import maintenance
 
     handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("gone")).apply_async()
     _sql(producer, "DELETE FROM fanin_children WHERE batch_id = :b AND idx = 1", b=handle.batch_id)

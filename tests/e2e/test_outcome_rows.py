@@ -18,7 +18,7 @@ import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
 from celery_fanin import fan_in_group
-from celery_fanin.publish import HEADER_INDEX
+from celery_fanin.protocol import HEADER_INDEX
 from tests import app as tasks
 from tests.e2e.brokers import on_broker
 from tests.workers import wait_for

@@ -25,7 +25,7 @@ from click.testing import CliRunner, Result
 from sqlalchemy import text
 
 from celery_fanin import FanIn, FanInResult, compensated, fan_in_group, manual, saga
-from celery_fanin.cli_saga import saga as saga_cli
+from celery_fanin.cli.saga import saga as saga_cli
 from tests import app as tasks
 from tests.workers import ROOT, wait_for
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from celery_fanin import FanIn, fan_in_group
-from celery_fanin.maintenance import restart_stalled_successors
+from celery_fanin.relay.maintenance import restart_stalled_successors
 from tests import app as tasks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

@@ -22,7 +22,7 @@ import redis
 from celery import Celery, Task
 from sqlalchemy import Connection, Engine, create_engine, text
 
-from celery_fanin.extension import normalise_database_url
+from celery_fanin.context import normalise_database_url
 from celery_fanin.store import batches, migrate
 
 TABLES = ("fanin_batches", "fanin_children", "fanin_successors", "fanin_outbox")
@@ -61,7 +61,7 @@ def json_encoded(value: Any) -> batches.Encoded:
 
 
 def _signature_dict(task: str, *args: Any) -> dict[str, Any]:
-    """What `dict(task.s(*args))` encodes to: decodable by `publish.decode_signature`, publishable by name."""
+    """What `dict(task.s(*args))` encodes to: decodable by `codec.decode_signature`, publishable by name."""
     return {"task": task, "args": list(args), "kwargs": {}, "options": {}, "subtask_type": None, "immutable": False}
 
 

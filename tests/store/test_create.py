@@ -17,7 +17,8 @@ from celery import Celery, chain, chord, group
 from kombu.exceptions import OperationalError
 from sqlalchemy import Engine, text
 
-from celery_fanin import FanIn, FanInDatabaseError, FanInGroup, FanInResult, InvalidFanIn, fan_in_group, publish
+from celery_fanin import FanIn, FanInDatabaseError, FanInGroup, FanInResult, InvalidFanIn, codec, fan_in_group
+from celery_fanin.broker import publish
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from tests.conftest import REDIS_CLAIM_KEY
@@ -369,10 +370,10 @@ def test_relay_leaves_a_batch_alone_while_its_producer_holds_the_publish_lock(
         step="merge",
         successor_task_id=f"succ-{uuid.uuid4()}",
         successor_name="tests.store.collect",
-        successor_message=publish.encode_signature(app, tasks.collect.s()),
+        successor_message=codec.encode_signature(app, tasks.collect.s()),
     )
     children = [
-        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", publish.encode_signature(app, tasks.add.s(i, i)))
+        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", codec.encode_signature(app, tasks.add.s(i, i)))
         for i in range(5)
     ]
     relay = Relay(FanIn.of(app))

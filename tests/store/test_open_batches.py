@@ -12,7 +12,8 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from celery_fanin import BatchNotFound, BatchNotOpen, FanIn, maintenance
+from celery_fanin import BatchNotFound, BatchNotOpen, FanIn
+from celery_fanin.relay import maintenance
 from celery_fanin.store import batches, recovery
 
 from .helpers import fetch_all, fetch_one, json_encoded, new_batch

@@ -17,7 +17,8 @@ import redis
 from celery import Celery
 from sqlalchemy import Connection, Engine, text
 
-from celery_fanin import FanIn, dispatch, publish
+from celery_fanin import FanIn, codec
+from celery_fanin.relay import outbox as relay_outbox
 from celery_fanin.store import batches, outbox, queries
 
 from .helpers import QUEUE, Tasks, create, fetch_all, fetch_one, queued_messages
@@ -240,17 +241,17 @@ def _completed_batch(
         step="report",
         successor_task_id=f"succ-{uuid.uuid4()}",
         successor_name="tests.store.collect",
-        successor_message=publish.encode_signature(app, tasks.collect.s("extra", flag=True)),
+        successor_message=codec.encode_signature(app, tasks.collect.s("extra", flag=True)),
     )
     children = [
-        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", publish.encode_signature(app, tasks.add.s(i, i)))
+        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", codec.encode_signature(app, tasks.add.s(i, i)))
         for i in range(len(CHILD_OUTCOMES))
     ]
     with store_engine.begin() as conn:
         batches.create_batch(conn, batch, children)
     for child, (state, exc_type, exc_message) in zip(children, CHILD_OUTCOMES, strict=True):
         with store_engine.begin() as conn:
-            result = publish.encode_result(app, 42) if state == "succeeded" else None
+            result = codec.encode_result(app, 42) if state == "succeeded" else None
             batches.record_terminal(
                 conn, child.task_id, state, result=result, exc_type=exc_type, exc_message=exc_message
             )
@@ -264,7 +265,7 @@ def test_publish_outbox_sends_the_successor_with_the_outcome_first(
     app.conf.fanin_outcome_failures_limit = limit
     batch, children = _completed_batch(app, tasks, store_engine)
 
-    assert dispatch.publish_outbox(FanIn.of(app)) == 1
+    assert relay_outbox.publish_outbox(FanIn.of(app)) == 1
 
     [message] = queued_messages(broker)
     assert broker.llen(QUEUE) == 1
@@ -307,7 +308,7 @@ def test_publish_outbox_sends_the_successor_with_the_outcome_first(
     assert out["sent_at"] is not None and out["attempts"] == 1
     assert succ["state"] == "sent"
 
-    assert dispatch.publish_outbox(FanIn.of(app)) == 0  # sent rows are not published again
+    assert relay_outbox.publish_outbox(FanIn.of(app)) == 0  # sent rows are not published again
     assert broker.llen(QUEUE) == 1
 
 
@@ -315,7 +316,7 @@ def test_publish_outbox_only_publishes_the_ids_asked_for(
     app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis, make_outbox_rows: MakeRows
 ) -> None:
     ids = make_outbox_rows(3)
-    assert dispatch.publish_outbox(FanIn.of(app), ids=[ids[1]]) == 1
+    assert relay_outbox.publish_outbox(FanIn.of(app), ids=[ids[1]]) == 1
     with store_engine.connect() as conn:
         rows = fetch_all(conn, "SELECT id, sent_at IS NOT NULL AS sent FROM fanin_outbox ORDER BY id")
     assert rows == [{"id": ids[0], "sent": False}, {"id": ids[1], "sent": True}, {"id": ids[2], "sent": False}]
@@ -336,12 +337,12 @@ def test_publish_outbox_with_the_broker_down_raises_and_rolls_the_claim_back(
     kept = ("sent_at", "successor_state", "attempts", "last_error", "available_at")
     with store_engine.connect() as conn:
         before = _outbox(conn, outbox_id)
-    with pytest.raises(dispatch.BROKER_ERRORS):
-        dispatch.publish_outbox(FanIn.of(dead_broker_app))
+    with pytest.raises(relay_outbox.BROKER_ERRORS):
+        relay_outbox.publish_outbox(FanIn.of(dead_broker_app))
     with store_engine.connect() as conn:
         after = _outbox(conn, outbox_id)
     assert {k: after[k] for k in kept} == {k: before[k] for k in kept}
     assert before["sent_at"] is None and before["successor_state"] == "pending"
     assert broker.llen(QUEUE) == 0
-    assert dispatch.publish_outbox(FanIn.of(app)) == 1  # the same row, on the broker that is up
+    assert relay_outbox.publish_outbox(FanIn.of(app)) == 1  # the same row, on the broker that is up
     assert broker.llen(QUEUE) == 1

@@ -12,6 +12,7 @@ import uuid
 import pytest
 from sqlalchemy import Engine
 
+from celery_fanin import protocol
 from celery_fanin.store import batches, queries
 
 from .helpers import create, json_encoded, new_batch, snapshot
@@ -118,15 +119,16 @@ def test_a_tree_child_is_claimed_by_its_root_and_index(store_engine: Engine) -> 
 def test_the_worker_hook_logs_a_refused_report(
     store_engine: Engine, app: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from celery_fanin import FanIn, hooks
+    from celery_fanin import FanIn
+    from celery_fanin.worker import hooks
 
     fanin = FanIn.of(app)  # type: ignore[arg-type]
     batch, children, _ = create(store_engine, 1)
-    forged = hooks._Marker(str(batch.id), 0, None, task_name="t.forged")
+    forged = protocol.Marker(str(batch.id), 0, None, task_name="t.forged")
     with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
-        rec = hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
+        rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
     assert rec is not None and rec.refused and not rec.counted
     assert "report refused" in caplog.text and children[0].task_id in caplog.text
-    genuine = hooks._Marker(str(batch.id), 0, None, task_name="t.child")
-    rec = hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
+    genuine = protocol.Marker(str(batch.id), 0, None, task_name="t.child")
+    rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
     assert rec is not None and rec.counted and rec.successor_created

@@ -1,4 +1,4 @@
-"""`celery_fanin.retention.prune` against Postgres alone: what counts as prunable, bounded transactions that skip
+"""`celery_fanin.ops.retention.prune` against Postgres alone: what counts as prunable, bounded transactions that skip
 rows another session holds instead of waiting for them, and a deadlock with a late report run again."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from celery import Celery
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 
-from celery_fanin import FanIn, retention
+from celery_fanin import FanIn, builtin_tasks, protocol
+from celery_fanin.ops import retention
 from celery_fanin.store import admin, batches
 
 from .helpers import new_batch, row_counts
@@ -225,7 +226,7 @@ def test_a_deadlocked_transaction_is_run_again(app: Celery, engine: Engine, monk
 
 
 def test_the_periodic_task(app: Celery, engine: Engine) -> None:
-    retention.register(app)
+    builtin_tasks.register(app)
     _finished(engine, 2)
-    result = app.tasks[retention.TASK_NAME].apply(kwargs={"older_than": "30d", "chunk": 10}).get()
+    result = app.tasks[protocol.PRUNE_TASK].apply(kwargs={"older_than": "30d", "chunk": 10}).get()
     assert (result["batches"], result["children"], result["dry_run"]) == (1, 2, False)

@@ -1,4 +1,4 @@
-"""`celery_fanin.rounds.retry_failed` against Postgres and the Redis broker, with outcomes reported by hand: what a
+"""`celery_fanin.ops.rounds.retry_failed` against Postgres and the Redis broker, with outcomes reported by hand: what a
 round is made of, and when it is refused. (tests/e2e/test_cli_ops.py runs rounds on real workers.)"""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, InvalidFanIn, fan_in_group
 from celery_fanin.exceptions import BatchNotFinished, BatchNotFound
-from celery_fanin.outcome import build_outcome
-from celery_fanin.rounds import retry_failed
+from celery_fanin.ops.rounds import retry_failed
+from celery_fanin.relay.payload import build_outcome
 from celery_fanin.store import batches, queries
 
 from .helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages

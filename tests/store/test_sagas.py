@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from sqlalchemy import text
 
 from celery_fanin import BatchOutcome, FanIn, compensated, fan_in_group, manual, saga, sagas
-from celery_fanin.cli_saga import saga as saga_cli
+from celery_fanin.cli.saga import saga as saga_cli
+from celery_fanin.sagas import driver as saga_driver
 from celery_fanin.store import batches
 from celery_fanin.store import sagas as store
 
@@ -52,15 +53,15 @@ def _step_done(app: Celery, saga_id: str, position: int) -> None:
     """What `celery_fanin.saga_step_done` does, twice over (a redelivered successor, a racing `kick`)."""
     fanin = FanIn.of(app)
     for _ in range(2):
-        sagas.settle_step(fanin, uuid.UUID(saga_id), position)
-        sagas.kick(fanin, uuid.UUID(saga_id))
+        saga_driver.settle_step(fanin, uuid.UUID(saga_id), position)
+        saga_driver.kick(fanin, uuid.UUID(saga_id))
 
 
 def _stage_done(app: Celery, saga_id: str, stage: int) -> None:
     fanin = FanIn.of(app)
     for _ in range(2):
-        sagas.settle_stage(fanin, uuid.UUID(saga_id), stage)
-        sagas.kick(fanin, uuid.UUID(saga_id))
+        saga_driver.settle_stage(fanin, uuid.UUID(saga_id), stage)
+        saga_driver.kick(fanin, uuid.UUID(saga_id))
 
 
 def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(app: Celery) -> None:
@@ -89,8 +90,8 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
     status = handle.status()
     assert status.state == "compensating" and status.failed_step == 3 and status.exc_type == "RuntimeError"
     assert [(c.stage, c.position, c.undo_of, c.task_id) for c in status.compensations] == [
-        (0, 2, charge_id, sagas.compensation_task_id(charge_id, 1)),
-        (1, 1, reserve_id, sagas.compensation_task_id(reserve_id, 1)),
+        (0, 2, charge_id, saga_driver.compensation_task_id(charge_id, 1)),
+        (1, 1, reserve_id, saga_driver.compensation_task_id(reserve_id, 1)),
     ]
     step_batches = _rows(app, "SELECT key FROM fanin_batches WHERE key LIKE :k", k=f"saga:{sid}:%")
     assert len(step_batches) == 3  # each step's batch once, whatever ran twice
@@ -117,10 +118,10 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
     assert [s.state for s in status.steps] == ["succeeded", "compensation_failed", "failed"]
 
     # Resume: a new attempt of the refund only, with its own task id and batch, then the rest of the rollback.
-    status = sagas.resume(FanIn.of(app), sid)
+    status = saga_driver.resume(FanIn.of(app), sid)
     refund2 = status.compensations[0]
     assert (status.state, status.resumes, refund2.attempt) == ("compensating", 1, 2)
-    assert refund2.task_id == sagas.compensation_task_id(charge_id, 2) != refund.task_id
+    assert refund2.task_id == saga_driver.compensation_task_id(charge_id, 2) != refund.task_id
     [key] = _rows(app, "SELECT key FROM fanin_batches WHERE id = :b", b=refund2.batch_id)
     assert key.key == f"compensate:{status.step(2).batch_id}:2"
     _finish_children(app, refund2.batch_id, {0: "succeeded"})  # type: ignore[arg-type]
@@ -133,7 +134,7 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
     assert [s.state for s in status.steps] == ["compensated", "compensated", "failed"]
     assert [c.state for c in status.compensations] == ["succeeded", "succeeded"]
     with pytest.raises(sagas.SagaStateError, match="nothing to resume"):
-        sagas.resume(FanIn.of(app), sid)
+        saga_driver.resume(FanIn.of(app), sid)
 
 
 def test_manual_steps_are_asked_for_not_waited_for_and_acked(app: Celery) -> None:
@@ -152,11 +153,11 @@ def test_manual_steps_are_asked_for_not_waited_for_and_acked(app: Celery) -> Non
     ]  # fmt: skip
     assert status.step(2).state == "manual_action_required"
     with pytest.raises(sagas.SagaStateError, match="not waiting for a manual action"):
-        sagas.acknowledge(FanIn.of(app), sid, 1)
+        saga_driver.acknowledge(FanIn.of(app), sid, 1)
     _finish_children(app, status.compensations[1].batch_id, {0: "succeeded"})  # type: ignore[arg-type]
     _stage_done(app, sid, 1)
     assert handle.status().state == "manual_action_required"
-    status = sagas.acknowledge(FanIn.of(app), sid, "t.email", by="bob")  # by name as well as by number
+    status = saga_driver.acknowledge(FanIn.of(app), sid, "t.email", by="bob")  # by name as well as by number
     assert status.state == "compensated" and status.step(2).state == "acknowledged"
     assert status.compensations[0].acked_by == "bob"
 
@@ -173,7 +174,7 @@ def test_outcome_compensate_undoes_succeeded_children_once(app: Celery) -> None:
     assert outcome.compensate().batch_id == first.batch_id  # once, however often it is called
     undos = _rows(app, "SELECT task_id, message FROM fanin_children WHERE batch_id = :b ORDER BY idx",
                   b=first.batch_id)  # fmt: skip
-    assert [u.task_id for u in undos] == [sagas.compensation_task_id(ids[i], 1) for i in (2, 0)]  # latest first
+    assert [u.task_id for u in undos] == [saga_driver.compensation_task_id(ids[i], 1) for i in (2, 0)]  # latest first
     assert [json.loads(bytes(u.message))["args"] for u in undos] == [[2], [0]]
     assert _rows(app, "SELECT count(*) AS n FROM fanin_batches WHERE key LIKE 'compensate:%'")[0].n == 1
 

@@ -11,10 +11,11 @@ import pytest
 from celery import Celery
 from sqlalchemy import Engine
 
-from celery_fanin import FanIn, starts
-from celery_fanin.starts import StartRecorder
+from celery_fanin import FanIn
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection
+from celery_fanin.worker import starts
+from celery_fanin.worker.starts import StartRecorder
 
 from .helpers import create, fetch_all, json_encoded, wait_for
 

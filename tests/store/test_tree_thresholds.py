@@ -22,8 +22,9 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from celery_fanin import BatchOutcome, FanIn, FanInNotConfigured, InvalidFanIn, dispatch, fan_in_group, publish
-from celery_fanin.outcome import build_outcome
+from celery_fanin import BatchOutcome, FanIn, FanInNotConfigured, InvalidFanIn, codec, fan_in_group
+from celery_fanin.relay import outbox as relay_outbox
+from celery_fanin.relay.payload import build_outcome
 from celery_fanin.store import batches, queries, recovery
 
 from .helpers import (
@@ -353,11 +354,11 @@ def _encoded_batch(app: Celery, tasks: Tasks, n: int, **options: Any) -> tuple[b
         step="merge",
         successor_task_id=f"succ-{uuid.uuid4()}",
         successor_name="tests.store.collect",
-        successor_message=publish.encode_signature(app, tasks.collect.s()),
+        successor_message=codec.encode_signature(app, tasks.collect.s()),
         **options,
     )
     children = [
-        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", publish.encode_signature(app, tasks.add.s(i, i)))
+        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", codec.encode_signature(app, tasks.add.s(i, i)))
         for i in range(n)
     ]
     return batch, children
@@ -378,10 +379,10 @@ def test_the_relay_publishes_only_orphaned_children_still_pending_and_marks_the_
             text("UPDATE fanin_children SET state = 'abandoned' WHERE task_id = :t"), {"t": children[8].task_id}
         )
 
-    assert dispatch.publish_orphaned_children(FanIn.of(app)) == 3
+    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 3
     assert [m.headers["id"] for m in queued_messages(broker)] == [children[i].task_id for i in (1, 2, 6)]
     assert _published_upto(store_engine, batch.id) == 10
-    assert dispatch.publish_orphaned_children(FanIn.of(app)) == 0  # done with it: not scanned again
+    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 0  # done with it: not scanned again
     assert broker.llen(QUEUE) == 3
 
 
@@ -395,7 +396,7 @@ def test_the_relay_moves_the_mark_past_a_batch_with_nothing_left_to_publish(
         batches.mark_published(conn, batch.id, 1)
     for child in children[1:]:
         _report(store_engine, child.task_id, "failed")
-    assert dispatch.publish_orphaned_children(FanIn.of(app)) == 0
+    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 0
     assert broker.llen(QUEUE) == 0
     assert _published_upto(store_engine, batch.id) == 5
 
@@ -419,7 +420,7 @@ def test_publishing_a_tree_s_threshold_successor_abandons_and_revokes_every_leaf
     _report(store_engine, children[4].task_id, "succeeded")
     assert _report(store_engine, children[2].task_id, "failed").successor_created
 
-    assert dispatch.publish_outbox(FanIn.of(app)) == 1
+    assert relay_outbox.publish_outbox(FanIn.of(app)) == 1
     [message] = queued_messages(broker)
     outcome = message.args[0]
     # The outcome says what had happened when the threshold passed: the tree's successes as well.
@@ -440,7 +441,7 @@ def test_the_outcome_lists_failures_up_to_a_byte_budget_and_the_rest_stream_from
     big = "x" * 1000
     batch, _ = _encoded_batch(app, tasks, 0)
     children = [
-        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", publish.encode_signature(app, tasks.add.s(i, big)))
+        batches.NewChild(f"{batch.id}-{i}", "tests.store.add", codec.encode_signature(app, tasks.add.s(i, big)))
         for i in range(30)
     ]
     with store_engine.begin() as conn:

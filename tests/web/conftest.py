@@ -13,9 +13,10 @@ import pytest
 from celery import Celery
 from starlette.testclient import TestClient
 
-from celery_fanin import FanIn, fan_in_group, hooks, successor_runs
+from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.store.batches import Start
 from celery_fanin.web import create_app
+from celery_fanin.worker import hooks, successor_runs
 
 
 @dataclass
@@ -49,10 +50,10 @@ class Store:
         fanin = FanIn.of(batch.app)
         exc = None if state == "succeeded" else ValueError(message or f"child {index} failed on purpose")
         start = Start(batch.task_ids[index], 0, "web@test", datetime.now(timezone.utc))  # carried by the report
-        rec = hooks.record_child(
+        rec = hooks.worker_hooks.record_child(
             fanin,
             batch.task_ids[index],
-            hooks._Marker(batch.id, index, None),
+            protocol.Marker(batch.id, index, None),
             state,
             value=index,
             has_value=state == "succeeded",
@@ -66,13 +67,13 @@ class Store:
         status = fanin_status(batch)
         live = successor_runs.admit(fanin, batch.id, status.step, status.successor_task_id, 0)
         assert live is not None
-        assert hooks.record_successor(
-            fanin, hooks._Marker(batch.id, None, status.step), "succeeded", value=1, live=live
+        assert hooks.worker_hooks.record_successor(
+            fanin, protocol.Marker(batch.id, None, status.step), "succeeded", value=1, live=live
         )
 
 
 def fanin_status(batch: Batch) -> Any:
-    from celery_fanin.canvas import read_status
+    from celery_fanin.producer.result import read_status
 
     return read_status(FanIn.of(batch.app), batch.id)
 

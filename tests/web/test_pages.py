@@ -14,7 +14,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from starlette.testclient import TestClient
 
-from celery_fanin import FanIn, compensated, manual, saga, sagas
+from celery_fanin import FanIn, compensated, manual, protocol, saga
+from celery_fanin.sagas import driver as saga_driver
 from celery_fanin.web import create_app
 
 from .conftest import Store
@@ -252,11 +253,11 @@ def _saga_done(app: Celery, batch_id: str | None, state: str) -> None:
         task_id, idx = conn.execute(
             sql("SELECT task_id, idx FROM fanin_children WHERE batch_id = :b ORDER BY idx LIMIT 1"), {"b": batch_id}
         ).one()
-    from celery_fanin import hooks
+    from celery_fanin.worker import hooks
 
     exc = RuntimeError("the carrier is down") if state == "failed" else None
-    rec = hooks.record_child(
-        fanin, task_id, hooks._Marker(batch_id, idx, None), state, value=1, has_value=state == "succeeded", exc=exc
+    rec = hooks.worker_hooks.record_child(
+        fanin, task_id, protocol.Marker(batch_id, idx, None), state, value=1, has_value=state == "succeeded", exc=exc
     )
     assert rec is not None and rec.counted
 
@@ -272,7 +273,7 @@ def _rolled_back_saga(app: Celery) -> Any:
         app=app,
         key=f"order-{uuid.uuid4().hex[:6]}",
     ).apply_async()
-    step_done = app.tasks[sagas.STEP_DONE_TASK]
+    step_done = app.tasks[protocol.SAGA_STEP_DONE_TASK]
     for position in (1, 2):
         _saga_done(app, handle.status().step(position).batch_id, "succeeded")
         step_done({"succeeded": 1, "failed": 0}, handle.saga_id, position)
@@ -280,7 +281,7 @@ def _rolled_back_saga(app: Celery) -> Any:
     step_done({"succeeded": 0, "failed": 1}, handle.saga_id, 3)
     comp = next(c for c in handle.status().compensations if c.kind != "manual")
     _saga_done(app, comp.batch_id, "succeeded")
-    app.tasks[sagas.COMPENSATION_DONE_TASK]({"batch_id": comp.batch_id, "succeeded": 1, "failed": 0})
+    app.tasks[protocol.COMPENSATION_DONE_TASK]({"batch_id": comp.batch_id, "succeeded": 1, "failed": 0})
     return handle
 
 
@@ -302,7 +303,7 @@ def test_saga_page_lists_steps_compensations_and_what_to_ack(client: TestClient,
     assert comps.index("manual action") < comps.index("web.child"), "in the order they run (stage 0 first)"
     assert "x-fanin-final" not in page.headers
 
-    sagas.acknowledge(FanIn.of(app), handle.saga_id, 2, "alice")
+    saga_driver.acknowledge(FanIn.of(app), handle.saga_id, 2, "alice")
     page = client.get(f"/sagas/{handle.saga_id}")
     assert "to-ack" not in page.text and "by alice" in page.text
     assert page.headers["x-fanin-final"] == "1", "compensated: nothing will change"
@@ -314,7 +315,7 @@ def test_saga_page_lists_steps_compensations_and_what_to_ack(client: TestClient,
 
 def test_sagas_page_filters_by_state_and_pages(app: Celery) -> None:
     done = [_rolled_back_saga(app) for _ in range(3)]
-    sagas.acknowledge(FanIn.of(app), done[0].saga_id, 2, "bob")
+    saga_driver.acknowledge(FanIn.of(app), done[0].saga_id, 2, "bob")
     web = create_app(app, page_size=1)
     try:
         with TestClient(web) as client:

@@ -23,8 +23,8 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
+from celery_fanin.cli import fanin as fanin_group
 from celery_fanin.web import MISSING_EXTRA, MissingExtra, create_app
-from celery_fanin.web.cli import dashboard as dashboard_command
 from celery_fanin.web.cli import is_loopback
 from celery_fanin.web.sql import parse, statements
 from tests.workers import ROOT, CeleryProcess
@@ -171,7 +171,7 @@ def test_is_loopback() -> None:
 
 def test_without_the_extra_the_command_says_what_to_install(monkeypatch: pytest.MonkeyPatch, app: Celery) -> None:
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` raises ImportError
-    result = CliRunner().invoke(dashboard_command, [], obj=SimpleNamespace(app=app))
+    result = CliRunner().invoke(fanin_group, ["dashboard"], obj=SimpleNamespace(app=app))
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [f"Error: {MISSING_EXTRA} (uvicorn is not installed)"]
     assert 'pip install "celery-fanin[web]"' in result.output
@@ -184,7 +184,7 @@ def test_without_the_extra_create_app_says_what_to_install(monkeypatch: pytest.M
 
 
 def test_a_public_address_needs_a_token(app: Celery) -> None:
-    result = CliRunner().invoke(dashboard_command, ["--host", "0.0.0.0"], obj=SimpleNamespace(app=app))
+    result = CliRunner().invoke(fanin_group, ["dashboard", "--host", "0.0.0.0"], obj=SimpleNamespace(app=app))
     assert result.exit_code == 1 and "refusing to serve the dashboard on 0.0.0.0 without a token" in result.output
 
 

@@ -1,7 +1,7 @@
 -- The dashboard's reads (celery_fanin.web), beside what store/queries.py and store/admin.py already read.
 -- Every filter is a parameter that is NULL when unused; the dashboard's connections never prepare statements
 -- server-side, so each is planned with its values, the unused filters fold away, and the page walks the index
--- of the filter it has (migration 0015; tests/web/test_explain.py reads the plans).
+-- of the filter it has (migration 0016; tests/web/test_explain.py reads the plans).
 
 -- name: batches_page
 -- Root batches newest first, filtered (a NULL filter matches all), after the keyset cursor (created_at, id).

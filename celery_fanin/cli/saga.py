@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import click
+from rich.console import Console
+from rich.table import Table
 
-from . import sagas
-from .cli_support import _errors_as_exit, _fanin
+from ..sagas import driver
+from ..sagas import status as saga_status
+from .support import _errors_as_exit, _fanin
 
 
 @click.group(name="saga")
@@ -15,10 +18,7 @@ def saga() -> None:
     """Sagas: their steps, their compensations, and the operator's part in a rollback."""
 
 
-def _render(status: sagas.SagaStatus) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+def _render(status: saga_status.SagaStatus) -> None:
     console = Console()
     head = Table(show_header=False, box=None)
     rows: list[tuple[str, str]] = [("saga", status.saga_id), ("state", status.state)]
@@ -65,7 +65,7 @@ def _render(status: sagas.SagaStatus) -> None:
 @_errors_as_exit
 def status(ctx: click.Context, saga_id: str, as_json: bool) -> None:
     """Show a saga's steps, their states and its compensations."""
-    st = sagas.read_status(_fanin(ctx), saga_id)
+    st = saga_status.read_status(_fanin(ctx), saga_id)
     if as_json:
         click.echo(json.dumps(st.as_dict(), indent=2))
     else:
@@ -78,7 +78,7 @@ def status(ctx: click.Context, saga_id: str, as_json: bool) -> None:
 @_errors_as_exit
 def resume(ctx: click.Context, saga_id: str) -> None:
     """Retry a stopped rollback from the compensation that failed (fix its cause first)."""
-    st = sagas.resume(_fanin(ctx), saga_id)
+    st = driver.resume(_fanin(ctx), saga_id)
     click.echo(f"saga {st.saga_id}: {st.state}")
 
 
@@ -90,5 +90,5 @@ def resume(ctx: click.Context, saga_id: str) -> None:
 @_errors_as_exit
 def ack(ctx: click.Context, saga_id: str, step: str, by: str | None) -> None:
     """Record that the manual action of STEP (its number, or its task name) was done."""
-    st = sagas.acknowledge(_fanin(ctx), saga_id, step, by)
+    st = driver.acknowledge(_fanin(ctx), saga_id, step, by)
     click.echo(f"saga {st.saga_id}: step {step} acknowledged; saga {st.state}")

@@ -19,14 +19,14 @@ from types import FrameType
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from . import dispatch, retry
+from .. import retry
+from ..context import FanIn
+from ..protocol import OUTBOX_CHANNEL
+from ..store.reports import connect_options, libpq_conninfo
 from . import maintenance as maintenance_duties
-from .extension import FanIn
-from .store.reports import connect_options, libpq_conninfo
+from . import outbox
 
 logger = logging.getLogger("celery_fanin.relay")
-
-CHANNEL = "fanin_outbox"
 
 
 @dataclass
@@ -119,12 +119,12 @@ class Relay:
             self.stats.repairs += len(maintenance_duties.reconcile(self.fanin))
         published = 0
         while not self._stop.is_set():
-            n = dispatch.publish_outbox(self.fanin)
+            n = outbox.publish_outbox(self.fanin)
             published += n
             self.stats.successors_published += n
             if n < settings.relay_batch_size:
                 break
-        children = dispatch.publish_orphaned_children(self.fanin)
+        children = outbox.publish_orphaned_children(self.fanin)
         self.stats.children_published += children
         self.stats.rounds += 1
         return published + children
@@ -134,7 +134,7 @@ class Relay:
             return
         url = self.fanin.database_url
         conn = psycopg.connect(make_conninfo(libpq_conninfo(url), **connect_options(url)), autocommit=True)
-        conn.execute(f"LISTEN {CHANNEL}")  # a constant, never input
+        conn.execute(f"LISTEN {OUTBOX_CHANNEL}")  # a constant, never input
         self._listener = conn
 
     def _close_listener(self) -> None:

@@ -24,9 +24,9 @@ import weakref
 from collections import deque
 from datetime import datetime, timezone
 
-from . import retry
-from .extension import FanIn
-from .store.batches import Start
+from .. import retry
+from ..context import FanIn
+from ..store.batches import Start
 
 logger = logging.getLogger("celery_fanin.starts")
 

@@ -10,11 +10,12 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from . import publish
-from .dispatch import revoke_children
-from .exceptions import BatchNotFound, BatchNotOpen
-from .extension import FanIn
-from .store import batches, recovery, successors
+from ..broker import publish
+from ..broker.control import revoke_children
+from ..codec import decode_signature
+from ..context import FanIn
+from ..exceptions import BatchNotFound, BatchNotOpen
+from ..store import batches, recovery, successors
 
 logger = logging.getLogger("celery_fanin.maintenance")
 
@@ -38,7 +39,7 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
             with fanin.engine.begin() as conn:
                 claimed = recovery.claim_redrive(conn, child)
             if claimed:
-                sig = publish.decode_signature(app, child.message)
+                sig = decode_signature(app, child.message)
                 with publish.producer(app) as prod:
                     publish.publish_children(app, prod, child.batch_id, [(child.idx, child.task_id, sig)])
                 report.redriven.append(child.task_id)

@@ -1,4 +1,4 @@
-"""`fan_in_group` and the handle it returns: the producer side.
+"""`fan_in_group`: the plan of a fan-in, validated, and `apply_async`, which writes it and publishes its children.
 
 ``fan_in_group(children, then=successor).apply_async()`` validates and encodes everything first, then writes the
 batch, its planned count and every child in one transaction, and only then publishes the children itself (the
@@ -9,237 +9,31 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, TypeVar
+from typing import Any
 
-from celery import Celery, current_app
+from celery import Celery, current_app, current_task
 from celery.canvas import Signature
-from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.result import AsyncResult
 from celery.utils import uuid as new_task_id
 from kombu.exceptions import EncodeError
-from sqlalchemy.exc import SQLAlchemyError
 
-from . import dispatch, nesting, producer, publish
-from .exceptions import BatchNotFound, FanInDatabaseError, FanInDepthExceeded, InvalidFanIn, summarise
-from .extension import FanIn
-from .store import batches, queries, successors
+from ..broker import publish
+from ..codec import encode_signature
+from ..context import FanIn
+from ..exceptions import FanInDepthExceeded, InvalidFanIn
+from ..protocol import HEADER_BATCH, HEADER_SUCCESSOR, RUN_GROUP_TASK, request_header
+from ..relay.outbox import publish_outbox
+from ..store import batches, queries
+from . import eager, write
+from .result import FanInResult, parse_batch_id
 from .task_ids import random_ids
 
 logger = logging.getLogger("celery_fanin.canvas")
 
 MAX_STEP_LENGTH = 200
-
-
-@dataclass(frozen=True)
-class BatchStatus:
-    """A batch as the store sees it now."""
-
-    batch_id: str
-    step: str
-    state: str
-    planned: int
-    remaining: int
-    succeeded: int
-    failed: int
-    published: int
-    created_at: datetime
-    completed_at: datetime | None
-    successor_task_id: str
-    successor_name: str
-    successor_state: str | None  # None until the last child's terminal outcome creates the successor
-    successor_runs: int
-    successor_duplicates: int
-    # Terminal reports refused because their message's batch, index or task name disagreed with the child's row.
-    refused_reports: int = 0
-
-    @property
-    def finished(self) -> bool:
-        """True once the successor has run to a final state."""
-        return self.successor_state in successors.FINAL_STATES
-
-    @property
-    def done(self) -> bool:
-        """True once nothing more will happen: the successor has finished, or the batch ended with nothing to run
-        (`expired` by an abandoned deadline, or `cancelled`, without `on_expire`: the row that runs `on_expire` is
-        created in the same transaction as that state, so none will come later)."""
-        return self.finished or (self.state in batches.ENDED_WITHOUT_SUCCESSOR and self.successor_state is None)
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["created_at"] = self.created_at.isoformat()
-        data["completed_at"] = self.completed_at.isoformat() if self.completed_at else None
-        return data
-
-
-def read_status(fanin: FanIn, batch_id: str | uuid.UUID) -> BatchStatus:
-    bid = _parse_batch_id(batch_id)
-    try:
-        with fanin.engine.connect() as conn:
-            batch = queries.batch(conn, bid)
-            if batch is None:
-                raise BatchNotFound(f"no fan-in batch with id {bid}")
-            succ = queries.successor(conn, bid, batch.step)
-            leaves, leaf_succeeded, leaf_failed = queries.unfinished_leaves(conn, bid)
-    except SQLAlchemyError as exc:
-        raise FanInDatabaseError(f"could not read batch {bid}: {summarise(exc)}") from exc
-    return BatchStatus(
-        batch_id=str(batch.id),
-        step=batch.step,
-        state=batch.state,
-        planned=batch.planned,
-        # In children, whatever the shape: a tree's root counts leaves, and an open batch holds a token.
-        remaining=batch.planned - batch.succeeded - leaf_succeeded - batch.failed - leaf_failed,
-        succeeded=batch.succeeded + leaf_succeeded,
-        failed=batch.failed + leaf_failed,
-        published=batch.published_upto,
-        created_at=batch.created_at,
-        completed_at=batch.completed_at,
-        successor_task_id=batch.successor_task_id,
-        successor_name=batch.successor_name,
-        successor_state=succ.state if succ else None,
-        successor_runs=succ.runs if succ else 0,
-        successor_duplicates=succ.duplicates if succ else 0,
-        refused_reports=batch.refused_reports,
-    )
-
-
-def _parse_batch_id(batch_id: str | uuid.UUID) -> uuid.UUID:
-    if isinstance(batch_id, uuid.UUID):
-        return batch_id
-    try:
-        return uuid.UUID(str(batch_id))
-    except ValueError:
-        raise BatchNotFound(f"{batch_id!r} is not a batch id (batch ids are UUIDs)") from None
-
-
-S = TypeVar("S")
-
-
-def poll_until_finished(
-    read: Callable[[], S], finished: Callable[[S], bool], timeout: float | None, interval: float,
-    describe: Callable[[S], str],
-) -> S:  # fmt: skip
-    """Read until `finished`; `celery.exceptions.TimeoutError` (with `describe`) after `timeout` seconds.
-
-    `FanInDatabaseError` while waiting is retried until then: a database restart or failover should not end a wait.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            status = read()
-        except FanInDatabaseError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise
-        else:
-            if finished(status):
-                return status
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CeleryTimeoutError(describe(status))
-        time.sleep(interval)
-
-
-class FanInResult:
-    """The handle `apply_async` returns. Holds no worker and no connection; every call reads the store."""
-
-    def __init__(self, app: Celery, batch_id: str, successor_task_id: str | None = None) -> None:
-        """A handle on an existing batch; `FanInResult(app, batch_id)` rebuilds one from a stored id."""
-        self.app = app
-        self.batch_id = str(_parse_batch_id(batch_id))
-        self._successor_task_id = successor_task_id
-
-    @property
-    def successor_task_id(self) -> str:
-        if self._successor_task_id is None:
-            self._successor_task_id = self.status().successor_task_id
-        return self._successor_task_id
-
-    @property
-    def id(self) -> str:
-        return self.batch_id
-
-    def __repr__(self) -> str:
-        return f"<FanInResult batch_id={self.batch_id}>"
-
-    def status(self) -> BatchStatus:
-        return read_status(FanIn.of(self.app), self.batch_id)
-
-    def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:
-        """Block until the batch has reached its final state; returns that status.
-
-        Final: the successor (or `on_failure`/`on_expire`) has finished (succeeded, failed or revoked), or the
-        batch ended with nothing to run (`expired` or `cancelled` without `on_expire`; `successor_state` is then
-        None). Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds. Database errors
-        while waiting are retried until then (a restart or failover should not end a wait).
-        """
-        return poll_until_finished(
-            self.status,
-            lambda st: st.done,
-            timeout,
-            interval,
-            lambda st: (
-                f"batch {self.batch_id} not finished after {timeout}s: state={st.state} "
-                f"remaining={st.remaining} successor={st.successor_state}"
-            ),
-        )
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The successor's return value, from the store (no result backend needed); waits for it first.
-
-        None when the batch ended with nothing to run (`expired` or `cancelled` without `on_expire`), and when the
-        successor failed: `wait().state` and `successor_state` tell those apart."""
-        status = self.wait(timeout)
-        fanin = FanIn.of(self.app)
-        with fanin.engine.connect() as conn:
-            encoded = queries.successor_result(conn, _parse_batch_id(self.batch_id), status.step)
-        return publish.decode_result(self.app, encoded) if encoded is not None else None
-
-    def cancel(self, proceed: bool = False) -> BatchStatus:
-        """End the batch now, as `celery -A proj fanin cancel` does: unfinished children are abandoned and revoked;
-        the batch ends `cancelled` (only `on_expire` runs) or, with `proceed`, `partial` with its successor run.
-        Raises `BatchNotOpen` if it has already ended."""
-        from .maintenance import cancel_batch
-
-        cancel_batch(FanIn.of(self.app), _parse_batch_id(self.batch_id), proceed=proceed)
-        return self.status()
-
-    def seal(self) -> BatchStatus:
-        """Seal an open (streaming) batch now, as `celery -A proj fanin seal` does: it takes no more children and
-        finishes when the ones it has do. Raises `BatchNotOpen` if it is not open."""
-        from .maintenance import seal_batch
-
-        seal_batch(FanIn.of(self.app), _parse_batch_id(self.batch_id))
-        return self.status()
-
-    def next_stage(self) -> FanInResult | None:
-        """The batch a `then=fan_in_group(...)` pipeline stage started when this one finished, if any."""
-        status = self.status()
-        fanin = FanIn.of(self.app)
-        with fanin.engine.connect() as conn:
-            found = batches.find_by_key(conn, self.app.main or "", f"then:{self.batch_id}:{status.step}")
-        return FanInResult(self.app, str(found[0])) if found else None
-
-    def final(self, timeout: float | None = None) -> Any:
-        """The last stage's result: follows a pipeline from this first handle to its end (within `timeout`)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handle: FanInResult = self
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            status = handle.wait(left)
-            if status.successor_name != nesting.TASK_NAME:
-                return handle.result(left)
-            following = handle.next_stage()
-            if following is None:
-                raise CeleryTimeoutError(f"pipeline stage {handle.batch_id} finished but started no next stage")
-            handle = following
-
-    def successor(self) -> AsyncResult:
-        """The successor's Celery result (needs a result backend; the store has its state without one)."""
-        return self.app.AsyncResult(self.successor_task_id)
 
 
 def _check_plain_signature(value: object, what: str) -> Signature:
@@ -448,7 +242,7 @@ class FanInGroup:
         self.max_width = max_width
         # Set by `celery_fanin.run_group` for a nested batch: the outer child its successor completes.
         self.parent_task_id: str | None = None
-        # Set by `celery_fanin.rounds` for a retry round: its number, and the batch of round 1 it retries.
+        # Set by `celery_fanin.ops.rounds` for a retry round: its number, and the batch of round 1 it retries.
         self.round = 1
         self.retry_of: uuid.UUID | None = None
         self.options: dict[str, Any] = {
@@ -456,6 +250,72 @@ class FanInGroup:
             "deadline": deadline, "on_deadline": on_deadline, "on_expire": on_expire,
             "max_failures": max_failures, "on_failure": on_failure,
         }  # fmt: skip
+
+    # The options a nested group may carry, all JSON-able once durations are in seconds.
+    _NESTED_OPTIONS = ("child_timeout", "on_lost", "max_redrives", "deadline", "on_deadline", "on_expire",
+                       "max_failures", "on_failure", "max_width")  # fmt: skip
+
+    def to_spec(self, what: str) -> dict[str, Any]:
+        """The group as plain data, to travel nested in a message: its children must be a list."""
+        children = self.children
+        if not isinstance(children, (list, tuple)):
+            raise InvalidFanIn(f"{what}: a nested fan_in_group needs a list of children, not a generator")
+        if self.then is None:
+            raise InvalidFanIn(f"{what}: a nested fan_in_group needs then=")
+        items: list[Any] = []
+        for i, child in enumerate(children):
+            if isinstance(child, FanInGroup):
+                items.append({"group": child.to_spec(f"{what}, child {i}")})
+            elif isinstance(child, Signature):
+                items.append({"sig": dict(child)})
+            else:
+                raise InvalidFanIn(f"{what}, child {i} is not a task signature (got {type(child).__name__})")
+        then = self.then
+        options: dict[str, Any] = {}
+        for name in self._NESTED_OPTIONS:
+            value = self.options.get(name) if name != "max_width" else self.max_width
+            if value is None or (name == "child_timeout" and value is _DEFAULT):
+                continue
+            if isinstance(value, timedelta):
+                value = value.total_seconds()
+            if isinstance(value, Signature):
+                value = {"sig": dict(value)}
+            options[name] = value
+        if "deadline" in options and not isinstance(options["deadline"], (int, float)):
+            raise InvalidFanIn(f"{what}: a nested fan_in_group's deadline must be relative (a timedelta)")
+        spec: dict[str, Any] = {
+            "children": items,
+            "then": {"group": then.to_spec(f"{what}, then")} if isinstance(then, FanInGroup) else {"sig": dict(then)},
+            "step": self.step,
+        }
+        if options:
+            spec["options"] = options
+        return spec
+
+    @classmethod
+    def from_spec(cls, app: Celery, spec: dict[str, Any]) -> FanInGroup:
+        """The group `to_spec` described."""
+
+        def item(data: dict[str, Any]) -> Any:
+            if "group" in data:
+                return cls.from_spec(app, data["group"])
+            return app.signature(data["sig"])
+
+        options = dict(spec.get("options") or {})
+        for name in ("on_expire", "on_failure"):
+            if isinstance(options.get(name), dict):
+                options[name] = app.signature(options[name]["sig"])
+        if "deadline" in options:
+            options["deadline"] = timedelta(seconds=options["deadline"])
+        max_width = options.pop("max_width", None)
+        return cls(
+            [item(c) for c in spec["children"]], then=item(spec["then"]), step=spec.get("step"), app=app,
+            max_width=max_width, **options,
+        )  # fmt: skip
+
+    def as_signature(self, app: Celery, what: str) -> Signature:
+        """The message that stands for this group nested in another: `celery_fanin.run_group(spec)`."""
+        return app.signature(RUN_GROUP_TASK, args=(self.to_spec(what),))
 
     def _policy(self, fanin: FanIn) -> Policy:
         settings = fanin.settings
@@ -493,7 +353,7 @@ class FanInGroup:
         if self.then is None:
             raise InvalidFanIn("fan_in_group needs then=: the signature of the successor to run after the children")
         if isinstance(self.then, FanInGroup):  # a pipeline: the next stage starts when this batch finishes
-            then = nesting.as_signature(self.app, self.then, "then")
+            then = self.then.as_signature(self.app, "then")
             step = self.step or "then"
         else:
             then = _check_plain_signature(self.then, "then")
@@ -562,7 +422,7 @@ class FanInGroup:
 
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
-                sig = nesting.as_signature(app, item, f"child {index}")
+                sig = item.as_signature(app, f"child {index}")
             elif publish.is_chain(item):  # counted when its last task ends (or any task fails)
                 tail = _check_chain(item, f"child {index}")
                 task_id = item.options.get("task_id") or tail.options.get("task_id") or next(ids)
@@ -578,16 +438,14 @@ class FanInGroup:
             return child, sig
 
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
-        written = producer.write(
+        written = write.write(
             fanin, root, self.children, encode, ratio=ratio, max_width=self.max_width or fanin.settings.max_width
         )
         if app.conf.task_always_eager:  # the children ran inline as they were published; now the successor
-            from .eager import run_eagerly
-
-            return run_eagerly(fanin, written.batch_id)
+            return eager.run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
             try:
-                dispatch.publish_outbox(fanin, ids=[written.successor_outbox_id])
+                publish_outbox(fanin, ids=[written.successor_outbox_id])
             except Exception:
                 logger.warning("could not publish successor of empty batch_id=%s; the relay will", root.id,
                                exc_info=True, extra={"batch_id": str(root.id), "step": step})  # fmt: skip
@@ -601,16 +459,13 @@ class FanInGroup:
 
 def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:
     """The depth and parent of a fan-in created now: inside a fan-in child or successor, one below its batch."""
-    from celery import current_task
-
     request = getattr(current_task, "request", None) if current_task else None
     if request is None or getattr(request, "called_directly", True):
         return 0, None
-    header = publish.request_header
-    parent = header(request, publish.HEADER_BATCH) or header(request, publish.HEADER_SUCCESSOR)
+    parent = request_header(request, HEADER_BATCH) or request_header(request, HEADER_SUCCESSOR)
     if not parent:
         return 0, None
-    parent_id = _parse_batch_id(str(parent))
+    parent_id = parse_batch_id(str(parent))
     with fanin.engine.connect() as conn:
         depth = queries.depth(conn, parent_id)
     return (0 if depth is None else depth + 1), parent_id
@@ -618,7 +473,7 @@ def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:
 
 def _encode(app: Celery, sig: Signature, what: str, serializer: str | None = None) -> batches.Encoded:
     try:
-        return publish.encode_signature(app, sig, serializer)
+        return encode_signature(app, sig, serializer)
     except EncodeError as exc:
         raise InvalidFanIn(f"{what}: its arguments cannot be encoded with the app's serializer: {exc}") from exc
 

@@ -26,23 +26,19 @@ import functools
 import logging
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import retry
-from .exceptions import FanInDatabaseError, summarise
-from .extension import FanIn
+from .. import retry
+from ..context import FanIn
+from ..exceptions import FanInDatabaseError, summarise
+from ..store import admin
 from .inspection import parse_duration
-from .store import admin
 
 logger = logging.getLogger("celery_fanin.retention")
-
-TASK_NAME = "celery_fanin.prune"
 
 
 @dataclass
@@ -180,27 +176,3 @@ def _delete_sagas(fanin: FanIn, age: float, room: int) -> _Deleted | None:
     with fanin.engine.begin() as conn:
         deleted = admin.delete_sagas(conn, age, room)
     return _Deleted(sagas=deleted) if deleted else None
-
-
-_REGISTERED: weakref.WeakSet[Celery] = weakref.WeakSet()
-
-
-def register(app: Celery) -> None:
-    """Define the `celery_fanin.prune` task on the app (lazily, like any `@app.task`), for celery beat. Calling it
-    again for the same app does nothing."""
-    if app in _REGISTERED:
-        return
-    _REGISTERED.add(app)
-
-    @app.task(name=TASK_NAME, bind=True, shared=False)
-    def prune_task(
-        self: Any,
-        older_than: float | str = "30d",
-        chunk: int = 500,
-        max_children: int = 20_000,
-        limit: int | None = None,
-        max_seconds: float | None = None,
-    ) -> dict[str, Any]:
-        """Delete finished batches older than `older_than` (see `celery_fanin.retention.prune`)."""
-        return prune(FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit,
-                     max_seconds=max_seconds).as_dict()  # fmt: skip

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -45,40 +44,27 @@ from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
 from celery.canvas import Signature, _chain
+from celery.utils.nodenames import anon_nodename
+from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.saferepr import saferepr
 from celery.utils.time import subtract_datetimes
 from kombu import Exchange, Producer
 from kombu.common import Broadcast
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
-from kombu.exceptions import EncodeError, OperationalError
-from kombu.serialization import dumps, loads, prepare_accept_content, registry
-from kombu.utils import json as kombu_json
 
+from ..codec import serialize
+from ..protocol import HEADER_BATCH, HEADER_CHAIN, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, HEADER_TASK
 from .amqp_frames import FrameBuffer
-from .store.batches import Encoded
+from .confirms import ConfirmChannel, Unconfirmed, confirm_channel
 
 logger = logging.getLogger("celery_fanin.publish")
-
-HEADER_BATCH = "fanin_batch"
-HEADER_INDEX = "fanin_index"
-HEADER_SUCCESSOR = "fanin_successor"
-HEADER_STEP = "fanin_step"
-# On every task of a chain child: the child's task id (the chain's last task's), which each task reports for.
-HEADER_CHAIN = "fanin_chain"
-# On a chain child's tasks and on a replacement: the task name the child was published as (its row's task_name),
-# which its report names instead of the running task's own (see docs/concepts/trust.md).
-HEADER_TASK = "fanin_task"
 
 # Redis commands buffered per pipeline round trip. RabbitMQ: at MAX_UNCONFIRMED messages written and not yet
 # confirmed, one call waits until CONFIRM_WINDOW fewer are (room for the producer's chunks in flight).
 BATCH_SIZE = 1000
 CONFIRM_WINDOW = 1000
 MAX_UNCONFIRMED = 8000
-# Seconds to wait for RabbitMQ's confirms of one window before giving up (the caller then leaves the chunk to the
-# relay, which republishes it: a child published twice is counted once).
-CONFIRM_TIMEOUT = 30.0
-
 # Signature options the fast path builds messages for; a child with any other option is published by Celery.
 _PER_MESSAGE_OPTIONS = frozenset({"task_id", "countdown", "eta", "expires", "headers"})
 _ROUTE_OPTIONS = frozenset(
@@ -87,69 +73,6 @@ _ROUTE_OPTIONS = frozenset(
      "add_to_parent", "reply_to"}
 )  # fmt: skip
 _FAST_OPTIONS = _PER_MESSAGE_OPTIONS | _ROUTE_OPTIONS
-
-
-def request_header(request: Any, name: str, default: Any = None) -> Any:
-    """A header of the running task's message. A worker lifts custom headers onto the request as attributes;
-    under `task_always_eager` Celery leaves them in ``request.headers``. The attribute wins when both are set."""
-    value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
-    return default if value is None else value
-
-
-# One instance for every message: `json.dumps(value, cls=JSONEncoder)`, which kombu's JSON serializer calls, builds
-# an encoder with these same (default) arguments for each value.
-_JSON_ENCODER = kombu_json.JSONEncoder()
-
-
-def serialize(data: Any, serializer: str) -> tuple[str, str, str | bytes]:
-    """``kombu.serialization.dumps(data, serializer=serializer)``: the same content type, encoding and payload.
-
-    Why: a batch encodes two values per child (its stored signature and its message body), and for JSON kombu's
-    path costs more than the encoding itself (a context manager, a dict of keyword arguments, a new encoder per
-    value). JSON as kombu registers it is encoded here with one reused encoder; any other serializer, or a JSON
-    serializer registered over kombu's, goes through kombu.
-    """
-    codec = registry._encoders.get(serializer) if serializer == "json" else None
-    if codec is None or codec.encoder is not kombu_json.dumps:
-        content_type, content_encoding, payload = dumps(data, serializer=serializer)
-        return content_type, content_encoding, payload
-    try:
-        payload = _JSON_ENCODER.encode(data)
-    except Exception as exc:  # as kombu's `dumps` wraps its encoder's errors
-        raise EncodeError(exc) from exc
-    return codec.content_type, codec.content_encoding, payload
-
-
-def encode_signature(app: Celery, sig: Signature, default_serializer: str | None = None) -> Encoded:
-    """Encode a signature with the serializer its messages will use, so a value it cannot carry fails now.
-
-    `default_serializer` is the app's ``task_serializer``, for a caller encoding many signatures: reading the
-    app's configuration costs more than a small signature's JSON."""
-    serializer = sig.options.get("serializer") or default_serializer or app.conf.task_serializer
-    content_type, content_encoding, body = serialize(dict(sig), serializer)
-    if isinstance(body, str):
-        body = body.encode(content_encoding or "utf-8")
-    return Encoded(content_type, content_encoding, body)
-
-
-def decode_signature(app: Celery, encoded: Encoded) -> Signature:
-    accept = prepare_accept_content(app.conf.accept_content)
-    data = loads(encoded.body, encoded.content_type, encoded.content_encoding, accept=accept)
-    return app.signature(data)
-
-
-def encode_result(app: Celery, value: Any) -> Encoded:
-    content_type, content_encoding, body = dumps(value, serializer=app.conf.result_serializer)
-    if isinstance(body, str):
-        body = body.encode(content_encoding or "utf-8")
-    return Encoded(content_type, content_encoding, body)
-
-
-def decode_result(app: Celery, encoded: Encoded) -> Any:
-    accept = prepare_accept_content(app.conf.result_accept_content or app.conf.accept_content)
-    return loads(encoded.body, encoded.content_type, encoded.content_encoding, accept=accept)
 
 
 @contextmanager
@@ -214,8 +137,6 @@ class _Builder:
         self.argsrepr_size = self.amqp.argsrepr_maxsize
         self.kwargsrepr_size = self.amqp.kwargsrepr_maxsize
         self.reply_to = app.thread_oid
-        from celery.utils.nodenames import anon_nodename
-
         self.origin = anon_nodename()
         # As `send_task` does: a batch created inside a task is that task's child.
         parent = app.current_worker_task
@@ -427,36 +348,6 @@ def publish_mode(prod: Producer) -> str:
     return "single"
 
 
-class Unconfirmed:
-    """Messages `publish_children` wrote to RabbitMQ without waiting for the broker's confirms.
-
-    `wait` returns once the broker confirmed all of them and raises if it refused one or did not answer; only then
-    may they be recorded as published. Empty (nothing to wait for) on every other broker: there `publish_children`
-    returns once the messages are on the broker. The producer they were published with must stay acquired until
-    `wait` returns (the confirms arrive on its connection).
-    """
-
-    def __init__(self, confirms: ConfirmChannel | None = None, since: int = 1, upto: int = 0) -> None:
-        self._confirms = confirms
-        self._since = since
-        self._upto = upto
-
-    @property
-    def pending(self) -> bool:
-        """Whether there are confirms to wait for."""
-        return self._confirms is not None
-
-    def wait(self) -> None:
-        confirms, self._confirms = self._confirms, None
-        if confirms is None:
-            return
-        try:
-            confirms.wait(upto=self._upto, since=self._since)
-        except BaseException:
-            confirms.discard()
-            raise
-
-
 def publish_children(
     app: Celery,
     prod: Producer,
@@ -483,7 +374,7 @@ def publish_children(
     builder = _Builder(app, bid)
     driver = prod.connection.transport.driver_type
     quorum = fast and _has_quorum_queues(app, driver)
-    confirms = _confirm_channel(prod) if mode == "confirm" else None
+    confirms = confirm_channel(prod) if mode == "confirm" else None
     target = confirms.producer if confirms is not None else prod
     frames = confirms.frames if confirms is not None else None
     first = confirms.sent + 1 if confirms is not None else 1  # this call's delivery tags: first..confirms.sent
@@ -734,114 +625,7 @@ def _peer_closed(conn: Any) -> bool:
 
 
 def _has_quorum_queues(app: Celery, driver: str) -> bool:
-    try:
-        from celery.utils.quorum_queues import detect_quorum_queues
-    except ImportError:  # pragma: no cover - celery < 5.5
-        return False
     return bool(detect_quorum_queues(app, driver)[0])
-
-
-class ConfirmChannel:
-    """A channel of the producer's AMQP connection in publisher-confirm mode, written without waiting per message.
-
-    Delivery tags count from 1 on a channel put in confirm mode; the broker acks them (possibly several at once)
-    as it takes responsibility for the messages. `wait` drains the connection until every message sent so far is
-    acked, and raises if one was nacked, the channel was closed by the broker, or `CONFIRM_TIMEOUT` passed.
-
-    Several calls' messages can be in flight on the channel at once (the producer's chunks), and the confirms of a
-    later call's messages can arrive while an earlier call waits: a nack is therefore kept by delivery tag and
-    raised by the wait whose range holds it, so that a refused message fails its own chunk and no other.
-    """
-
-    def __init__(self, prod: Producer) -> None:
-        conn = prod.connection
-        self.transport_connection = conn.connection
-        self.channel = conn.channel()
-        self.channel.confirm_select()
-        # Instead of py-amqp's write per message (which, with `confirm_publish`, also waits for each message's
-        # ack): the same frames, held and written a stretch at a time, flushed before every wait.
-        self.frames = FrameBuffer(self.channel)
-        self.channel.basic_publish = self._basic_publish
-        self.channel.events["basic_ack"].add(self._on_ack)
-        self.channel.events["basic_nack"].add(self._on_nack)
-        self.producer = Producer(self.channel, exchange=prod.exchange, serializer=prod.serializer, auto_declare=False)
-        self.sent = 0
-        self.published = 0  # messages kombu's `Producer.publish` wrote on the channel (Celery's own path)
-        self.floor = 0  # every tag <= floor is acked
-        self._acked: set[int] = set()
-        self._nacked: set[int] = set()  # tags refused and not yet raised by the wait whose range holds them
-        self._discarded = False
-
-    def _basic_publish(self, *args: Any, **kwargs: Any) -> None:
-        """The channel's ``basic_publish``: counts the message (a delivery tag) and hands it to the frames."""
-        self.published += 1
-        self.frames.publish(*args, **kwargs)
-
-    @property
-    def usable(self) -> bool:
-        return (
-            not self._discarded and bool(self.channel.is_open) and self.channel.connection is self.transport_connection
-        )
-
-    def _on_ack(self, tag: int, multiple: bool) -> None:
-        if multiple:
-            self.floor = max(self.floor, tag)
-        else:
-            self._acked.add(tag)
-        while self.floor + 1 in self._acked:
-            self.floor += 1
-            self._acked.discard(self.floor)
-        if multiple and self._acked:
-            self._acked = {t for t in self._acked if t > self.floor}
-
-    def _on_nack(self, tag: int, multiple: bool) -> None:
-        # `multiple`: every tag up to this one that was not confirmed yet (the rare case: nacks are broker errors).
-        first = self.floor + 1 if multiple else tag
-        self._nacked.update(t for t in range(first, tag + 1) if t not in self._acked)
-        self._on_ack(tag, multiple)
-
-    def wait(self, upto: int | None = None, since: int = 1, timeout: float = CONFIRM_TIMEOUT) -> None:
-        """Drain acks until every message up to `upto` (default: all sent) is confirmed; raise if one from `since`
-        to `upto` was refused."""
-        target = self.sent if upto is None else upto
-        if self._discarded and self.floor < target:
-            # Closed after an earlier failure: these confirms will never come (the channel's count is lost).
-            raise OperationalError("the confirm channel was closed after an earlier failure; messages unconfirmed")
-        self.frames.flush()
-        deadline = time.monotonic() + timeout
-        connection = self.channel.connection
-        while self.floor < target:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise OperationalError(f"RabbitMQ did not confirm {self.sent - self.floor} messages in {timeout}s")
-            try:
-                connection.drain_events(timeout=min(left, 1.0))
-            except TimeoutError:
-                continue
-        refused = {t for t in self._nacked if since <= t <= target}
-        if refused:
-            self._nacked -= refused
-            raise OperationalError(f"RabbitMQ refused {len(refused)} of the messages published (basic.nack)")
-
-    def discard(self) -> None:
-        """After a failure the channel's count is unknown: close it; the next call opens a fresh one."""
-        self._discarded = True
-        self.frames.clear()
-        try:
-            self.channel.close()
-        except Exception:  # noqa: BLE001 - the channel may be gone with its connection already
-            logger.debug("closing the confirm channel failed", exc_info=True)
-
-
-def _confirm_channel(prod: Producer) -> ConfirmChannel:
-    """The connection's confirm channel, opened on first use and reused by later calls on the same connection."""
-    conn = prod.connection
-    existing: ConfirmChannel | None = getattr(conn, "_fanin_confirms", None)
-    if existing is not None and existing.usable:  # possibly with an earlier call's messages still unconfirmed
-        return existing
-    confirms = ConfirmChannel(prod)
-    conn._fanin_confirms = confirms
-    return confirms
 
 
 def publish_successor(
@@ -859,7 +643,7 @@ def publish_successor(
         # RabbitMQ: on the confirm channel, and only returned once the broker confirmed it, so that the caller
         # records it as sent only then (a refusal or no answer raises: the outbox row stays pending).
         _ensure_connection(app, prod)
-        confirms = _confirm_channel(prod)
+        confirms = confirm_channel(prod)
     first = confirms.sent + 1 if confirms is not None else 1
     try:
         _publish_successor(app, prod, confirms, batch_id, task_id, then, outcome, marker)

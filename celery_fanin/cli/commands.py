@@ -1,4 +1,4 @@
-"""`celery -A proj fanin ...`: thin commands over the modules above, plugged in through `celery.commands`."""
+"""`celery -A proj fanin ...`: thin commands over the library's modules, plugged in through `celery.commands`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,35 @@ import time
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
 
-from .canvas import BatchStatus, read_status
-from .cli_support import _errors_as_exit, _fanin
+from ..exceptions import FanInDatabaseError
+from ..ops.inspection import describe, list_batches, parse_duration
+from ..ops.inspection import failures as read_failures
+from ..ops.retention import prune as run_prune
+from ..ops.rounds import retry_failed as start_round
+from ..producer.result import BatchStatus, parse_batch_id, read_status
+from ..protocol import BatchState, SuccessorState
+from ..relay import maintenance
+from ..relay.loop import Relay
+from ..relay.metrics import serve
+from ..web.cli import command as dashboard_command
+from .saga import saga
+from .support import _errors_as_exit, _fanin
 
 
 @click.group(name="fanin")
@@ -44,15 +70,11 @@ def migrate(ctx: click.Context) -> None:
 @_errors_as_exit
 def relay(ctx: click.Context, poll_interval: float | None, once: bool, metrics_port: int | None, loglevel: str) -> None:
     """Run the relay sidecar: publish successors from the outbox, and children no producer published."""
-    from .relay import Relay
-
     logging.basicConfig(
         level=loglevel.upper(), stream=sys.stderr, format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
     )
     r = Relay(_fanin(ctx), poll_interval=poll_interval)
     if metrics_port is not None:
-        from .metrics import serve
-
         serve(r.fanin, metrics_port, relay=r)
     if once:
         n = r.run_once()
@@ -78,18 +100,8 @@ def _ago(seconds: float | None) -> str:
     return sign + " ".join(parts)
 
 
-def escape(text: str) -> str:
-    """Text shown as is by rich (a step or an exception message may hold `[...]`); rich is imported lazily, as
-    every `celery` command loads this module."""
-    from rich.markup import escape as rich_escape
-
-    return rich_escape(text)
-
-
 def _console() -> Any:
     """The terminal's console; piped output is 160 columns wide, so that batch ids are never cut."""
-    from rich.console import Console
-
     console = Console()
     return console if console.is_terminal else Console(width=max(console.width, 160))
 
@@ -115,10 +127,6 @@ def _node_line(node: dict[str, Any]) -> str:
 
 
 def _render(data: dict[str, Any]) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn
-    from rich.table import Table
-    from rich.tree import Tree
-
     console = _console()
     table = Table(show_header=False, box=None)
     deadline = "-"
@@ -190,8 +198,6 @@ def _render(data: dict[str, Any]) -> None:
 def status(ctx: click.Context, batch_id: str, as_json: bool, tree_limit: int) -> None:
     """Show a batch's counts, state, age, deadline, successor, its tree (leaves, nested batches, pipeline
     stages) and its retry rounds."""
-    from .inspection import describe
-
     data = describe(_fanin(ctx), batch_id, tree_limit=tree_limit)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -217,19 +223,6 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
     Exits 0 when the successor succeeded, 1 when it failed or was revoked, the batch expired or was cancelled
     with nothing to run, or --timeout passed first.
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        Task,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
-
-    from .exceptions import FanInDatabaseError
 
     class Rate(ProgressColumn):
         def render(self, task: Task) -> Text:
@@ -265,7 +258,7 @@ def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | N
             progress.update(bar, total=max(st.planned, 1), completed=st.planned - st.remaining, **fields(st))
     summary = (f"batch {st.batch_id}: {st.state}, {st.succeeded} succeeded, {st.failed} failed; "
                f"successor {st.successor_state or f'none ({st.state})'}")  # fmt: skip
-    if st.successor_state != "succeeded":
+    if st.successor_state != SuccessorState.SUCCEEDED:
         raise click.ClickException(summary)
     click.echo(summary)
 
@@ -276,15 +269,13 @@ class Duration(click.ParamType):
     name = "duration"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        from .inspection import parse_duration
-
         try:
             return parse_duration(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
 
-LS_STATES = ("open", "running", "complete", "expired", "cancelled", "partial", "failed_threshold", "stuck")
+LS_STATES = (*(s.value for s in BatchState), "stuck")
 
 
 @fanin.command(name="ls")
@@ -303,8 +294,6 @@ LS_STATES = ("open", "running", "complete", "expired", "cancelled", "partial", "
 def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_than: float | None,
        newer_than: float | None, step: str | None, limit: int, as_json: bool) -> None:  # fmt: skip
     """List batches, newest first (a tree's leaves and retry rounds' details are in `status`)."""
-    from .inspection import list_batches
-
     rows = list_batches(_fanin(ctx), states=states, stuck_after=stuck_after, older_than=older_than,
                         newer_than=newer_than, step=step, limit=limit)  # fmt: skip
     if as_json:
@@ -313,8 +302,6 @@ def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_th
     if not rows:
         click.echo("no batches match")
         return
-    from rich.table import Table
-
     table = Table("batch", "age", "step", "state", "done", "failed", "successor", "round")
     for r in rows:
         state = r["state"] + (" [yellow](stuck)[/yellow]" if r["stuck"] else "")
@@ -332,8 +319,6 @@ def ls(ctx: click.Context, states: tuple[str, ...], stuck_after: float, older_th
 @_errors_as_exit
 def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> None:
     """List a batch's failed and lost children: task, state, exception and attempts, in child order."""
-    from .inspection import failures as read_failures
-
     data = read_failures(_fanin(ctx), batch_id, limit=limit)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -342,8 +327,6 @@ def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> No
     if not data["total"]:
         click.echo(f"batch {data['batch_id']} ({data['state']}) has no failed children")
         return
-    from rich.table import Table
-
     console = _console()
     shown = f"{len(listed)} of {data['total']}" if len(listed) < data["total"] else str(data["total"])
     console.print(f"{shown} failed children of batch {data['batch_id']} ({data['state']})")
@@ -366,8 +349,6 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     BATCH_ID may be any round's batch: the failed children of the latest round are retried. Refused while that
     round or its successor has not finished. The successor's outcome says which round it is (`round`, `retry_of`).
     """
-    from .rounds import retry_failed as start_round
-
     done = start_round(_fanin(ctx), batch_id)
     if as_json:
         click.echo(json.dumps(done.as_dict(), indent=2))
@@ -402,8 +383,6 @@ def prune(ctx: click.Context, older_than: float, chunk: int, max_children: int, 
     """Delete finished batches (and their children, successors and outbox rows) and finished sagas that finished
     longer ago than --older-than, in short transactions. Open and running batches, batches whose successor has
     not finished, and sagas that are running or wait for an operator are never deleted."""
-    from .retention import prune as run_prune
-
     report = run_prune(_fanin(ctx), older_than, chunk=chunk, max_children=max_children, dry_run=dry_run,
                        limit=limit)  # fmt: skip
     if as_json:
@@ -431,11 +410,8 @@ def seal(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     For a batch whose producer is gone (the relay also does this after fanin_open_batch_grace). A producer still
     writing it fails on its next chunk. Exits 1 if the batch is not open.
     """
-    from . import maintenance
-    from .canvas import _parse_batch_id
-
     fanin_ext = _fanin(ctx)
-    sealed = maintenance.seal_batch(fanin_ext, _parse_batch_id(batch_id))
+    sealed = maintenance.seal_batch(fanin_ext, parse_batch_id(batch_id))
     if as_json:
         click.echo(
             json.dumps(
@@ -473,11 +449,8 @@ def cancel(ctx: click.Context, batch_id: str, proceed: bool, as_json: bool) -> N
     on_deadline='abandon' does at a deadline; --proceed runs the successor with what has arrived instead. Exits 1
     if the batch has already ended.
     """
-    from . import maintenance
-    from .canvas import _parse_batch_id
-
     fanin_ext = _fanin(ctx)
-    expiry = maintenance.cancel_batch(fanin_ext, _parse_batch_id(batch_id), proceed=proceed)
+    expiry = maintenance.cancel_batch(fanin_ext, parse_batch_id(batch_id), proceed=proceed)
     if as_json:
         click.echo(
             json.dumps(
@@ -510,8 +483,6 @@ def cancel(ctx: click.Context, batch_id: str, proceed: bool, as_json: bool) -> N
 @_errors_as_exit
 def reconcile(ctx: click.Context, as_json: bool) -> None:
     """Recompute open batches' counters from their child rows; repair and finish what disagrees."""
-    from . import maintenance
-
     fanin_ext = _fanin(ctx)
     repairs = maintenance.reconcile(fanin_ext)
     expired = maintenance.apply_deadlines(fanin_ext)
@@ -522,9 +493,6 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     if not repairs and not expired:
         click.echo("all batches agree with their child rows")
         return
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table("batch", "found", "done")
     for r in repairs:
         table.add_row(str(r.batch_id), "\n".join(r.problems), "\n".join(r.actions) or "reported only")
@@ -533,12 +501,5 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     Console().print(table)
 
 
-def _attach_saga_commands() -> None:
-    from .cli_saga import saga
-    from .web.cli import dashboard
-
-    fanin.add_command(saga)
-    fanin.add_command(dashboard)
-
-
-_attach_saga_commands()
+fanin.add_command(saga)
+fanin.add_command(dashboard_command(_fanin, _errors_as_exit))

@@ -37,14 +37,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from .extension import FanIn
-from .store import observability, outbox
+from ..context import FanIn
+from ..store import observability, outbox
 
 logger = logging.getLogger("celery_fanin.metrics")
 
@@ -163,8 +171,6 @@ def registry_for(
     fanin: FanIn, relay: Any = None, stuck_after: float = 600.0
 ) -> tuple[CollectorRegistry, FanInCollector]:
     """A registry with the fan-in collector and the process's own metrics (CPU, memory, file descriptors, GC)."""
-    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
-
     registry = CollectorRegistry(auto_describe=False)
     collector = FanInCollector(fanin, relay=relay, stuck_after=stuck_after)
     registry.register(collector)
@@ -178,8 +184,6 @@ def serve(
     fanin: FanIn, port: int = DEFAULT_PORT, addr: str = "0.0.0.0", *, relay: Any = None, stuck_after: float = 600.0
 ) -> MetricsServer:
     """Serve the metrics on ``http://addr:port/metrics`` from a daemon thread (port 0: any free port)."""
-    from prometheus_client import start_http_server
-
     registry, collector = registry_for(fanin, relay=relay, stuck_after=stuck_after)
     server, thread = start_http_server(port, addr=addr, registry=registry)
     bound = int(server.server_port)

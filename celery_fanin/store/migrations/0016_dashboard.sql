@@ -1,4 +1,4 @@
--- celery-fanin schema, version 15: what the dashboard (celery_fanin.web) reads, by index.
+-- celery-fanin schema, version 16: what the dashboard (celery_fanin.web) reads, by index.
 --
 -- The batches page lists root batches newest first, one keyset page at a time (`(created_at, id) < cursor`), and
 -- filters them by state, step, app or key prefix; each filter walks an index of its own in the page's order, so

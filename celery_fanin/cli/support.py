@@ -10,9 +10,9 @@ import click
 from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
-from .exceptions import FanInError, summarise
-from .extension import FanIn
-from .redact import redact
+from ..exceptions import FanInError, summarise
+from ..extension import FanIn
+from ..redact import redact
 
 F = TypeVar("F", bound=Callable[..., Any])
 

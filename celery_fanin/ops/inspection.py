@@ -14,11 +14,12 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from .canvas import _parse_batch_id, read_status
-from .exceptions import BatchNotFound, FanInDatabaseError, summarise
-from .extension import FanIn
-from .outcome import failure_entry
-from .store import admin, queries
+from ..context import FanIn
+from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
+from ..producer.result import parse_batch_id, read_status
+from ..protocol import BatchState
+from ..relay.payload import failure_entry
+from ..store import admin, queries
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _PART = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -102,7 +103,7 @@ def describe(fanin: FanIn, batch_id: str | uuid.UUID, tree_limit: int = 200) -> 
     running children, where it sits (a tree's leaf, a nested batch's outer child, a retry round), every round of
     it, and its tree: leaves, nested batches, pipeline stages and fan-ins its children or successor started, each
     with its own tree (at most `tree_limit` nodes in all)."""
-    bid = _parse_batch_id(batch_id)
+    bid = parse_batch_id(batch_id)
     status = read_status(fanin, bid)
     conn = _read(fanin, f"read batch {bid}")
     try:
@@ -151,7 +152,7 @@ def list_batches(
 ) -> list[dict[str, Any]]:
     """`ls`: root batches, newest first; `states` may include `stuck` (see `store.admin.list_batches`)."""
     real = tuple(s for s in states if s != "stuck")
-    unknown = [s for s in real if s not in admin.BATCH_STATES]
+    unknown = [s for s in real if s not in set(BatchState)]
     if unknown:
         raise ValueError(f"unknown state {unknown[0]!r}")
     conn = _read(fanin, "list batches")
@@ -178,7 +179,7 @@ def list_batches(
 
 def failures(fanin: FanIn, batch_id: str | uuid.UUID, limit: int | None = 100) -> dict[str, Any]:
     """`failures`: the children (of the batch and its leaves) that ended in any state but `succeeded`."""
-    bid = _parse_batch_id(batch_id)
+    bid = parse_batch_id(batch_id)
     conn = _read(fanin, f"read batch {bid}")
     try:
         with conn:

@@ -42,10 +42,13 @@ from celery.canvas import Signature
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import dispatch, publish
-from .exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
-from .extension import FanIn
-from .store import batches, outbox, recovery
+from ..broker import publish
+from ..broker.control import revoke_children
+from ..context import FanIn
+from ..exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
+from ..protocol import BatchState
+from ..relay.outbox import publish_outbox, publish_remaining_children
+from ..store import batches, outbox, recovery
 
 logger = logging.getLogger("celery_fanin.producer")
 
@@ -215,7 +218,9 @@ def _stream(
         try:
             with conn.begin():
                 batches.hold_publish_lock(conn, root.id)
-                inserted = batches.insert_batch(conn, replace(root, digest=EMPTY_DIGEST), state="open", planned=0)
+                inserted = batches.insert_batch(
+                    conn, replace(root, digest=EMPTY_DIGEST), state=BatchState.OPEN, planned=0
+                )
         except SQLAlchemyError as exc:
             _release(conn, root.id)
             raise FanInDatabaseError(f"could not record the batch; nothing was published: {summarise(exc)}") from exc
@@ -282,7 +287,7 @@ def _fill(
                     for leaf_id in full:
                         batches.seal(conn, leaf_id)
             except _NotOpen:
-                if batches.state_of(conn, root.id) != "failed_threshold":
+                if batches.state_of(conn, root.id) != BatchState.FAILED_THRESHOLD:
                     raise BatchClosed(
                         f"batch {root.id} was sealed or cancelled while this producer was still writing it; "
                         f"children {index}.. were not written"
@@ -365,7 +370,7 @@ def _cancel_unfinishable(fanin: FanIn, conn: Connection, root: batches.NewBatch,
         extra={"batch_id": str(root.id)},
     )
     try:
-        dispatch.revoke_children(fanin, expiry.abandoned, root.id)
+        revoke_children(fanin, expiry.abandoned, root.id)
     except Exception:
         logger.warning("could not revoke the children of cancelled batch_id=%s", root.id, exc_info=True)
 
@@ -444,7 +449,7 @@ def _publish_successor_now(fanin: FanIn, batch_id: uuid.UUID) -> None:
     try:
         with fanin.engine.connect() as conn:
             ids = outbox.pending_ids(conn, batch_id)
-        dispatch.publish_outbox(fanin, ids=ids)
+        publish_outbox(fanin, ids=ids)
     except Exception:
         logger.warning("could not publish the successor of batch_id=%s; the relay will", batch_id, exc_info=True)
 
@@ -478,7 +483,7 @@ def _existing(
     if found is None:  # deleted between our insert and this read: vanishingly rare, and safe to report
         raise FanInDatabaseError(f"the batch holding key {root.key!r} disappeared; try again")
     batch_id, state, planned, digest = found
-    if state == "open":
+    if state == BatchState.OPEN:
         if not _wait_for_publish_lock(conn, batch_id, RESUME_LOCK_WAIT):
             logger.info("key %r: batch_id=%s is being written by another producer; returning it", root.key, batch_id)
             return Written(batch_id, 0, existing=True)
@@ -486,7 +491,7 @@ def _existing(
             return _resume(fanin, conn, replace(root, id=batch_id), items, planned, digest, layout)
         finally:
             _release(conn, batch_id)
-    if state == "failed_threshold" and known_count != planned:
+    if state == BatchState.FAILED_THRESHOLD and known_count != planned:
         # It finished early on its failure threshold while being written, and holds only the first `planned`
         # children of its input: those are what must match.
         prefix = EMPTY_DIGEST
@@ -546,7 +551,7 @@ def _resume(
     if chained != digest:
         raise InvalidFanIn(f"key {root.key!r} is taken by batch {root.id} with a different child list")
     # Children the dead producer committed but did not publish go out first.
-    dispatch.publish_remaining_children(fanin, conn, root.id)
+    publish_remaining_children(fanin, conn, root.id)
     direct = batches.direct_children(conn, root.id)
     leaves = batches.open_leaves(conn, root.id)
     conn.commit()

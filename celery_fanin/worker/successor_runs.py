@@ -20,10 +20,11 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import retry
-from .extension import FanIn
-from .store import successors
-from .store.batches import Encoded
+from .. import retry
+from ..context import FanIn
+from ..protocol import SuccessorState
+from ..store import successors
+from ..store.batches import Encoded
 
 logger = logging.getLogger("celery_fanin.successors")
 
@@ -107,7 +108,7 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
             "owner": owner(),
         }
         got = successors.claim_run(conn, bid, step, task_id, retries, **kwargs)
-        if isinstance(got, successors.Refusal) and got.state == "running" and _gone(got.owner):
+        if isinstance(got, successors.Refusal) and got.state == SuccessorState.RUNNING and _gone(got.owner):
             got = successors.claim_run(conn, bid, step, task_id, retries, dead_owner=got.owner, **kwargs)
         if isinstance(got, successors.Refusal):
             successors.count_duplicate(conn, bid, step)

@@ -24,15 +24,26 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from celery import Celery, signals
+from celery import signals
 from celery.exceptions import NotRegistered
 from celery.result import EagerResult
 
-from . import hooks, publish
-from .canvas import FanInResult
-from .extension import FanIn
-from .outcome import build_outcome
-from .store import batches, outbox, queries
+from ..broker import publish
+from ..codec import decode_signature
+from ..context import FanIn
+from ..protocol import (
+    HEADER_BATCH,
+    HEADER_INDEX,
+    HEADER_STEP,
+    HEADER_SUCCESSOR,
+    ChildState,
+    Marker,
+    request_header,
+)
+from ..relay.outbox import Due, publish_outbox
+from ..store import batches, outbox, queries
+from ..worker.hooks import worker_hooks
+from .result import EagerFanInResult
 
 logger = logging.getLogger("celery_fanin.eager")
 
@@ -47,20 +58,6 @@ class EagerPropagated(Exception):
     """Stands for a child's exception that `task_eager_propagates` carried out of its eager run."""
 
 
-class EagerFanInResult(FanInResult):
-    """The handle of a fan-in run eagerly: its successor has run (or the batch is still open, see the module)."""
-
-    def __init__(self, app: Celery, batch_id: str, successor_result: EagerResult | None = None) -> None:
-        super().__init__(app, batch_id)
-        self.successor_result = successor_result
-
-    def successor(self) -> Any:
-        """The successor's `EagerResult` (its return value is `.result`), if it ran in this process."""
-        if self.successor_result is not None:
-            return self.successor_result
-        return super().successor()
-
-
 # --- eager runs as the worker hooks see them ---------------------------------------------------------------------
 
 
@@ -71,7 +68,7 @@ class _RequestView:
         self._request = request
 
     def get(self, key: str, default: Any = None) -> Any:
-        return publish.request_header(self._request, key, default)
+        return request_header(self._request, key, default)
 
     def __getattr__(self, key: str) -> Any:
         return self.get(key)
@@ -89,12 +86,12 @@ class _TaskView:
         return getattr(self._task, key)
 
 
-def _eager_fanin_task(task: Any) -> tuple[_TaskView, hooks._Marker] | None:
+def _eager_fanin_task(task: Any) -> tuple[_TaskView, Marker] | None:
     request = getattr(task, "request", None)
     if request is None or not getattr(request, "is_eager", False) or not getattr(request, "headers", None):
         return None
     view = _TaskView(task)
-    marker = hooks._Marker.from_mapping(view.request)
+    marker = Marker.from_mapping(view.request)
     if marker is None or FanIn.find(task.app) is None:
         return None
     return view, marker
@@ -110,7 +107,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         # What the run guard does on a worker: start a run and move the successor to `running`. An eager run
         # cannot be refused from here; a refusal (it ran already) is logged.
         fanin = FanIn.of(task.app)
-        if hooks.admit_successor(fanin, task.request, task_id, marker) is None:
+        if worker_hooks.admit_successor(fanin, task.request, task_id, marker) is None:
             logger.warning("eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
                            marker.batch_id, marker.step, task_id)  # fmt: skip
         return
@@ -124,7 +121,7 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, task: Any = None
     if found is None or task_id is None:
         return
     view, marker = found
-    hooks._on_postrun(sender=view, task_id=task_id, task=view, retval=retval, state=state)
+    worker_hooks.task_postrun(sender=view, task_id=task_id, task=view, retval=retval, state=state)
     if marker.is_successor and state in ("SUCCESS", "FAILURE"):
         with _install_lock:
             _successor_results[task_id] = EagerResult(task_id, retval, state, name=task.name)
@@ -172,30 +169,30 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         pending = queries.unfinished_children(conn, batch_id)
         conn.rollback()
     for row in pending:
-        marker = hooks._Marker(str(batch_id), row.idx, None, task_name=row.task_name)
-        if row.state == "started":
+        marker = Marker(str(batch_id), row.idx, None, task_name=row.task_name)
+        if row.state == ChildState.STARTED:
             # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
             # which logged it. On a worker it would have been recorded as failed.
-            hooks.record_child(
+            worker_hooks.record_child(
                 fanin,
                 row.task_id,
                 marker,
-                "failed",
+                ChildState.FAILED,
                 exc=EagerPropagated(
                     "the child raised with task_eager_propagates on; its exception was logged by the producer"
                 ),
             )
             continue
         if row.task_name not in app.tasks:
-            hooks.record_child(fanin, row.task_id, marker, "unknown", exc=NotRegistered(row.task_name))
+            worker_hooks.record_child(fanin, row.task_id, marker, ChildState.UNKNOWN, exc=NotRegistered(row.task_name))
             continue
-        sig = publish.decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
+        sig = decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
         if publish.is_chain(sig):
             publish.publish_chain(None, str(batch_id), row.idx, row.task_id, sig)  # type: ignore[arg-type]
             continue
         sig.apply(task_id=row.task_id, throw=False,
-                  headers={**(sig.options.get("headers") or {}), publish.HEADER_BATCH: str(batch_id),
-                           publish.HEADER_INDEX: row.idx})  # fmt: skip
+                  headers={**(sig.options.get("headers") or {}), HEADER_BATCH: str(batch_id),
+                           HEADER_INDEX: row.idx})  # fmt: skip
     with fanin.engine.begin() as conn:
         found = queries.batch(conn, batch_id)
         if found is not None:
@@ -203,23 +200,14 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
 
 
 def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
-    """Claim the batch's unsent outbox rows as a relay would, then run their successors inline."""
-    app = fanin.app
-    jobs = []
-    with fanin.engine.begin() as conn:
+    """Claim the batch's unsent outbox rows as the relay does (`publish_outbox`), then run their successors inline."""
+    with fanin.engine.connect() as conn:
         ids = outbox.pending_ids(conn, batch_id)
-        rows = outbox.claim(conn, len(ids), ids) if ids else []
-        for row in rows:
-            batch, succ = row.batch, row.successor
-            if batch is None or succ is None:
-                continue
-            sig = publish.decode_signature(app, batch.message_for(succ.kind))
-            settings = fanin.settings
-            outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
-            jobs.append((row, succ.task_id, sig, outcome))
-        outbox.mark_sent(conn, rows)
-    for row, task_id, sig, outcome in jobs:
-        headers = {**(sig.options.get("headers") or {}), publish.HEADER_SUCCESSOR: str(row.batch_id),
-                   publish.HEADER_STEP: row.step}  # fmt: skip
-        sig.apply(args=(outcome,), task_id=task_id, headers=headers)
-    return [task_id for _, task_id, _, _ in jobs]
+    due: list[Due] = []
+    if ids:
+        publish_outbox(fanin, ids=ids, limit=len(ids), deliver=due.append)
+    for d in due:
+        sig = d.signature
+        headers = {**(sig.options.get("headers") or {}), HEADER_SUCCESSOR: str(d.batch_id), HEADER_STEP: d.step}
+        sig.apply(args=(d.outcome,), task_id=d.task_id, headers=headers)
+    return [d.task_id for d in due]

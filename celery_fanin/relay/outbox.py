@@ -5,17 +5,26 @@ Shared by the producer's fast path and the relay, so both publish the same way a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from celery import Celery
+from celery.canvas import Signature
+from kombu import Producer
 from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import Connection
 
-from . import publish
-from .extension import FanIn
-from .outcome import build_outcome
-from .store import batches, outbox, recovery
+from ..broker import publish
+from ..broker.control import revoke_children
+from ..codec import decode_signature
+from ..context import FanIn
+from ..protocol import BatchState
+from ..store import batches, outbox, recovery
+from .payload import build_outcome
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -27,13 +36,35 @@ def _retry_delay(attempts: int) -> float:
     return float(min(60, 2 ** min(attempts, 6)))
 
 
-def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | None = None) -> int:
+@dataclass(frozen=True)
+class Due:
+    """A claimed outbox row's successor as it is sent: its task id, its signature and the outcome it receives."""
+
+    row: outbox.OutboxRow
+    batch_id: uuid.UUID
+    step: str
+    task_id: str
+    signature: Signature
+    outcome: dict[str, Any]
+
+
+def publish_outbox(
+    fanin: FanIn,
+    ids: Sequence[int] | None = None,
+    limit: int | None = None,
+    *,
+    deliver: Callable[[Due], None] | None = None,
+) -> int:
     """Claim due outbox rows, publish their successors and mark them sent, all in one transaction.
 
     The row locks taken by the claim are held until the commit that marks the rows sent, so no other relay (or
     producer) publishes them meanwhile. If publishing fails as a whole (the broker is down), the transaction rolls
     back and the rows stay pending; a row that fails on its own is kept pending with a backoff and its error.
     Returns the number of successors published.
+
+    `deliver` stands in for the broker in eager mode: it is handed each successor inside the transaction and must
+    not run it there (its run guard would wait for this claim's row locks); a row that fails then raises, since
+    nothing would retry it.
     """
     app = fanin.app
     settings = fanin.settings
@@ -44,15 +75,19 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
             return 0
         sent: list[outbox.OutboxRow] = []
         abandoned: list[tuple[uuid.UUID, list[str]]] = []
-        with publish.producer(app) as prod:
+        isolate = deliver is None
+        with contextlib.ExitStack() as stack:
+            send = deliver or _to_broker(app, stack.enter_context(publish.producer(app)))
             for row in rows:
                 try:
-                    stopped = _publish_successor(fanin, conn, prod, row)
+                    stopped = _send_successor(fanin, conn, send, row)
                     if stopped:
                         abandoned.append((row.batch_id, stopped))
                 except BROKER_ERRORS:
                     raise  # the broker is down: roll the claim back, every row stays pending as it was
                 except Exception as exc:  # one bad row must not hold back the others
+                    if not isolate:
+                        raise
                     logger.exception(
                         "could not publish successor batch_id=%s step=%s", row.batch_id, row.step,
                         extra={"batch_id": str(row.batch_id), "step": row.step},
@@ -77,8 +112,15 @@ def publish_outbox(fanin: FanIn, ids: Sequence[int] | None = None, limit: int | 
     return len(sent)
 
 
-def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox.OutboxRow) -> list[str]:
-    """Publish one outbox row's successor. If its batch finished early on its failure threshold, abandon its
+def _to_broker(app: Celery, prod: Producer) -> Callable[[Due], None]:
+    def send(due: Due) -> None:
+        publish.publish_successor(app, prod, due.batch_id, due.step, due.task_id, due.signature, due.outcome)
+
+    return send
+
+
+def _send_successor(fanin: FanIn, conn: Connection, deliver: Callable[[Due], None], row: outbox.OutboxRow) -> list[str]:
+    """Send one outbox row's successor. If its batch finished early on its failure threshold, abandon its
     unfinished children (every leaf's, for a tree), after the outcome was built from what had happened by then,
     and return their task ids to revoke."""
     batch, succ = row.batch, row.successor  # read by the claim
@@ -86,25 +128,13 @@ def _publish_successor(fanin: FanIn, conn: Connection, prod: object, row: outbox
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
-    sig = publish.decode_signature(fanin.app, batch.message_for(kind))
+    sig = decode_signature(fanin.app, batch.message_for(kind))
     settings = fanin.settings
     outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
-    publish.publish_successor(fanin.app, prod, batch.id, row.step, task_id, sig, outcome)  # type: ignore[arg-type]
-    if batch.state != "failed_threshold":
+    deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
+    if batch.state != BatchState.FAILED_THRESHOLD:
         return []
     return recovery.abandon_after_threshold(conn, batch.id)
-
-
-def revoke_children(fanin: FanIn, task_ids: Sequence[str], batch_id: uuid.UUID | None = None) -> None:
-    """Broadcast a revoke (no terminate) for children a finished batch no longer waits for.
-
-    Queued copies are then discarded by the workers and reported as revoked; a running one finishes, and its
-    report is recorded as late (if the batch had already stopped counting it) or counted.
-    """
-    for start in range(0, len(task_ids), 1000):
-        fanin.app.control.revoke(list(task_ids[start : start + 1000]))
-    if task_ids:
-        logger.info("revoked %d unfinished children (batch_id=%s)", len(task_ids), batch_id or "several")
 
 
 def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID) -> int:
@@ -126,7 +156,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
                     app,
                     prod,
                     batch_id,
-                    ((idx, task_id, publish.decode_signature(app, enc)) for idx, task_id, enc in rows),
+                    ((idx, task_id, decode_signature(app, enc)) for idx, task_id, enc in rows),
                 )
         # A short chunk was the last: nothing past it is pending, so the mark reaches the end of the batch.
         batches.mark_published(conn, batch_id, rows[-1][0] + 1 if len(rows) == chunk else None)

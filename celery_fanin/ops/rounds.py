@@ -25,11 +25,13 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import publish
-from .canvas import FanInGroup, _parse_batch_id
-from .exceptions import BatchNotFinished, BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
-from .extension import FanIn
-from .store import admin, batches, queries, successors
+from ..codec import decode_signature
+from ..context import FanIn
+from ..exceptions import BatchNotFinished, BatchNotFound, FanInDatabaseError, InvalidFanIn, summarise
+from ..producer.group import FanInGroup
+from ..producer.result import parse_batch_id
+from ..protocol import BATCH_ACTIVE, BATCH_ENDED_WITHOUT_SUCCESSOR, SUCCESSOR_FINAL
+from ..store import admin, batches, queries
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class RetryRound:
 def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
     """Start the next round of `batch_id` (any round's id, or round 1's) with the failed children of its latest
     round. Raises `BatchNotFinished` while that round, or its successor, has not finished."""
-    bid = _parse_batch_id(batch_id)
+    bid = parse_batch_id(batch_id)
     app = fanin.app
     try:
         with fanin.engine.connect() as conn:
@@ -86,8 +88,8 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
         result = replace(result, nested_in=str(found[0]) if found else latest.parent_task_id)
     if not failed:
         return result
-    children = [_fresh(publish.decode_signature(app, f.message)) for f in failed]
-    then = _fresh(publish.decode_signature(app, row.successor_message))
+    children = [_fresh(decode_signature(app, f.message)) for f in failed]
+    then = _fresh(decode_signature(app, row.successor_message))
     group = FanInGroup(
         children, then=then, step=row.step, app=app, key=key, child_timeout=policy.child_timeout_seconds,
         on_lost=policy.on_lost, max_redrives=policy.max_redrives,
@@ -100,14 +102,14 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
 
 def _check_finished(n: admin.Node) -> None:
     what = f"batch {n.id}" + (f" (round {n.round})" if n.round > 1 else "")
-    if n.state in ("open", "running"):
+    if n.state in BATCH_ACTIVE:
         raise BatchNotFinished(
             f"{what} is still {n.state} ({n.remaining} of {n.planned} children unfinished): retry-failed needs a "
             f"finished batch; wait for it (`fanin watch {n.id}`)"
         )
-    if n.successor_state is None and n.state not in batches.ENDED_WITHOUT_SUCCESSOR:
+    if n.successor_state is None and n.state not in BATCH_ENDED_WITHOUT_SUCCESSOR:
         raise BatchNotFinished(f"{what} is {n.state} but its successor was not created yet: wait for it")
-    if n.successor_state is not None and n.successor_state not in successors.FINAL_STATES:
+    if n.successor_state is not None and n.successor_state not in SUCCESSOR_FINAL:
         raise BatchNotFinished(
             f"{what} is {n.state} but its successor is still {n.successor_state}: retry-failed runs it again, so "
             "it waits until this run has finished"

@@ -1,0 +1,263 @@
+"""The per-app context every module may import: `Settings` from `app.conf`, and `FanIn.of(app)`'s engine and
+report connection. Wiring the hooks and tasks into an app is `celery_fanin.extension`'s job."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import psycopg
+from celery import Celery
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from . import redact
+from .exceptions import FanInDatabaseError, FanInNotConfigured, summarise
+from .store import migrate
+from .store.pooler import transaction_pooled
+from .store.reports import ReportConnection, connect_options
+
+F = TypeVar("F", bound="FanIn")
+
+_REGISTRY: weakref.WeakKeyDictionary[Celery, FanIn] = weakref.WeakKeyDictionary()
+_REGISTRY_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, with its default; read from `app.conf` as `fanin_<name>`."""
+
+    database_url: str | None = None
+    pool_size: int = 5
+    # Most failures listed inline in the outcome a successor receives; the full list stays in Postgres.
+    outcome_failures_limit: int = 100
+    # ... and at most this many bytes of them (JSON, arguments included), so the successor's message stays small.
+    outcome_max_bytes: int = 256 * 1024
+    # Children written and published per round trip by the producer and the relay.
+    chunk_size: int = 1000
+    # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
+    max_width: int = 10_000
+    tree_fanout: int = 16
+    # How deep fan-ins may nest (one created in a fan-in child or successor is one deeper; the first is 0).
+    max_depth: int = 8
+    relay_poll_interval: float = 1.0
+    relay_batch_size: int = 100
+    # Seconds a worker keeps retrying a report (a child's terminal outcome, a successor's state) while the store
+    # is unreachable, with jittered backoff, before it logs, counts (fanin_worker_reports_given_up_total) and leaves
+    # it to reconciliation and child_timeout. The pool process waits meanwhile: a report is never dropped sooner.
+    report_timeout: float = 300.0
+    # Deprecated and ignored (every store call of a worker is bounded by report_timeout); kept so old configs load.
+    record_attempts: int = 5
+    # Record each child's start (time, attempt, worker), written off the child's path by a thread of the pool
+    # process at most every start_write_interval seconds, many starts per statement (see celery_fanin.worker.starts).
+    track_started: bool = True
+    start_write_interval: float = 0.25
+    # Default per-batch child timeout in seconds (None: children may run forever) and what happens past it.
+    child_timeout: float | None = 6 * 3600.0
+    on_lost: str = "fail"
+    max_redrives: int = 3
+    # Seconds a successor may stay sent (or retrying past its due time) without starting before it is published
+    # again.
+    successor_timeout: float = 600.0
+    # A successor's run holds a lease on its row, renewed every successor_lease / 4 seconds while its body runs.
+    # A run whose lease lapsed more than successor_lease_grace seconds ago is dead (its worker died, or lost the
+    # database for that long): another delivery may then run the successor. A database outage shorter than
+    # successor_lease + successor_lease_grace never lets a second run start beside a live one.
+    successor_lease: float = 60.0
+    successor_lease_grace: float = 60.0
+    # Refuse to start a worker or relay whose database URL goes through a transaction-mode pooler (see
+    # celery_fanin.store.pooler): session pooling or a direct connection is required.
+    check_pooler: bool = True
+    # How often the relay looks for lost children and passed deadlines, and reconciles counters.
+    reaper_interval: float = 10.0
+    # Seconds past a child's `expires` after which the relay counts it as revoked if no worker took it: a broker
+    # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it.
+    expires_grace: float = 30.0
+    reconcile_interval: float = 300.0
+    # Seconds an open (streaming) batch may stay without a live producer before the relay seals it.
+    open_batch_grace: float = 300.0
+
+    def __post_init__(self) -> None:
+        # Checked where the setting is read, before a producer writes or a relay publishes anything with it.
+        budget = self.outcome_max_bytes
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
+
+    @classmethod
+    def from_conf(cls, conf: Any) -> Settings:
+        values: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            key = f"fanin_{name}"
+            value = conf.get(key)
+            if value is not None:
+                values[name] = value
+        if not values.get("database_url"):
+            values["database_url"] = os.environ.get("FANIN_DATABASE_URL") or None
+        return cls(**values)
+
+
+def normalise_database_url(url: str) -> str:
+    """Accept `postgresql://` and `postgres://` URLs and select the psycopg 3 driver SQLAlchemy needs."""
+    redact.remember(url)  # before anything can quote it back (a parse error, a driver error)
+    try:
+        parsed = make_url(url.replace("postgres://", "postgresql://", 1) if url.startswith("postgres://") else url)
+        parsed.port  # noqa: B018  (parsed on access: a bad port is a configuration error here, not later)
+    except (ValueError, ArgumentError) as exc:
+        raise FanInNotConfigured(f"fanin_database_url is not a valid URL: {redact.redact(str(exc))}") from None
+    if parsed.get_backend_name() != "postgresql":
+        raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
+    if parsed.drivername in ("postgresql", "postgresql+psycopg2"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+def _unproxy(app: Celery) -> Celery:
+    """`celery.current_app` is a proxy; the registry is keyed by the real app object."""
+    get = getattr(app, "_get_current_object", None)
+    return get() if callable(get) else app
+
+
+class FanIn:
+    """The celery-fanin context of one Celery app: its settings, engine and report connection.
+
+    One object per app (`FanIn.of(app)` finds it); the public `celery_fanin.FanIn` is the subclass that also wires
+    the app. The engine is created lazily and again in every forked process, since connections must not cross fork.
+    """
+
+    app: Celery
+    _engine: Engine | None
+    _reports: ReportConnection | None
+    _engine_pid: int | None
+    _engine_lock: threading.Lock
+
+    def __new__(cls: type[F], app: Celery) -> F:
+        app = _unproxy(app)
+        redact.guard_loggers()  # on every call: modules imported since (the relay's, the CLI's) log too
+        with _REGISTRY_LOCK:
+            existing = _REGISTRY.get(app)
+            if existing is not None:
+                return cast(F, existing)
+            self = super().__new__(cls)
+            self.app = app
+            self._engine = None
+            self._reports = None
+            self._engine_pid = None
+            self._engine_lock = threading.Lock()
+            _REGISTRY[app] = self
+        self._wire()
+        redact.guard_loggers()
+        return self
+
+    def _wire(self) -> None:
+        """Connect the worker hooks and register the built-in tasks: done by `celery_fanin.extension.FanIn`."""
+
+    def __init__(self, app: Celery) -> None:  # all the work is in __new__, which runs once per app
+        pass
+
+    @classmethod
+    def of(cls, app: Celery) -> FanIn:
+        """The extension wired into `app`; a clear error if `FanIn(app)` was never called."""
+        app = _unproxy(app)
+        found = _REGISTRY.get(app)
+        if found is None:
+            raise FanInNotConfigured(f"celery-fanin is not enabled for app {app.main!r}: call FanIn(app) first")
+        return found
+
+    @classmethod
+    def find(cls, app: Celery) -> FanIn | None:
+        return _REGISTRY.get(_unproxy(app))
+
+    @property
+    def settings(self) -> Settings:  # type: ignore[override]
+        # Read on use, not at FanIn(app): apps are often configured after the extension is created.
+        return Settings.from_conf(self.app.conf)
+
+    @property
+    def database_url(self) -> str:
+        url = self.settings.database_url
+        if not url:
+            raise FanInNotConfigured(
+                "no database configured: set app.conf.fanin_database_url or the FANIN_DATABASE_URL environment "
+                "variable (for example postgresql+psycopg://user@127.0.0.1/dbname)"
+            )
+        return normalise_database_url(url)
+
+    @property
+    def engine(self) -> Engine:
+        pid = os.getpid()
+        if self._engine is None or self._engine_pid != pid:
+            with self._engine_lock:
+                if self._engine is None or self._engine_pid != pid:
+                    if self._engine is not None:
+                        # Inherited across fork: drop the parent's connections without closing its sockets.
+                        self._engine.dispose(close=False)
+                    # pool_pre_ping: a connection the server dropped (a restart, a network cut) is found dead at
+                    # checkout and replaced, instead of failing the first statement sent on it.
+                    self._engine = create_engine(
+                        self.database_url,
+                        pool_size=self.settings.pool_size,
+                        pool_pre_ping=True,
+                        isolation_level="READ COMMITTED",
+                        connect_args=connect_options(self.database_url),
+                    )
+                    self._engine_pid = pid
+        return self._engine
+
+    @property
+    def reports(self) -> ReportConnection:
+        """The worker hooks' own connection for a child's start and terminal reports (see `store.reports`)."""
+        reports = self._reports
+        if reports is None:
+            with self._engine_lock:
+                if self._reports is None:
+                    self._reports = ReportConnection(self.database_url)
+                reports = self._reports
+        return reports
+
+    def setting(self, name: str) -> Any:
+        """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
+        value = self.app.conf.get(f"fanin_{name}")
+        return Settings.__dataclass_fields__[name].default if value is None else value
+
+    def dispose(self) -> None:
+        with self._engine_lock:
+            if self._engine is not None:
+                self._engine.dispose()
+            if self._reports is not None:
+                self._reports.reset()
+            self._engine = None
+            self._reports = None
+            self._engine_pid = None
+
+    def check_session_pooling(self) -> None:
+        """Raise `FanInNotConfigured` if the database URL reaches PostgreSQL through a transaction-mode pooler.
+
+        Run when a worker or relay starts (unless `fanin_check_pooler` is off). A database that cannot be reached
+        now is not an error here: the processes wait for it as they always do.
+        """
+        if not self.settings.check_pooler:
+            return
+        try:
+            pooled = transaction_pooled(self.database_url)
+        except psycopg.OperationalError as exc:
+            logging.getLogger("celery_fanin").warning("could not check for a connection pooler: %s", exc)
+            return
+        if pooled:
+            raise FanInNotConfigured(
+                "fanin_database_url reaches PostgreSQL through a pooler in transaction (or statement) mode: "
+                "celery-fanin needs each connection to keep its session (advisory locks, LISTEN, prepared "
+                "statements). Use session mode (PgBouncer pool_mode = session) or a direct connection "
+                "(set fanin_check_pooler = False to skip this check)."
+            )
+
+    def migrate(self) -> list[str]:
+        """Create or upgrade the schema; returns the names of the migrations applied."""
+        try:
+            return [f"{m.version:04d}_{m.name}" for m in migrate.migrate(self.engine)]
+        except SQLAlchemyError as exc:
+            raise FanInDatabaseError(f"could not migrate the fan-in schema: {summarise(exc)}") from exc

@@ -1,0 +1,1 @@
+"""Operations on finished or stuck batches: inspection, retention and retry rounds."""

@@ -1,0 +1,599 @@
+"""The worker side: every Celery signal that ends a child or a successor's run, mapped to one report.
+
+`WorkerHooks` has one method per signal it listens to (`install` connects them once per process); they act only for
+apps wired with `FanIn(app)` and return before any database work for a task without the fan-in headers. A child's
+terminal outcome is one statement on the process's report connection (`record_child`), a successor's end one update
+fenced to its run (`record_successor`). Which signal fires where, per Celery version:
+docs/concepts/terminal-outcomes.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery import Celery, chord, current_app, signals
+from celery.app.trace import build_tracer
+from celery.canvas import _chain
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.worker.consumer.consumer import Consumer
+from kombu.exceptions import EncodeError
+from prometheus_client import Counter
+
+from ..codec import encode_result
+from ..context import FanIn
+from ..exceptions import FanInNotConfigured
+from ..protocol import ChildState, Marker, SuccessorState
+from ..store import batches
+from . import report, starts, successor_runs
+
+logger = logging.getLogger("celery_fanin.hooks")
+
+# Terminal reports the store refused: the message's batch, index or task name disagree with the child's row.
+_REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
+
+
+class ReceivedMarkers:
+    """task id -> marker for the fan-in messages the main process holds a request for.
+
+    An entry lives as long as Celery's `Request` for the message: the main process needs the marker only while
+    that request can still end in a main-process failure (hard time limit, lost pool process), and no signal
+    fires in the main process when a child succeeds. A weak reference's callback drops the entry when Celery
+    lets the request go, so the map holds the worker's reserved and running fan-in requests, not its history.
+    The bound is a safety net for requests kept alive elsewhere; the oldest entry goes first.
+    """
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._data: OrderedDict[str, tuple[Marker, weakref.ref[Any]]] = OrderedDict()
+        self._limit = limit
+        # Reentrant: a garbage collection can start at any allocation inside `add` and release a request whose
+        # callback then runs on this thread, with the lock held.
+        self._lock = threading.RLock()
+
+    def add(self, task_id: str, marker: Marker, request: Any) -> None:
+        def release(ref: weakref.ref[Any]) -> None:
+            with self._lock:
+                entry = self._data.get(task_id)
+                if entry is not None and entry[1] is ref:  # a redelivery under the same id keeps its own entry
+                    del self._data[task_id]
+
+        with self._lock:
+            self._data[task_id] = (marker, weakref.ref(request, release))
+            if len(self._data) > self._limit:
+                self._data.popitem(last=False)
+
+    def get(self, task_id: str) -> Marker | None:
+        with self._lock:
+            entry = self._data.get(task_id)
+        return entry[0] if entry is not None else None
+
+    def pop(self, task_id: str) -> Marker | None:
+        with self._lock:
+            entry = self._data.pop(task_id, None)
+        return entry[0] if entry is not None else None
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def _fanin_for(app: Celery | None) -> FanIn | None:
+    return FanIn.find(app) if app is not None else None
+
+
+def _exc_fields(exc: BaseException | None) -> tuple[str | None, str | None]:
+    if exc is None:
+        return None, None
+    return type(exc).__name__, str(exc)[:2000]
+
+
+def claim_of(marker: Marker) -> batches.Claim:
+    """What a message says its child is, which the store checks before counting the report."""
+    return batches.Claim(marker.batch_id, marker.index, marker.task_name)
+
+
+class _Revoked(Exception):
+    """Stands for the reason a revoked task never ran to an end, as stored in the child's row."""
+
+
+def _unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None) -> bool:
+    """True, and logged, when the app signs its messages (``task_serializer = "auth"``) and this one's body was
+    never verified (refused, undecodable, or for a task the worker does not know): its headers are anyone's, so
+    it must not end the child it names. The genuine message, signed, still counts the child when it runs."""
+    if fanin.app.conf.task_serializer != "auth":
+        return False
+    logger.warning("%s message for task_id=%s not counted: its signature was not verified (%s)", what, task_id, exc)
+    return True
+
+
+class WorkerHooks:
+    """celery-fanin in a worker: one method per Celery signal it listens to, and the reports they map onto.
+
+    Eager mode (`celery_fanin.producer.eager`) calls the same public methods for the tasks it runs inline.
+    """
+
+    def __init__(self) -> None:
+        self.received = ReceivedMarkers()
+        self._installed = False
+        self._install_lock = threading.Lock()
+
+    def install(self) -> None:
+        """Connect every signal method once per process."""
+        with self._install_lock:
+            if self._installed:
+                return
+            for signal, uid in _SIGNALS:
+                getattr(signals, signal).connect(getattr(self, signal), weak=False, dispatch_uid=f"celery_fanin.{uid}")
+            self._installed = True
+
+    # --- the reports ------------------------------------------------------------------------------------------
+
+    def record_child(
+        self,
+        fanin: FanIn,
+        task_id: str,
+        marker: Marker,
+        state: str,
+        *,
+        value: Any = None,
+        has_value: bool = False,
+        exc: BaseException | None = None,
+        start: batches.Start | None = None,
+    ) -> batches.TerminalRecord | None:
+        """Record a child's terminal outcome: the one path from every hook (and eager mode) to the store."""
+        result = None
+        if has_value:
+            try:
+                result = encode_result(fanin.app, value)
+            except EncodeError as err:  # the child succeeded; only its value cannot be kept
+                logger.warning("result of task_id=%s cannot be encoded, stored as none: %s", task_id, err)
+        exc_type, exc_message = _exc_fields(exc)
+        claim = claim_of(marker)
+        rec: batches.TerminalRecord | None = report.send_terminal(
+            fanin,
+            f"terminal outcome of task {task_id}",
+            lambda reports: reports.record_terminal(
+                task_id, state, result=result, exc_type=exc_type, exc_message=exc_message, start=start, claim=claim
+            ),
+        )
+        extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
+        if rec is None:
+            return None
+        if rec.counted:
+            logger.debug("child done batch_id=%s index=%s task_id=%s state=%s remaining=%s", marker.batch_id,
+                         marker.index, task_id, state, rec.remaining, extra=extra)  # fmt: skip
+            if rec.successor_created:
+                logger.info("batch complete batch_id=%s: successor created", marker.batch_id, extra=extra)
+        elif rec.refused:
+            _REFUSED.inc()
+            why = "forged or misrouted message"
+            what = (task_id, marker.index, marker.batch_id, marker.task_name, why)
+            logger.warning("report refused: task_id=%s is not child %s of batch %s as task %s (%s)", *what, extra=extra)
+        else:
+            logger.info("late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
+                        marker.batch_id, marker.index, task_id, state, extra=extra)  # fmt: skip
+        return rec
+
+    def record_successor(
+        self,
+        fanin: FanIn,
+        marker: Marker,
+        state: str,
+        exc: BaseException | None = None,
+        value: Any = None,
+        live: successor_runs.LiveRun | None = None,
+    ) -> bool:
+        """Record a successor's final state: fenced to `live`'s run, or unfenced from the main process."""
+        exc_type, exc_message = _exc_fields(exc)
+        result = None
+        if state == SuccessorState.SUCCEEDED:
+            try:
+                result = encode_result(fanin.app, value)
+            except EncodeError as err:
+                logger.warning("result of the successor of batch_id=%s cannot be encoded: %s", marker.batch_id, err)
+        if live is not None:
+            return successor_runs.finish(live, state, result=result, exc_type=exc_type, exc_message=exc_message)
+        done = report.send(
+            fanin,
+            "successor",
+            f"successor state of batch {marker.batch_id}",
+            lambda: successor_runs.record_final(
+                fanin,
+                marker.batch_id,
+                marker.step or "",
+                state,
+                result=result,
+                exc_type=exc_type,
+                exc_message=exc_message,
+            ),
+        )
+        return bool(done)
+
+    def admit_successor(
+        self, fanin: FanIn, request: Any, task_id: str, marker: Marker
+    ) -> successor_runs.LiveRun | None:
+        """Start a run of the successor for this execution (attached to its request), or None for a duplicate.
+
+        A copy the relay republished starts at Celery retry count 0: the run resumes the successor's own count, so
+        that `max_retries` bounds the retries of the successor, not of each copy.
+        """
+        retries = int(getattr(request, "retries", 0) or 0)
+        live = successor_runs.admit(fanin, marker.batch_id, marker.step or "", task_id, retries)
+        if live is None:
+            return None
+        successor_runs.attach(request, live)
+        if live.run.attempt > retries:
+            request.retries = live.run.attempt
+        return live
+
+    def _ended(
+        self,
+        fanin: FanIn,
+        task_id: str,
+        marker: Marker,
+        child: ChildState,
+        successor: SuccessorState,
+        exc: BaseException | None,
+    ) -> None:
+        """A main-process path ended the message: its child's terminal state, or its successor's final one."""
+        if marker.is_successor:
+            self.record_successor(fanin, marker, successor, exc)
+        else:
+            self.record_child(fanin, marker.child_id(task_id), marker, child, exc=exc)
+
+    # --- one method per signal ----------------------------------------------------------------------------------
+
+    def task_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        """Remember a fan-in message's marker while the main process holds its request."""
+        if request is None:
+            return
+        marker = Marker.from_mapping(getattr(request, "request_dict", None))
+        if marker is not None:
+            self.received.add(request.id, marker, request)
+
+    def task_prerun(self, sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
+        """Queue a child's start, written off the child's path by `starts`."""
+        task = task or sender
+        if task is None or task_id is None:
+            return
+        marker = Marker.from_mapping(task.request)
+        if marker is None or marker.is_successor:
+            return
+        fanin = _fanin_for(task.app)
+        if fanin is None or not fanin.setting("track_started"):
+            return
+        request = task.request
+        child_id = marker.child_id(task_id)  # a chain child started when its first task did
+        starts.note_start(fanin, child_id, int(getattr(request, "retries", 0) or 0), getattr(request, "hostname", None))
+
+    def task_postrun(
+        self,
+        sender: Any = None,
+        task_id: str | None = None,
+        task: Any = None,
+        retval: Any = None,
+        state: str | None = None,
+        **_: Any,
+    ) -> None:
+        """Record how a child or a successor's run ended in the pool process (success, failure, rejection)."""
+        task = task or sender
+        if task is None or task_id is None:
+            return
+        marker = Marker.from_mapping(task.request)
+        if marker is None:
+            return
+        fanin = _fanin_for(task.app)
+        if fanin is None:
+            return
+        if marker.is_successor:
+            self._successor_postrun(fanin, marker, successor_runs.request_run(task.request), state, retval)
+            return
+        child_id = marker.child_id(task_id)
+        if state == "SUCCESS":
+            if child_id != task_id:
+                return  # a chain's earlier task: the worker publishes the next, and the last one reports
+            start = starts.take_start(fanin, task_id)
+            self.record_child(fanin, task_id, marker, ChildState.SUCCEEDED, value=retval, has_value=True, start=start)
+        elif state == "FAILURE":
+            exc = retval if isinstance(retval, BaseException) else None
+            terminal = ChildState.TIME_LIMIT if isinstance(exc, SoftTimeLimitExceeded) else ChildState.FAILED
+            self.record_child(fanin, child_id, marker, terminal, exc=exc, start=starts.take_start(fanin, child_id))
+        elif state == "REJECTED" and isinstance(retval, Reject) and not retval.requeue:
+            start = starts.take_start(fanin, child_id)
+            self.record_child(fanin, child_id, marker, ChildState.REJECTED, exc=retval, start=start)
+        # RETRY, IGNORED, REJECTED with requeue: the child is not finished; another attempt reports.
+
+    @report.in_event_loop
+    def task_failure(
+        self, sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
+    ) -> None:
+        """Record a hard time limit or a lost pool process, the failures only the main process sees."""
+        if task_id is None or not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
+            return
+        # Celery 5.7 fires task_failure twice for a hard time limit, once without a request: keep the marker for the
+        # repeat, which is then recorded as a late report; the entry still goes when Celery lets the request go.
+        lookup = self.received.get if isinstance(exception, TimeLimitExceeded) else self.received.pop
+        marker = lookup(task_id) or Marker.from_mapping(getattr(sender, "request", None))
+        fanin = _fanin_for(getattr(sender, "app", None))
+        if marker is None or fanin is None:
+            return
+        state = ChildState.TIME_LIMIT if isinstance(exception, TimeLimitExceeded) else ChildState.WORKER_LOST
+        self._ended(fanin, task_id, marker, state, SuccessorState.FAILED, exception)
+
+    @report.in_event_loop
+    def task_revoked(
+        self, sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+    ) -> None:
+        """Record a child or successor revoked before or while it ran (or expired unstarted)."""
+        marker = Marker.from_mapping(request)
+        fanin = _fanin_for(getattr(sender, "app", None))
+        if marker is None or fanin is None or request is None:
+            return
+        self.received.pop(request.id)
+        reason = "expired" if expired else "terminated" if terminated else "revoked"
+        self._ended(fanin, request.id, marker, ChildState.REVOKED, SuccessorState.REVOKED, _Revoked(reason))
+
+    @report.in_event_loop
+    def task_unknown(
+        self,
+        sender: Any = None,
+        message: Any = None,
+        exc: BaseException | None = None,
+        name: str | None = None,
+        id: str | None = None,
+        **_: Any,
+    ) -> None:
+        """Record a message for a task this worker does not know."""
+        marker = Marker.from_mapping(getattr(message, "headers", None))
+        fanin = _fanin_for(getattr(sender, "app", None))
+        if marker is None or fanin is None or not id or _unverified(fanin, "unknown task", id, exc):
+            return
+        self._ended(fanin, id, marker, ChildState.UNKNOWN, SuccessorState.FAILED, exc)
+
+    @report.in_event_loop
+    def task_rejected(
+        self, sender: Any = None, message: Any = None, exc: BaseException | None = None, **_: Any
+    ) -> None:
+        """Record a message the worker refused (a content type it does not accept, or a body it cannot decode)."""
+        headers = getattr(message, "headers", None) or {}
+        marker = Marker.from_mapping(headers)
+        fanin = _fanin_for(getattr(sender, "app", None))
+        task_id = headers.get("id")
+        if marker is None or fanin is None or not task_id or _unverified(fanin, "rejected", task_id, exc):
+            return
+        self._ended(fanin, task_id, marker, ChildState.REJECTED, SuccessorState.FAILED, exc)
+
+    def worker_init(self, sender: Any = None, **_: Any) -> None:
+        """Refuse a pooled database URL, then guard the app's tasks and count undecodable messages."""
+        app = getattr(sender, "app", None)
+        fanin = _fanin_for(app)
+        if fanin is not None:
+            try:
+                fanin.check_session_pooling()
+            except FanInNotConfigured as exc:  # Celery logs and ignores a signal handler's Exception: stop the worker
+                logger.critical("%s", exc)
+                raise SystemExit(1) from exc
+            guard_tasks(app)  # type: ignore[arg-type]
+            self._report_decode_errors()
+
+    def worker_process_init(self, **_: Any) -> None:
+        """Guard the tasks of a pool process started as a fresh interpreter (spawn), and rebuild their tracers."""
+        # The tracers read `before_start` once when they are built.
+        app = current_app._get_current_object()
+        if _fanin_for(app) is not None and guard_tasks(app):
+            for name, task in app.tasks.items():
+                task.__trace__ = build_tracer(name, task, app.loader, app=app)
+
+    def worker_shutdown(self, **_: Any) -> None:
+        """Give the starts and the reports still queued a few seconds to reach the store."""
+        starts.flush_all(timeout=5.0)
+        if not report.background.flush(timeout=10.0):
+            logger.warning(
+                "reports still waiting for the store at shutdown: reconciliation and child_timeout settle them"
+            )
+
+    def worker_process_shutdown(self, **_: Any) -> None:
+        """The same as `worker_shutdown`, in a pool process."""
+        self.worker_shutdown()
+
+    # --- helpers -----------------------------------------------------------------------------------------------
+
+    def _successor_postrun(
+        self, fanin: FanIn, marker: Marker, live: successor_runs.LiveRun | None, state: str | None, retval: Any
+    ) -> None:
+        """How an execution of a successor ended, as its run records it (see docs/concepts/terminal-outcomes.md)."""
+        if live is None or live.ended:
+            return  # a duplicate the guard refused, or a run already handed over (a retry, a replacement)
+        exc = retval if isinstance(retval, BaseException) else None
+        if state == "SUCCESS":
+            self.record_successor(fanin, marker, SuccessorState.SUCCEEDED, value=retval, live=live)
+        elif state == "FAILURE":
+            self.record_successor(fanin, marker, SuccessorState.FAILED, exc, live=live)
+        elif state == "RETRY":  # the retry hand-over was not installed (eager runs): the retry comes after this
+            when = getattr(retval, "when", None)
+            eta = when if isinstance(when, datetime) else None
+            successor_runs.hand_over(live, SuccessorState.RETRYING, _due_at(eta, None if eta else float(when or 0)))
+        elif state == "REJECTED" and isinstance(retval, Reject) and retval.requeue:
+            successor_runs.hand_over(live, SuccessorState.REQUEUED)  # Celery requeues the message after this returns
+        elif state == "REJECTED":
+            self.record_successor(fanin, marker, SuccessorState.FAILED, exc, live=live)
+        elif state == "IGNORED":
+            self.record_successor(fanin, marker, SuccessorState.IGNORED, live=live)
+        else:  # no state: the pool process is being stopped; its lease lapses and the relay runs the successor again
+            successor_runs.abandon(live)
+
+    def _report_decode_errors(self) -> None:
+        """Count a child whose body the worker cannot decode (corrupt, or not what its content type says) as
+        rejected: Celery acks such a message in `Consumer.on_decode_error` and only logs it, no signal fires, and
+        the child would wait for `child_timeout`. Its headers are readable, so it is reported as `task_rejected`
+        would be. Wrapped once per worker process, at `worker_init`."""
+        original = Consumer.on_decode_error
+        if getattr(original, "_fanin_reports", False):
+            return
+        task_rejected = self.task_rejected
+
+        def on_decode_error(consumer: Any, message: Any, exc: BaseException) -> None:
+            original(consumer, message, exc)  # logs and acks, as before
+            task_rejected(sender=consumer, message=message, exc=exc)
+
+        on_decode_error._fanin_reports = True  # type: ignore[attr-defined]
+        Consumer.on_decode_error = on_decode_error  # type: ignore[method-assign]
+
+
+# The signals `WorkerHooks.install` connects, with the dispatch uid each had (`celery_fanin.<uid>`).
+_SIGNALS = (
+    ("task_prerun", "prerun"),
+    ("task_postrun", "postrun"),
+    ("task_received", "received"),
+    ("task_failure", "failure"),
+    ("task_revoked", "revoked"),
+    ("task_unknown", "unknown"),
+    ("task_rejected", "rejected"),
+    ("worker_init", "worker_init"),
+    ("worker_shutdown", "worker_shutdown"),
+    ("worker_process_shutdown", "worker_process_shutdown"),
+    ("worker_process_init", "worker_process_init"),
+)
+
+worker_hooks = WorkerHooks()
+
+
+def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a task's `before_start` so that a successor's body runs in one execution at a time, never after it
+    ended for good (see `store.successors`).
+
+    `before_start` runs inside the trace's exception handling, so the `Ignore` raised for a duplicate delivery
+    ends that execution as IGNORED without running its body (and without touching the live run's state).
+    """
+
+    def before_start_guarded(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
+        marker = Marker.from_mapping(self.request)
+        fanin = _fanin_for(self.app) if marker is not None and marker.is_successor else None
+        if (
+            fanin is not None
+            and marker is not None
+            and successor_runs.request_run(self.request) is None
+            and worker_hooks.admit_successor(fanin, self.request, task_id, marker) is None
+        ):
+            logger.warning(
+                "duplicate delivery of successor batch_id=%s step=%s task_id=%s: body not run",
+                marker.batch_id,
+                marker.step,
+                task_id,
+                extra={"batch_id": marker.batch_id, "step": marker.step, "task_id": task_id},
+            )
+            raise Ignore()
+        return before_start(self, task_id, args, kwargs)
+
+    before_start_guarded._fanin_guard = True  # type: ignore[attr-defined]
+    return before_start_guarded
+
+
+def _due_at(eta: datetime | None, countdown: float | None) -> datetime:
+    if eta is not None:
+        return eta if eta.tzinfo is not None else eta.replace(tzinfo=timezone.utc)
+    return datetime.now(timezone.utc) + timedelta(seconds=float(countdown or 0))
+
+
+@contextmanager
+def _handed_over(
+    live: successor_runs.LiveRun, state: str, ends: type[BaseException], due_at: datetime | None = None
+) -> Iterator[None]:
+    """Hand the run over for the call inside, which publishes the next delivery and ends with `ends`; if it
+    raises anything else, nothing was handed on and the run is taken back."""
+    successor_runs.hand_over(live, state, due_at)
+    try:
+        yield
+    except ends:
+        raise
+    except BaseException:
+        successor_runs.take_back(live)
+        raise
+
+
+def _retry_guard(retry: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `Task.retry` so that a successor's run is handed over before Celery publishes the retry.
+
+    Celery publishes the retry message inside `retry()`, before the attempt's `task_postrun`: without this the
+    retry could be delivered while the attempt still holds the run, and be refused as a duplicate. If no retry is
+    published (max_retries exceeded, or publishing failed), the run is taken back and the attempt goes on.
+    """
+
+    def retry_guarded(
+        self: Any,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        live = successor_runs.request_run(self.request)
+        if live is None or live.ended or self.request.is_eager:
+            return retry(self, args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
+        with _handed_over(live, SuccessorState.RETRYING, Retry, _due_at(eta, delay)):
+            return retry(self, args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+    retry_guarded._fanin_guard = True  # type: ignore[attr-defined]
+    return retry_guarded
+
+
+def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `Task.on_replace` (called by `Task.replace`) so that the replacement carries the fan-in on.
+
+    The replacement has the replaced task's id but none of its custom headers: it gets the fan-in headers, so a
+    child is counted when its replacement ends, and a successor ends when its replacement does. A successor's run
+    is handed over (`replaced`) before the replacement is published, so the replacement's delivery is admitted.
+    """
+
+    def on_replace_guarded(self: Any, sig: Any) -> Any:
+        marker = Marker.from_mapping(self.request)
+        if marker is None or self.request.is_eager:
+            return on_replace(self, sig)
+        carrier = _carrier(sig)
+        carrier.options["headers"] = {**(carrier.options.get("headers") or {}), **marker.headers()}
+        live = successor_runs.request_run(self.request) if marker.is_successor else None
+        if live is None or live.ended:
+            return on_replace(self, sig)
+        with _handed_over(live, SuccessorState.REPLACED, Ignore):
+            return on_replace(self, sig)
+
+    on_replace_guarded._fanin_guard = True  # type: ignore[attr-defined]
+    return on_replace_guarded
+
+
+def _carrier(sig: Any) -> Any:
+    """The task of a replacement that takes the replaced task's id, and so its place (`Task.replace` freezes the
+    replacement with that id: a chain's last task, a chord's body)."""
+    if isinstance(sig, _chain) and sig.tasks:
+        return _carrier(sig.tasks[-1])
+    if isinstance(sig, chord):
+        return _carrier(sig.body)
+    return sig
+
+
+def guard_tasks(app: Celery) -> bool:
+    """Give every task of `app` the successor run guard and the retry and replace hand-overs; True if any task
+    was changed."""
+    changed = False
+    for task in app.tasks.values():
+        cls = type(task)
+        for method, around in (("before_start", _guard), ("retry", _retry_guard), ("on_replace", _replace_guard)):
+            if not getattr(getattr(cls, method), "_fanin_guard", False):
+                cls.add_around(method, around)  # Celery's own mechanism for wrapping task methods
+                changed = True
+    return changed
+
+
+def install(app: Celery) -> None:
+    """Connect the worker hooks once per process; they act only for apps wired with FanIn."""
+    worker_hooks.install()
