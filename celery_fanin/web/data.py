@@ -17,21 +17,15 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 
 from ..outcome import failure_entry
+from ..protocol import BatchState, SagaState
 from ..store import admin, queries, successors
 from ..store import sagas as saga_store
 from ..store.batches import ENDED_WITHOUT_SUCCESSOR, Encoded
 from .sql import sql
 
-BATCH_STATES = admin.BATCH_STATES
-SAGA_STATES = (
-    "running",
-    "succeeded",
-    "compensating",
-    "compensated",
-    "compensation_failed",
-    "manual_action_required",
-)
-FINAL_SAGA_STATES = frozenset({"succeeded", "compensated"})
+BATCH_STATES = tuple(s.value for s in BatchState)
+SAGA_STATES = tuple(s.value for s in SagaState)
+FINAL_SAGA_STATES = frozenset({SagaState.SUCCEEDED.value, SagaState.COMPENSATED.value})
 FAILURES_SHOWN = 50
 LEAVES_SHOWN = 100
 DESCENDANTS_SHOWN = 50
