@@ -122,3 +122,19 @@ def test_drain_smoke_prints_a_rate_and_cpu_per_child_for_each_kind(tmp_path: Pat
         rate, main, pool, postgres = float(row[1]), float(row[-4]), float(row[-3]), float(row[-2])
         assert rate > 0 and main > 0 and pool > 0, (kind, row)
         assert (postgres > 0) == (kind == "fanin"), (kind, row)  # only the fan-in's children report to PostgreSQL
+
+
+@pytest.mark.timeout(240)
+def test_dashboard_bench_smoke_times_every_page(tmp_path: Path) -> None:
+    """`python -m bench.dashboard` (BENCHMARKS.md) on a small store, so that it cannot rot: it fills its scratch
+    database, serves the dashboard and prints one line per page; its figures mean nothing at this size."""
+    size = ["--batches", "2000", "--children", "20000", "--sagas", "200", "--repeats", "2"]
+    argv = [sys.executable, "-m", "bench.dashboard", *size, "--json"]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    figures = json.loads(out.stdout[out.stdout.index("{") :])
+    assert figures["store"]["batches"] > 2000 and figures["store"]["children"] > 19_000
+    pages = figures["pages"]
+    assert {"batches", "batches ?key=order-1234", "sagas", "saga"} <= pages.keys()
+    assert all(0 < p["p50_ms"] <= p["max_ms"] for p in pages.values()), pages
+    assert "batches pages: worst p95" in out.stderr

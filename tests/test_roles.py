@@ -39,7 +39,7 @@ from celery_fanin.worker import hooks, successor_runs
 from tests.conftest import ADMIN_URL
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "how-to"
-ROLES = ("owner", "producer", "worker", "relay", "maintenance", "sagaworker")
+ROLES = ("owner", "producer", "worker", "relay", "maintenance", "dashboard", "sagaworker")
 
 
 @dataclass
@@ -448,3 +448,87 @@ def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> N
         assert handle.status().remaining == 1
     finally:
         FanIn.of(producer).dispose()
+
+
+@pytest.mark.timeout(120)
+def test_the_dashboard_serves_every_page_as_a_select_only_role(cluster: Cluster) -> None:
+    """The dashboard's documented role (SELECT only) is enough for every page and filter, and can write nothing."""
+    from starlette.testclient import TestClient
+
+    from celery_fanin.web import create_app
+
+    _migrate(cluster)
+    producer = _app(cluster, "producer")
+    worker = _app(cluster, "worker")
+    viewer = _app(cluster, "dashboard")
+    apps = (producer, worker, viewer)
+    web = create_app(viewer)
+    try:
+        child, then = producer.signature("roles.child"), producer.signature("roles.successor")
+        ids = [f"dash-{cluster.suffix}-{i}" for i in range(3)]
+        flat = fan_in_group(
+            [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(ids)],
+            then=then,
+            app=producer,
+            step="dash-step",
+            key=f"dash-{cluster.suffix}",
+        ).apply_async()
+        tree = fan_in_group(
+            [child.clone(args=(i,)) for i in range(5)], then=then, app=producer, max_width=2
+        ).apply_async()
+        fanin_w = FanIn.of(worker)
+        for index, state in ((0, "succeeded"), (1, "failed")):
+            rec = hooks.worker_hooks.record_child(
+                fanin_w,
+                ids[index],
+                protocol.Marker(flat.batch_id, index, None),
+                state,
+                value=index,
+                has_value=state == "succeeded",
+                exc=ValueError("declined by the bank") if state == "failed" else None,
+            )
+            assert rec is not None and rec.counted
+        order = saga(
+            compensated(child.clone(args=(1,)), child.clone(args=(-1,))),
+            child.clone(args=(2,)),
+            app=producer,
+            key=f"order-{cluster.suffix}",
+        ).apply_async()
+        with TestClient(web) as client:
+            leaf = re.search(
+                r'<table class="leaves">.*?href="/batches/([0-9a-f-]+)"',
+                client.get(f"/batches/{tree.batch_id}").text,
+                re.S,
+            )
+            assert leaf, "the tree's page lists its leaves"
+            for path in (
+                "/batches",
+                "/batches?state=running",
+                "/batches?step=dash-step",
+                "/batches?app=roles-producer",
+                "/batches?key=dash-",
+                f"/batches/{flat.batch_id}",
+                f"/batches/{tree.batch_id}",
+                f"/batches/{leaf.group(1)}",
+                "/sagas",
+                "/sagas?state=running",
+                f"/sagas/{order.saga_id}",
+            ):
+                page = client.get(path)
+                assert page.status_code == 200, (path, page.text[:500])
+            assert flat.batch_id in client.get("/batches?key=dash-").text
+            failed = client.get(f"/batches/{flat.batch_id}").text
+            assert "ValueError: declined by the bank" in failed and ids[1] in failed
+            assert order.saga_id in client.get("/sagas?state=running").text
+        viewer_url = cluster.url("dashboard")
+        _refused(viewer_url, "UPDATE fanin_batches SET state = 'complete'")
+        _refused(viewer_url, "DELETE FROM fanin_sagas")
+        _refused(viewer_url, f"INSERT INTO fanin_outbox (batch_id, step) VALUES ('{flat.batch_id}', 'x')")
+        _refused(viewer_url, f"SELECT * FROM fanin_settle('{flat.batch_id}', 1, 0)")
+        _refused(viewer_url, _report_sql(ids[2], flat.batch_id, 2, "roles.child"))
+        _refused(viewer_url, "CREATE TABLE fanin_extra (id int)")
+        assert flat.status().remaining == 1
+    finally:
+        web.state.engine.dispose()
+        for app in apps:
+            FanIn.of(app).dispose()

@@ -37,6 +37,7 @@ from ..protocol import BatchState, SuccessorState
 from ..relay import maintenance
 from ..relay.loop import Relay
 from ..relay.metrics import serve
+from ..web.cli import command as dashboard_command
 from .saga import saga
 from .support import _errors_as_exit, _fanin
 
@@ -665,3 +666,4 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
 
 
 fanin.add_command(saga)
+fanin.add_command(dashboard_command(_fanin, _errors_as_exit))

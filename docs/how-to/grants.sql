@@ -90,3 +90,8 @@ GRANT SELECT (saga_id, batch_id) ON fanin_saga_steps, fanin_saga_compensations T
 -- `fanin prune` locks the batches it deletes (FOR UPDATE SKIP LOCKED), which PostgreSQL allows only with an
 -- UPDATE privilege. This one adds nothing to what DELETE already allows.
 GRANT UPDATE (completed_at) ON fanin_batches TO fanin_maintenance;
+
+-- The dashboard reads and never writes: SELECT on what its pages show (a failed child's arguments are in its
+-- stored message), nothing else. It also opens every transaction read-only.
+GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_sagas, fanin_saga_steps,
+                fanin_saga_compensations TO fanin_dashboard;

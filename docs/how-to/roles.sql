@@ -12,6 +12,8 @@ CREATE ROLE fanin_worker LOGIN;
 CREATE ROLE fanin_relay LOGIN;
 -- Retention: deletes finished batches (their children, successors and outbox rows go with them).
 CREATE ROLE fanin_maintenance LOGIN;
+-- The dashboard (`celery -A proj fanin dashboard`): reads batches and sagas, writes nothing.
+CREATE ROLE fanin_dashboard LOGIN;
 
 -- PostgreSQL 15 and later no longer let every role create tables in the public schema.
 GRANT CREATE ON SCHEMA public TO fanin_owner;

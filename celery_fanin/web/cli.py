@@ -1,0 +1,117 @@
+"""`celery -A proj fanin dashboard`: serve the read-only dashboard with uvicorn.
+
+The `fanin` group (celery_fanin.cli, a layer above this package) makes the command with its own helpers, as
+`command(_fanin, _errors_as_exit)`: this module never imports the cli package. Imported by every `celery` command,
+so it imports nothing of the web extra until the command runs.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ..extension import FanIn
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host`:`port` (port 0: any free one), made here so that the address the command
+    prints is the one it serves, and a taken port is a one-line error before anything starts."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # asyncio sets TCP_NODELAY only on sockets whose protocol says TCP; without it a keep-alive response's
+        # second write waits for the client's delayed ACK (40 ms).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def command(
+    fanin_of: Callable[[click.Context], FanIn], errors_as_exit: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> click.Command:
+    """The `dashboard` command: `fanin_of` finds the app's FanIn in Celery's CLI context, `errors_as_exit` turns
+    celery-fanin and database errors into one-line exits (the cli package's own helpers)."""
+
+    @click.command(name="dashboard")
+    @click.option(
+        "--host",
+        default="127.0.0.1",
+        show_default=True,
+        help="Address to listen on. Anything but loopback needs --token (or --allow-unauthenticated).",
+    )
+    @click.option("--port", type=click.IntRange(0, 65535), default=5566, show_default=True, help="0: any free port.")
+    @click.option(
+        "--token",
+        envvar="FANIN_DASHBOARD_TOKEN",
+        default=None,
+        help="Require this token (default: $FANIN_DASHBOARD_TOKEN, else app.conf.fanin_dashboard_token). "
+        "Open the dashboard once with ?token=..., or sign in with it as the password.",
+    )
+    @click.option(
+        "--refresh",
+        type=click.FloatRange(min=0.2),
+        default=None,
+        help="Seconds between live updates (default fanin_dashboard_refresh, else 2).",
+    )
+    @click.option(
+        "--allow-unauthenticated",
+        is_flag=True,
+        help="Serve a non-loopback address without a token (behind a proxy that authenticates).",
+    )
+    @click.pass_context
+    @errors_as_exit
+    def dashboard(
+        ctx: click.Context, host: str, port: int, token: str | None, refresh: float | None, allow_unauthenticated: bool
+    ) -> None:
+        """Serve the read-only web dashboard of batches and sagas (needs the web extra)."""
+        from . import create_app, require_extra
+
+        require_extra(("starlette", "jinja2", "uvicorn"))
+        import uvicorn
+
+        fanin = fanin_of(ctx)
+        token = token or fanin.app.conf.get("fanin_dashboard_token") or None
+        if token is None and not is_loopback(host) and not allow_unauthenticated:
+            raise click.ClickException(
+                f"refusing to serve the dashboard on {host} without a token: pass --token (or set "
+                "FANIN_DASHBOARD_TOKEN), or --allow-unauthenticated behind a proxy that authenticates"
+            )
+        app = create_app(fanin, token=token, refresh=refresh)
+        sock = _listen(host, port)
+        bound = sock.getsockname()
+        shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
+        click.echo(f"dashboard at http://{shown}:{bound[1]}/" + (" (token required)" if token else ""), err=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it found:
+        # this one, so that a warm stop exits 0 (as the relay does) instead of dying by the signal.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _exit_cleanly)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            app.state.engine.dispose()
+            sock.close()
+
+    return dashboard
