@@ -31,8 +31,14 @@ DOCS = sorted(
     + [ROOT / "example_app" / "README.md"]
     + list((ROOT / "docs").rglob("*.md"))
 )
-# Settings read from app.conf outside `Settings` (each one read where it is used).
-EXTRA_SETTINGS = {"fanin_bulk_publish": "True", "fanin_amqp_frames": "True"}
+# Settings read from app.conf outside `Settings` (each where it is used: the publish paths, the dashboard), with
+# their documented defaults.
+EXTRA_SETTINGS = {
+    "fanin_bulk_publish": "True",
+    "fanin_amqp_frames": "True",
+    "fanin_dashboard_token": "None",
+    "fanin_dashboard_refresh": "2.0",
+}
 
 
 @pytest.mark.timeout(180)
