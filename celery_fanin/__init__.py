@@ -15,7 +15,7 @@ from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
 from .producer.group import FanInGroup, fan_in_group
 from .producer.result import BatchStatus, FanInResult
-from .protocol import BatchState, ChildState, SagaState, SuccessorState
+from .protocol import BatchState, ChildState, CompensationState, SagaState, SagaStepState, SuccessorState
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "BatchStatus",
     "ChildResult",
     "ChildState",
+    "CompensationState",
     "FanIn",
     "FanInDatabaseError",
     "FanInDepthExceeded",
@@ -39,6 +40,7 @@ __all__ = [
     "SagaResult",
     "SagaState",
     "SagaStatus",
+    "SagaStepState",
     "SuccessorState",
     "compensated",
     "fan_in_group",

@@ -160,6 +160,33 @@ class SagaState(State):
     MANUAL_ACTION_REQUIRED = "manual_action_required"
 
 
+class SagaStepState(State):
+    """A saga's step: run (`pending` to `succeeded` or `failed`), then, in a rollback, what became of its undo."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # after the failed step: never run
+    NOTHING_TO_UNDO = "nothing_to_undo"  # succeeded, with no compensation declared
+    COMPENSATING = "compensating"
+    COMPENSATED = "compensated"
+    COMPENSATION_FAILED = "compensation_failed"
+    MANUAL_ACTION_REQUIRED = "manual_action_required"
+    ACKNOWLEDGED = "acknowledged"  # an operator acked its manual undo
+
+
+class CompensationState(State):
+    """A compensation (an undo task, or a manual undo an operator acknowledges)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    MANUAL_ACTION_REQUIRED = "manual_action_required"
+    ACKNOWLEDGED = "acknowledged"
+
+
 # A child not yet terminal: published (or about to be), or started by a worker.
 CHILD_OPEN = frozenset({ChildState.PENDING, ChildState.STARTED})
 # A batch still counting its children.

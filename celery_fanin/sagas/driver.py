@@ -31,7 +31,9 @@ from ..protocol import (
     HEADER_UNDO_OF,
     SAGA_STEP_DONE_TASK,
     ChildState,
+    CompensationState,
     SagaState,
+    SagaStepState,
 )
 from ..store import batches, queries
 from ..store import sagas as store
@@ -208,7 +210,7 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
                 and batches.find_by_key(conn, row.app_name, compensation_key(str(unit), 1)) is not None
             )
             if child is not None and child.state == ChildState.SUCCEEDED and not rejected:
-                store.finish_step(conn, saga_id, position, "succeeded")
+                store.finish_step(conn, saga_id, position, SagaStepState.SUCCEEDED)
                 if position == row.steps:
                     store.set_state(conn, saga_id, SagaState.SUCCEEDED, finished=True)
                 else:
@@ -221,7 +223,7 @@ def settle_step(fanin: FanIn, saga_id: uuid.UUID, position: int, *, error: BaseE
                 exc_type, exc_message = "StepLost", "the step's batch has no child"
             else:
                 exc_type, exc_message = child.exc_type or child.state, child.exc_message or child.state
-        store.finish_step(conn, saga_id, position, "failed", exc_type, exc_message)
+        store.finish_step(conn, saga_id, position, SagaStepState.FAILED, exc_type, exc_message)
         plan = _plan(app, conn, row, steps, position)
         store.start_rollback(conn, saga_id, position, exc_type, exc_message, plan)
     logger.warning(
@@ -312,7 +314,7 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
             return True
         asked = store.request_manual(conn, row.id, stage)
         if asked:
-            store.set_step_states(conn, row.id, asked, "manual_action_required", ["succeeded"])
+            store.set_step_states(conn, row.id, asked, SagaStepState.MANUAL_ACTION_REQUIRED, [SagaStepState.SUCCEEDED])
             for comp in comps:
                 if comp.kind == "manual" and comp.position in asked:
                     logger.warning(
@@ -322,7 +324,7 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
                         comp.manual_text,
                         extra={"saga_id": str(row.id)},
                     )
-        todo = [c for c in comps if c.kind != "manual" and c.state != "succeeded"]
+        todo = [c for c in comps if c.kind != "manual" and c.state != CompensationState.SUCCEEDED]
         if not todo:
             store.set_stage(conn, row.id, stage + 1)
             return True
@@ -339,8 +341,8 @@ def _drive_stage(fanin: FanIn, row: store.SagaRow) -> bool:
                 conn,
                 row.id,
                 {c.position for c in todo if c.position != row.failed_step},
-                "compensating",
-                ["succeeded", "compensation_failed"],
+                SagaStepState.COMPENSATING,
+                [SagaStepState.SUCCEEDED, SagaStepState.COMPENSATION_FAILED],
             )
     assert batch_id is not None
     with fanin.engine.connect() as conn:
@@ -389,7 +391,11 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
         row = store.get_saga(conn, saga_id, lock=True)
         if row is None or (row.state, row.current_stage) != (SagaState.COMPENSATING, stage):
             return False
-        outcomes = [o for o in store.stage_outcomes(conn, saga_id, stage) if o.state in ("pending", "running")]
+        outcomes = [
+            o
+            for o in store.stage_outcomes(conn, saga_id, stage)
+            if o.state in (CompensationState.PENDING, CompensationState.RUNNING)
+        ]
         for batch_id in {o.batch_id for o in outcomes}:
             state = store.batch_state(conn, batch_id) if batch_id is not None else None
             if state is None or state in BATCH_ACTIVE:
@@ -397,13 +403,13 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
         failed: list[store.StageOutcome] = []
         for o in outcomes:
             if o.child_state == ChildState.SUCCEEDED:
-                store.finish_compensation(conn, saga_id, o.undo_of, "succeeded")
+                store.finish_compensation(conn, saga_id, o.undo_of, CompensationState.SUCCEEDED)
             else:
                 exc_type = o.exc_type or (o.child_state if o.child_state else "NotRun")
                 exc_message = o.exc_message or (
                     "it was not part of the compensation batch" if o.child_state is None else o.child_state
                 )
-                store.finish_compensation(conn, saga_id, o.undo_of, "failed", exc_type, exc_message)
+                store.finish_compensation(conn, saga_id, o.undo_of, CompensationState.FAILED, exc_type, exc_message)
                 failed.append(o)
         done = {o.position for o in outcomes} - {row.failed_step}
         if failed:
@@ -414,15 +420,27 @@ def settle_stage(fanin: FanIn, saga_id: uuid.UUID, stage: int) -> bool:
             )
             store.set_state(conn, saga_id, SagaState.COMPENSATION_FAILED, finished=True, failed_compensation=named)
             store.set_step_states(
-                conn, saga_id, {o.position for o in failed} - {row.failed_step}, "compensation_failed", ["compensating"]
+                conn,
+                saga_id,
+                {o.position for o in failed} - {row.failed_step},
+                SagaStepState.COMPENSATION_FAILED,
+                [SagaStepState.COMPENSATING],
             )
             logger.error("saga_id=%s rollback stopped: %s", saga_id, named, extra={"saga_id": str(saga_id)})
             return True
         # A step is compensated once none of its compensations is left to run (it may span two stages).
         remaining = {
-            c.position for c in store.get_compensations(conn, saga_id) if c.kind != "manual" and c.state != "succeeded"
+            c.position
+            for c in store.get_compensations(conn, saga_id)
+            if c.kind != "manual" and c.state != CompensationState.SUCCEEDED
         }
-        store.set_step_states(conn, saga_id, done - remaining, "compensated", ["compensating", "succeeded"])
+        store.set_step_states(
+            conn,
+            saga_id,
+            done - remaining,
+            SagaStepState.COMPENSATED,
+            [SagaStepState.COMPENSATING, SagaStepState.SUCCEEDED],
+        )
         store.set_stage(conn, saga_id, stage + 1)
     return True
 
@@ -451,7 +469,7 @@ def resume(fanin: FanIn, saga_id: str | uuid.UUID) -> SagaStatus:
             if row.state == SagaState.COMPENSATION_FAILED:
                 retried = set()
                 for comp in store.get_compensations(conn, sid, row.current_stage):
-                    if comp.kind == "manual" or comp.state == "succeeded" or comp.message is None:
+                    if comp.kind == "manual" or comp.state == CompensationState.SUCCEEDED or comp.message is None:
                         continue
                     attempt = comp.attempt + 1
                     sig = undo_signature(app, dict(decode_signature(app, comp.message)), comp.undo_of, attempt)
@@ -459,7 +477,9 @@ def resume(fanin: FanIn, saga_id: str | uuid.UUID) -> SagaStatus:
                         conn, sid, comp.undo_of, attempt, sig.options["task_id"], encode_signature(app, sig)
                     )
                     retried.add(comp.position)
-                store.set_step_states(conn, sid, retried, "compensating", ["compensation_failed"])
+                store.set_step_states(
+                    conn, sid, retried, SagaStepState.COMPENSATING, [SagaStepState.COMPENSATION_FAILED]
+                )
                 store.mark_resumed(conn, sid)
             elif row.state not in (SagaState.RUNNING, SagaState.COMPENSATING):
                 raise SagaStateError(f"saga {sid} is {row.state}: there is nothing to resume")

@@ -17,15 +17,10 @@ import psycopg
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
-# Terminal states a child can end in; `succeeded` counts as a success, every other one as a failure. `lost` and
-# `abandoned` are set by recovery (child_timeout, deadline), never by a worker.
-CHILD_TERMINAL_STATES = frozenset(
-    {"succeeded", "failed", "time_limit", "worker_lost", "revoked", "rejected", "unknown", "lost", "abandoned"}
-)
-# Not yet terminal: published (or about to be), or started by a worker.
-CHILD_OPEN_STATES = ("pending", "started")
-# Batch states that may end with no successor at all (an abandoned deadline or a cancel, without `on_expire`).
-ENDED_WITHOUT_SUCCESSOR = frozenset({"expired", "cancelled"})
+from ..protocol import CHILD_OPEN, ChildState
+
+# Terminal states a child can end in; `succeeded` counts as a success, every other one as a failure.
+CHILD_TERMINAL_STATES = frozenset(ChildState) - CHILD_OPEN
 
 # The per-batch advisory lock a producer holds while it publishes its children is keyed by the batch id's first
 # 64 bits, in the two-int form (which does not overlap the single-bigint key space used by migrations): two batches
@@ -79,7 +74,7 @@ class NewBatch:
     depth: int = 0
     lineage: uuid.UUID | None = None
     parent_task_id: str | None = None
-    # A retry round (celery_fanin.rounds): its number, and the batch of round 1 it retries.
+    # A retry round (celery_fanin.ops.rounds): its number, and the batch of round 1 it retries.
     round: int = 1
     retry_of: uuid.UUID | None = None
     # A leaf of a root with a failure threshold: adds each failure to its root as it is counted (migration 0012).

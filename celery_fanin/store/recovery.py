@@ -137,7 +137,7 @@ def revoke_expired(conn: Connection, task_id: str, grace_seconds: float) -> bool
     return rec.counted
 
 
-# What a worker records for a revoked child (celery_fanin.hooks._Revoked), so both paths read the same.
+# What a worker records for a revoked child (celery_fanin.worker.hooks._Revoked), so both paths read the same.
 EXPIRED_EXC_TYPE = "_Revoked"
 
 

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, text
 
+from ..protocol import SagaStepState
 from .batches import Encoded
 
 # The task that stands for a nested fan-in child (celery_fanin.nesting.TASK_NAME; repeated so store/ imports
@@ -383,12 +384,6 @@ def get_compensations(conn: Connection, saga_id: uuid.UUID, stage: int | None = 
     ]  # fmt: skip
 
 
-def last_stage(conn: Connection, saga_id: uuid.UUID) -> int | None:
-    return conn.execute(
-        text("SELECT max(stage) FROM fanin_saga_compensations WHERE saga_id = :id"), {"id": saga_id}
-    ).scalar_one()
-
-
 def set_stage(conn: Connection, saga_id: uuid.UUID, stage: int) -> None:
     conn.execute(
         text("UPDATE fanin_sagas SET current_stage = :s, state_at = now() WHERE id = :id"),
@@ -512,7 +507,7 @@ def acknowledge(conn: Connection, saga_id: uuid.UUID, position: int, by: str | N
     ).first()
     if row is None:
         return False
-    set_step_states(conn, saga_id, [position], "acknowledged", ["manual_action_required"])
+    set_step_states(conn, saga_id, [position], SagaStepState.ACKNOWLEDGED, [SagaStepState.MANUAL_ACTION_REQUIRED])
     return True
 
 

@@ -17,10 +17,10 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 
 from ..outcome import failure_entry
-from ..protocol import BatchState, SagaState
+from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, BatchState, SagaState
 from ..store import admin, queries, successors
 from ..store import sagas as saga_store
-from ..store.batches import ENDED_WITHOUT_SUCCESSOR, Encoded
+from ..store.batches import Encoded
 from .sql import sql
 
 BATCH_STATES = tuple(s.value for s in BatchState)
@@ -325,7 +325,7 @@ def _is_final(state: str, successor: queries.SuccessorRow | None, is_leaf: bool)
     if is_leaf:
         return True
     if successor is None:
-        return state in ENDED_WITHOUT_SUCCESSOR
+        return state in BATCH_ENDED_WITHOUT_SUCCESSOR
     return successor.state in successors.FINAL_STATES
 
 

@@ -10,7 +10,15 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 
-from celery_fanin.protocol import BatchState, ChildState, SagaState, State, SuccessorState
+from celery_fanin.protocol import (
+    BatchState,
+    ChildState,
+    CompensationState,
+    SagaState,
+    SagaStepState,
+    State,
+    SuccessorState,
+)
 
 from .helpers import create
 
@@ -19,6 +27,8 @@ STATE_COLUMNS: dict[str, type[State]] = {
     "fanin_batches": BatchState,
     "fanin_successors": SuccessorState,
     "fanin_sagas": SagaState,
+    "fanin_saga_steps": SagaStepState,
+    "fanin_saga_compensations": CompensationState,
 }
 
 
