@@ -278,39 +278,23 @@ def add_children(
     for batch_id, _, _ in placed:
         if batch_id != root_id:
             per_leaf[batch_id] = per_leaf.get(batch_id, 0) + 1
-    if per_leaf:
-        # In id order, as the relay locks a stopped tree's leaves (recovery.abandon_after_threshold).
-        conn.execute(
-            text("SELECT 1 FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[])) ORDER BY id FOR UPDATE"),
-            {"ids": list(per_leaf)},
-        ).all()
+    # One statement (fanin_add_children, migration 0017): leaves locked in id order, then the root.
+    return bool(
         conn.execute(
             text(
-                """
-                UPDATE fanin_batches b SET planned = b.planned + p.n, remaining = b.remaining + p.n
-                  FROM unnest(CAST(:ids AS uuid[]), CAST(:ns AS integer[])) AS p(id, n)
-                 WHERE b.id = p.id
-                """
+                "SELECT fanin_add_children(:root, CAST(:ids AS uuid[]), CAST(:ns AS integer[]), :total, :direct,"
+                " :digest)"
             ),
-            {"ids": list(per_leaf), "ns": list(per_leaf.values())},
-        )
-    result = conn.execute(
-        text(
-            """
-            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest,
-                                     producer_seen_at = now()
-             WHERE id = :id AND state = 'open'
-         RETURNING 1
-            """
-        ),
-        {
-            "id": root_id,
-            "total": len(placed),
-            "direct": len(placed) - sum(per_leaf.values()) + opened,
-            "digest": digest,
-        },
+            {
+                "root": root_id,
+                "ids": list(per_leaf),
+                "ns": list(per_leaf.values()),
+                "total": len(placed),
+                "direct": len(placed) - sum(per_leaf.values()) + opened,
+                "digest": digest,
+            },
+        ).scalar_one()
     )
-    return result.rowcount > 0
 
 
 def state_of(conn: Connection, batch_id: uuid.UUID) -> str | None:
@@ -362,25 +346,11 @@ def open_leaves(conn: Connection, root_id: uuid.UUID) -> list[tuple[uuid.UUID, i
 def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | None:
     """Create the batch's one successor (`kind` says which signature it runs) and its outbox row, once.
 
-    The unique key (batch_id, step) makes a second call a no-op; returns the new outbox row's id, or None.
+    `fanin_ensure_successor` (migration 0017) does it from the batch's own row, only for a finished root; a second
+    call is a no-op. Returns the new outbox row's id, or None.
     """
-    row = conn.execute(
-        text(
-            """
-            WITH succ AS (
-                INSERT INTO fanin_successors (batch_id, step, task_id, kind)
-                SELECT id, step, successor_task_id, :kind FROM fanin_batches WHERE id = :id
-                ON CONFLICT (batch_id, step) DO NOTHING
-                RETURNING batch_id, step
-            ), out AS (
-                INSERT INTO fanin_outbox (batch_id, step) SELECT batch_id, step FROM succ RETURNING id
-            )
-            SELECT id, pg_notify('fanin_outbox', id::text) FROM out
-            """
-        ),
-        {"id": batch_id, "kind": kind},
-    ).first()
-    return None if row is None else int(row[0])
+    row = conn.execute(text("SELECT fanin_ensure_successor(:id, :kind)"), {"id": batch_id, "kind": kind}).scalar()
+    return None if row is None else int(row)
 
 
 # The statements a worker sends, each a whole transaction in autocommit (one round trip). They are driver-level
@@ -525,13 +495,7 @@ def release_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
 def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int | None) -> None:
     """Record that children with idx < upto are on the broker or need not be (monotonic: never moves back);
     `None`: all the batch's children so far."""
-    conn.execute(
-        text(
-            "UPDATE fanin_batches SET published_upto = coalesce(CAST(:upto AS integer), planned)"
-            " WHERE id = :id AND published_upto < coalesce(CAST(:upto AS integer), planned)"
-        ),
-        {"id": batch_id, "upto": upto},
-    )
+    conn.execute(text("SELECT fanin_mark_published(:id, CAST(:upto AS integer))"), {"id": batch_id, "upto": upto})
 
 
 def unpublished_batches(conn: Connection, limit: int = 100) -> list[uuid.UUID]:

@@ -19,19 +19,16 @@ from datetime import datetime
 
 from sqlalchemy import Connection, text
 
-from .batches import Encoded, record_terminal
+from .batches import Encoded
 
 # A run ended for good: nothing runs the body again.
 FINAL_STATES = frozenset({"succeeded", "failed", "revoked", "ignored"})
 # A run ended and handed the successor on: the next delivery (Celery's retry, the redelivered message, the
 # replacement task) may start a run; the relay republishes it if that delivery never comes.
 HANDED_OVER_STATES = frozenset({"retrying", "requeued", "replaced"})
-# What a nested batch's outer child is counted as when its successor ends in `ignored` (raise Ignore()): the
-# body ended without an error and without a value.
-_OUTER_CHILD_STATE = {"ignored": "succeeded"}
-
-# Whether a running successor's run is dead: its lease lapsed more than `grace` seconds ago. Both the guard and
-# the stall detector use it, so that a delivery is admitted exactly when the relay would republish.
+# Whether a running successor's run is dead: its lease lapsed more than `grace` seconds ago. The stall detector
+# uses it as the guard (`fanin_claim_run`) and `fanin_republish_successor` do, so that a delivery is admitted
+# exactly when the relay would republish.
 _DEAD_RUN = "coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:grace AS double precision))"
 
 
@@ -76,21 +73,8 @@ def claim_run(
     """
     row = conn.execute(
         text(
-            f"""
-            WITH run AS (
-                UPDATE fanin_successors s
-                   SET state = 'running', runs = s.runs + 1, attempt = greatest(s.attempt, :retries),
-                       lease_until = now() + make_interval(secs => CAST(:lease AS double precision)),
-                       run_owner = :owner, started_at = coalesce(s.started_at, now()), state_at = now()
-                 WHERE s.batch_id = :id AND s.step = :step AND s.task_id = :task_id
-                   AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')
-                        OR (s.state = 'running' AND ({_DEAD_RUN} OR s.run_owner = :dead_owner)))
-             RETURNING s.runs, s.attempt
-            )
-            SELECT (SELECT runs FROM run), (SELECT attempt FROM run), s.state, s.run_owner
-              FROM (SELECT 1) AS one
-              LEFT JOIN fanin_successors s ON s.batch_id = :id AND s.step = :step AND s.task_id = :task_id
-            """
+            "SELECT run, attempt, state, run_owner FROM fanin_claim_run(:id, :step, :task_id, :retries,"
+            " CAST(:lease AS double precision), CAST(:grace AS double precision), :owner, :dead_owner)"
         ),
         {
             "id": batch_id,
@@ -110,10 +94,7 @@ def claim_run(
 
 def count_duplicate(conn: Connection, batch_id: uuid.UUID, step: str) -> None:
     """Count a refused delivery (shown by `status` as the successor's duplicates)."""
-    conn.execute(
-        text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
-        {"id": batch_id, "step": step},
-    )
+    conn.execute(text("SELECT fanin_count_duplicate(:id, :step)"), {"id": batch_id, "step": step})
 
 
 def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = None) -> bool:
@@ -125,36 +106,19 @@ def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = 
     if state not in HANDED_OVER_STATES:
         raise ValueError(f"not a hand-over state: {state!r}")
     found = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors
-               SET state = :state, lease_until = :due, state_at = now(),
-                   attempt = CASE :state WHEN 'retrying' THEN attempt + 1 WHEN 'replaced' THEN 0 ELSE attempt END
-             WHERE batch_id = :id AND step = :step AND runs = :run AND state = 'running'
-         RETURNING 1
-            """
-        ),
+        text("SELECT fanin_hand_over(:id, :step, :run, :state, CAST(:due AS timestamptz))"),
         {"id": run.batch_id, "step": run.step, "run": run.number, "state": state, "due": due_at},
-    ).first()
-    return found is not None
+    ).scalar_one()
+    return bool(found)
 
 
 def take_back(conn: Connection, run: Run, lease: float) -> bool:
     """Undo `hand_over` when the retry or replacement was never published (Celery raised instead)."""
     found = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors
-               SET state = 'running', lease_until = now() + make_interval(secs => CAST(:lease AS double precision)),
-                   state_at = now(),
-                   attempt = CASE state WHEN 'retrying' THEN greatest(attempt - 1, 0) ELSE attempt END
-             WHERE batch_id = :id AND step = :step AND runs = :run AND state IN ('retrying', 'replaced')
-         RETURNING 1
-            """
-        ),
+        text("SELECT fanin_take_back(:id, :step, :run, CAST(:lease AS double precision))"),
         {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease},
-    ).first()
-    return found is not None
+    ).scalar_one()
+    return bool(found)
 
 
 def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tuple[uuid.UUID, str, int]]:
@@ -163,13 +127,8 @@ def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tup
         return set()
     rows = conn.execute(
         text(
-            """
-            UPDATE fanin_successors s
-               SET lease_until = now() + make_interval(secs => CAST(:lease AS double precision))
-              FROM unnest(CAST(:ids AS uuid[]), CAST(:steps AS text[]), CAST(:runs AS integer[])) AS l(id, step, run)
-             WHERE s.batch_id = l.id AND s.step = l.step AND s.runs = l.run AND s.state = 'running'
-         RETURNING s.batch_id, s.step, s.runs
-            """
+            "SELECT batch_id, step, runs FROM fanin_renew_leases(CAST(:ids AS uuid[]), CAST(:steps AS text[]),"
+            " CAST(:runs AS integer[]), CAST(:lease AS double precision))"
         ),
         {
             "ids": [r.batch_id for r in runs],
@@ -188,6 +147,7 @@ def record_state(
     state: str,
     *,
     run: int | None = None,
+    task_id: str | None = None,
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
@@ -195,29 +155,22 @@ def record_state(
     """Move the successor to a final state; a final state is never left again. True if this call moved it.
 
     `run` fences the write to that run (the pool process reporting its own body's end). Without it (the worker's
-    main process: a hard time limit, a lost pool process, a revoke, an undecodable or unknown message) any
-    successor not yet final is moved. A nested batch (one that stands for a child of an outer batch) reports that
-    child in the same transaction: its return value is the child's result, its failure the child's.
+    main process: a hard time limit, a lost pool process, a revoke, an undecodable or unknown message) a
+    successor not yet final is moved if `task_id` is the one its batch assigned it (`fanin_finish_successor`). A
+    nested batch (one that stands for a child of an outer batch) reports that child in the same transaction: its
+    return value is the child's result, its failure the child's.
     """
     if state not in FINAL_STATES:
         raise ValueError(f"not a final successor state: {state!r}")
-    row = conn.execute(
+    found = conn.execute(
         text(
-            """
-            UPDATE fanin_successors s
-               SET state = :state, exc_type = :exc_type, exc_message = :exc_message, state_at = now(),
-                   result = :result, result_content_type = :rct, result_content_encoding = :rce,
-                   finished_at = now(), lease_until = NULL
-              FROM fanin_batches b
-             WHERE s.batch_id = :id AND s.step = :step AND b.id = s.batch_id
-               AND s.state NOT IN ('succeeded', 'failed', 'revoked', 'ignored')
-               AND (CAST(:run AS integer) IS NULL OR s.runs = CAST(:run AS integer))
-         RETURNING b.parent_task_id
-            """
+            "SELECT fanin_finish_successor(:id, :step, :task_id, CAST(:run AS integer), :state, :result, :rct, :rce,"
+            " :exc_type, :exc_message)"
         ),
         {
             "id": batch_id,
             "step": step,
+            "task_id": task_id,
             "state": state,
             "run": run,
             "exc_type": exc_type,
@@ -226,19 +179,8 @@ def record_state(
             "rct": result.content_type if result else None,
             "rce": result.content_encoding if result else None,
         },
-    ).first()
-    if row is None:
-        return False
-    if row.parent_task_id:
-        record_terminal(
-            conn,
-            row.parent_task_id,
-            _OUTER_CHILD_STATE.get(state, state),
-            result=result,
-            exc_type=exc_type,
-            exc_message=exc_message,
-        )
-    return True
+    ).scalar_one()
+    return bool(found)
 
 
 def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
@@ -271,27 +213,11 @@ def republish(conn: Connection, batch_id: uuid.UUID, step: str, timeout: float, 
     live run that returns (its heartbeat comes back) finds itself fenced off rather than beside a second run. The
     condition is checked again here, against the row as it is now.
     """
-    row = conn.execute(
+    found = conn.execute(
         text(
-            f"""
-            WITH s AS (
-                UPDATE fanin_successors s
-                   SET state = CASE WHEN s.state = 'running' THEN 'sent' ELSE s.state END,
-                       lease_until = NULL, state_at = now()
-                 WHERE s.batch_id = :id AND s.step = :step
-                   AND ((s.state IN ('sent', 'retrying', 'requeued', 'replaced')
-                         AND coalesce(s.lease_until, s.state_at)
-                             < now() - make_interval(secs => CAST(:timeout AS double precision)))
-                        OR (s.state = 'running' AND {_DEAD_RUN}))
-             RETURNING s.batch_id, s.step
-            )
-            UPDATE fanin_outbox o SET sent_at = NULL, available_at = now(), last_error = 'republished: stalled'
-              FROM s WHERE o.batch_id = s.batch_id AND o.step = s.step
-         RETURNING o.id
-            """
+            "SELECT fanin_republish_successor(:id, :step, CAST(:timeout AS double precision),"
+            " CAST(:grace AS double precision))"
         ),
         {"id": batch_id, "step": step, "timeout": timeout, "grace": grace},
-    ).first()
-    if row is not None:
-        conn.execute(text("SELECT pg_notify('fanin_outbox', :id)"), {"id": str(row[0])})
-    return row is not None
+    ).scalar_one()
+    return bool(found)
