@@ -376,8 +376,7 @@ COUNTER_FUNCTIONS = (
     "fanin_settle(uuid,integer,integer)",
     "fanin_fail_up(uuid,integer)",
     "fanin_create_successor(uuid,text,text,text)",
-    "fanin_record_terminal(text,text,bytea,text,text,text,text)",
-    "fanin_record_terminal(text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)",
+    "fanin_record_terminal_v2(text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)",
     "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,"
     "text)",
     "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
@@ -425,9 +424,6 @@ EXECUTES = {
     "maintenance": set(),
     "dashboard": set(),
 }
-# Run with the caller's rights and moving nothing a runtime role may call: the one function left from version 3,
-# unused and executable by PUBLIC, which writes a child's row and so needs a table grant no runtime role has.
-LEGACY_INVOKER = {"fanin_record_start(text,integer,text)"}
 WRITTEN_ONLY_BY_FUNCTIONS = ("fanin_batches", "fanin_children", "fanin_successors", "fanin_outbox")
 
 
@@ -514,9 +510,8 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
                 "SELECT p.oid::regprocedure::text, p.prosecdef, pg_get_userbyid(p.proowner), p.proconfig"
                 " FROM pg_proc p WHERE left(p.proname, 6) = 'fanin_' AND p.pronamespace = 'public'::regnamespace"
             ).fetchall()
+            assert len(procs) > len(COUNTER_FUNCTIONS)
             for fn, definer, owner, config in procs:
-                if fn in LEGACY_INVOKER:
-                    continue
                 assert definer and owner == cluster.role("owner"), fn
                 assert config and any(c.startswith("search_path=pg_catalog, public, pg_temp") for c in config), fn
             for role, expected in EXECUTES.items():
@@ -525,7 +520,7 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
                     " AND p.pronamespace = 'public'::regnamespace AND has_function_privilege(%s, p.oid, 'EXECUTE')",
                     (cluster.role(role),),
                 ).fetchall()
-                assert {r[0] for r in rows} - LEGACY_INVOKER == expected, role
+                assert {r[0] for r in rows} == expected, role
             for role in ("producer", "worker", "relay", "dashboard", "maintenance"):
                 for table in WRITTEN_ONLY_BY_FUNCTIONS:
                     row = conn.execute(
@@ -569,7 +564,8 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
             _refused(url, f"INSERT INTO fanin_outbox (batch_id, step) VALUES ('{bid}', 'x')")
             _refused(url, f"UPDATE fanin_successors SET state = 'succeeded' WHERE batch_id = '{bid}'")
             _refused(url, "UPDATE fanin_outbox SET sent_at = now()")
-            _refused(url, f"SELECT * FROM fanin_record_terminal('{ids[0]}', 'succeeded', NULL, NULL, NULL, NULL, NULL)")
+            by_task_id = "', 'succeeded', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+            _refused(url, f"SELECT * FROM fanin_record_terminal_v2('{ids[0]}{by_task_id}")
         first = _one(worker, _report_sql(ids[0], bid, 0, "roles.child"))
         again = _one(worker, _report_sql(ids[0], bid, 0, "roles.child"))
         assert first is not None and first[0] is True and again is not None and again[:2] == (False, True)

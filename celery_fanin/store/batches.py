@@ -358,14 +358,14 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 # (see `store.reports`); `record_terminal` below sends the same text through SQLAlchemy.
 # A worker's report names the child's batch, index and task name as its message carries them, and counts only
 # if the child row agrees (`fanin_report_terminal`, migration 0014). The recovery paths, which read the child from
-# the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal`, by task id).
+# the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by task id).
 RECORD_TERMINAL_SQL = (
     "SELECT counted, late, remaining, successor_created, refused FROM fanin_report_terminal("
     "%(task_id)s, %(batch_id)s, %(index)s, %(task_name)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s,"
     " %(exc_message)s, %(started_at)s, %(attempt)s, %(worker)s)"
 )
 RECOVERY_TERMINAL_SQL = (
-    "SELECT counted, late, remaining, successor_created FROM fanin_record_terminal("
+    "SELECT counted, late, remaining, successor_created FROM fanin_record_terminal_v2("
     "%(task_id)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s, %(exc_message)s,"
     " %(started_at)s, %(attempt)s, %(worker)s)"
 )
@@ -451,7 +451,7 @@ def record_terminal(
     With `claim` (a report from a message), only if the child has the claimed batch, index and task name;
     without (recovery, which read the child from the store), by task id.
 
-    Invariant (see `fanin_record_terminal` in migrations/0006 and `fanin_settle` in 0009): a child row moves
+    Invariant (see `fanin_record_terminal_v2` and `fanin_settle` in sql/schema.sql): a child row moves
     from pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is
     recorded as late and changes no counter); only the report that made that move decrements its batch, never
     below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its

@@ -7,12 +7,12 @@
 -- the checks of its own path. EXECUTE on one of them is the right to make that move, on its terms; no runtime
 -- role may UPDATE fanin_batches, fanin_children, fanin_successors or fanin_outbox, or INSERT into the last two.
 -- The migrations revoke PUBLIC's EXECUTE on them already; this repeats it for a database migrated before.
--- Internal (no role calls them): fanin_settle, fanin_fail_up, fanin_create_successor, fanin_record_terminal.
+-- Internal (no role calls them): fanin_settle, fanin_fail_up, fanin_create_successor, fanin_record_terminal_v2.
 REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_fail_up(uuid, integer),
                            fanin_create_successor(uuid, text, text, text),
-                           fanin_record_terminal(text, text, bytea, text, text, text, text),
-                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
+                           fanin_record_terminal_v2(text, text, bytea, text, text, text, text, timestamptz, integer,
+                                                    text),
                            fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                  timestamptz, integer, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
