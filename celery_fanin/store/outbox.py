@@ -12,9 +12,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 from .queries import BatchRow, SuccessorRow, batch_row, successor_row
+from .statements import q
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def claim(conn: Connection, limit: int, ids: Sequence[int] | None = None) -> lis
     row's own transaction wrote with it.
     """
     rows = conn.execute(
-        text("SELECT * FROM fanin_claim_outbox(:n, CAST(:ids AS bigint[]))"),
+        q("claim").text,
         {"n": limit, "ids": list(ids) if ids is not None else None},
     )
     return [
@@ -51,28 +52,24 @@ def mark_sent(conn: Connection, rows: Sequence[OutboxRow]) -> None:
     if not rows:
         return
     # The worker's start guard waits on the successor's row until this commits: one round trip, not two.
-    conn.execute(text("SELECT fanin_outbox_sent(CAST(:ids AS bigint[]))"), {"ids": [r.id for r in rows]})
+    conn.execute(q("mark_sent").text, {"ids": [r.id for r in rows]})
 
 
 def mark_failed(conn: Connection, row: OutboxRow, error: str, retry_in_seconds: float) -> None:
     """Keep the row pending, due again after a backoff, with the error for `status` and the logs."""
     conn.execute(
-        text("SELECT fanin_outbox_failed(:id, :err, :delay)"),
+        q("mark_failed").text,
         {"id": row.id, "err": error[:2000], "delay": retry_in_seconds},
     )
 
 
 def backlog(conn: Connection) -> tuple[int, float | None]:
     """How many rows wait to be published, and the age in seconds of the oldest."""
-    row = conn.execute(
-        text("SELECT count(*), extract(epoch FROM now() - min(created_at)) FROM fanin_outbox WHERE sent_at IS NULL")
-    ).one()
+    row = conn.execute(q("backlog").text).one()
     return int(row[0]), (float(row[1]) if row[1] is not None else None)
 
 
 def pending_ids(conn: Connection, batch_id: uuid.UUID) -> list[int]:
     """A batch's outbox rows not yet sent (to publish a successor at once rather than on NOTIFY)."""
-    rows = conn.execute(
-        text("SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id"), {"id": batch_id}
-    )
+    rows = conn.execute(q("pending_ids").text, {"id": batch_id})
     return [int(r[0]) for r in rows]

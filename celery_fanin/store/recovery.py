@@ -11,9 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-from .batches import PUBLISH_LOCK_OF, Encoded
+from .batches import Encoded
+from .statements import q
 
 # --- lost children -------------------------------------------------------------------------------------------
 
@@ -34,21 +35,7 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
     """Unfinished children of running batches whose child_timeout has passed since they last started (or were
     published or redriven)."""
     rows = conn.execute(
-        text(
-            """
-            SELECT c.task_id, c.batch_id, c.idx, c.state, b.on_lost, c.redrives, b.max_redrives,
-                   c.message, c.content_type, c.content_encoding
-              FROM fanin_batches b
-              JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
-             WHERE b.state IN ('open', 'running') AND b.child_timeout IS NOT NULL
-               AND greatest(b.created_at, c.started_at, c.redriven_at, c.eta_at) + b.child_timeout < now()
-               -- a nested fan-in's child is alive for as long as its inner batch is
-               AND NOT EXISTS (SELECT 1 FROM fanin_batches n
-                                WHERE n.parent_task_id = c.task_id AND n.state IN ('open', 'running'))
-             ORDER BY b.created_at, c.idx
-             LIMIT :n
-            """
-        ),
+        q("overdue_children").text,
         {"n": limit},
     )
     return [
@@ -64,9 +51,7 @@ def claim_redrive(conn: Connection, child: OverdueChild) -> bool:
     Conditional on the redrive count the caller saw, so two relays never redrive the same child twice; the store
     checks again that it is overdue and may be redriven (`fanin_claim_redrive`, migration 0017).
     """
-    found = conn.execute(
-        text("SELECT fanin_claim_redrive(:task_id, :seen)"), {"task_id": child.task_id, "seen": child.redrives}
-    ).scalar_one()
+    found = conn.execute(q("claim_redrive").text, {"task_id": child.task_id, "seen": child.redrives}).scalar_one()
     return bool(found)
 
 
@@ -74,7 +59,7 @@ def fail_lost(conn: Connection, child: OverdueChild) -> bool:
     """Count an overdue child as a terminal failure with state `lost`; True if this call counted it.
 
     `fanin_fail_lost` checks, on the locked child row, that it is overdue and may not be redriven."""
-    return bool(conn.execute(text("SELECT fanin_fail_lost(:task_id)"), {"task_id": child.task_id}).scalar_one())
+    return bool(conn.execute(q("fail_lost").text, {"task_id": child.task_id}).scalar_one())
 
 
 # --- children whose message expired unconsumed -----------------------------------------------------------------
@@ -86,17 +71,7 @@ def expired_children(conn: Connection, grace_seconds: float, limit: int = 500) -
     Why: RabbitMQ drops an expired message unconsumed (Celery gives it a TTL), so no worker's `task_revoked`
     reports it. A worker that took the message before it expired reports it itself (revoked, or its run)."""
     rows = conn.execute(
-        text(
-            """
-            SELECT c.task_id, c.batch_id, c.idx
-              FROM fanin_children c
-              JOIN fanin_batches b ON b.id = c.batch_id AND b.state IN ('open', 'running')
-             WHERE c.expires_at IS NOT NULL AND c.state = 'pending'
-               AND c.expires_at + make_interval(secs => :grace) < now()
-             ORDER BY c.expires_at
-             LIMIT :n
-            """
-        ),
+        q("expired_children").text,
         {"grace": grace_seconds, "n": limit},
     )
     return [(r.task_id, r.batch_id, r.idx) for r in rows]
@@ -108,9 +83,7 @@ def revoke_expired(conn: Connection, task_id: str, grace_seconds: float) -> bool
     The child row is locked first and checked again (a start written since moves it out of `pending`), then
     counted by the same conditional transition a worker's report takes: a real report arriving later is late.
     """
-    found = conn.execute(
-        text("SELECT fanin_revoke_expired(:task_id, :grace)"), {"task_id": task_id, "grace": grace_seconds}
-    ).scalar_one()
+    found = conn.execute(q("revoke_expired").text, {"task_id": task_id, "grace": grace_seconds}).scalar_one()
     return bool(found)
 
 
@@ -119,14 +92,7 @@ def revoke_expired(conn: Connection, task_id: str, grace_seconds: float) -> bool
 
 def due_deadlines(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
     rows = conn.execute(
-        text(
-            """
-            SELECT id FROM fanin_batches
-             WHERE state IN ('open', 'running') AND parent_id IS NULL
-               AND deadline_at IS NOT NULL AND deadline_at <= now()
-             ORDER BY deadline_at LIMIT :n
-            """
-        ),
+        q("due_deadlines").text,
         {"n": limit},
     )
     return [r[0] for r in rows]
@@ -165,7 +131,7 @@ def expire_batch(
     if reason not in _ENDINGS:
         raise ValueError(f"not a reason to end a batch: {reason!r}")
     row = conn.execute(
-        text("SELECT * FROM fanin_expire_batch(:id, :reason, CAST(:proceed AS boolean))"),
+        q("expire_batch").text,
         {"id": batch_id, "reason": reason, "proceed": proceed},
     ).first()
     return _expiry(batch_id, row)
@@ -174,7 +140,7 @@ def expire_batch(
 def cancel_open_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
     """`expire_batch(reason="cancel", proceed=False)` for a batch that is still open (its producer's input raised):
     the producer's cancel, which ends no batch that was sealed. None if it is not an open root."""
-    row = conn.execute(text("SELECT * FROM fanin_cancel_open(:id)"), {"id": batch_id}).first()
+    row = conn.execute(q("cancel_open_batch").text, {"id": batch_id}).first()
     return _expiry(batch_id, row)
 
 
@@ -203,21 +169,7 @@ def batches_to_reconcile(conn: Connection, limit: int = 1000) -> list[uuid.UUID]
     """Open and running batches (leaves before roots, so a leaf finished here is counted in its root's recount),
     and finished roots whose successor or its outbox row is missing."""
     rows = conn.execute(
-        text(
-            """
-            SELECT id FROM (
-                SELECT id, parent_id IS NULL AS is_root FROM fanin_batches WHERE state IN ('open', 'running')
-                UNION
-                SELECT b.id, true FROM fanin_batches b
-                  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-                  LEFT JOIN fanin_outbox o ON o.batch_id = b.id AND o.step = b.step
-                 WHERE b.parent_id IS NULL AND b.state IN ('complete', 'partial', 'failed_threshold')
-                   AND (s.batch_id IS NULL OR o.id IS NULL)
-            ) candidates
-             ORDER BY is_root
-             LIMIT :n
-            """
-        ),
+        q("batches_to_reconcile").text,
         {"n": limit},
     )
     return [r[0] for r in rows]
@@ -234,7 +186,7 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
     root gets its successor exactly once). Missing child rows (planned > created: rows deleted by hand, a
     restored backup) are reported, never guessed at.
     """
-    row = conn.execute(text("SELECT problems, actions FROM fanin_reconcile_batch(:id)"), {"id": batch_id}).one()
+    row = conn.execute(q("reconcile_batch").text, {"id": batch_id}).one()
     if not row.problems:
         return None
     return Repair(batch_id, list(row.problems), list(row.actions))
@@ -251,14 +203,11 @@ def abandon_after_threshold(conn: Connection, batch_id: uuid.UUID) -> list[str]:
     report that counted has committed by then (the child UPDATE waited for any in flight). Runs again harmlessly:
     a stopped batch has nothing unfinished.
     """
-    found = conn.execute(text("SELECT fanin_abandon_after_threshold(:id)"), {"id": batch_id}).scalar_one()
+    found = conn.execute(q("abandon_after_threshold").text, {"id": batch_id}).scalar_one()
     return list(found)
 
 
 # --- open batches whose producer is gone -----------------------------------------------------------------------
-
-# Whether a live session holds a batch's publish lock: its producer (or a resumer) is still writing it.
-_PUBLISH_LOCK_HELD = f"EXISTS (SELECT 1 FROM pg_locks l WHERE l.granted AND {PUBLISH_LOCK_OF})"
 
 
 def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100) -> list[uuid.UUID]:
@@ -271,14 +220,9 @@ def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100
     from (about) the moment the producer let go, not from its last chunk.
     """
     params = {"grace": grace_seconds, "n": limit}
-    conn.execute(text("SELECT fanin_renew_open_batches()"))
+    conn.execute(q("renew_open_batches").text)
     rows = conn.execute(
-        text(
-            "SELECT b.id FROM fanin_batches b "
-            "WHERE b.state = 'open' AND b.parent_id IS NULL "
-            "AND b.producer_seen_at < now() - make_interval(secs => :grace) "
-            f"AND NOT {_PUBLISH_LOCK_HELD} ORDER BY b.producer_seen_at LIMIT :n"
-        ),
+        q("lapsed_open_batches").text,
         params,
     )
     return [r[0] for r in rows]
@@ -300,7 +244,7 @@ def seal_open_batch(conn: Connection, batch_id: uuid.UUID, *, lapsed_grace: floa
     Returns None if the batch is not an open root (or has not lapsed).
     """
     row = conn.execute(
-        text("SELECT planned, successor_created FROM fanin_seal_open(:id, CAST(:grace AS double precision))"),
+        q("seal_open_batch").text,
         {"id": batch_id, "grace": lapsed_grace},
     ).first()
     if row is None:
@@ -310,5 +254,5 @@ def seal_open_batch(conn: Connection, batch_id: uuid.UUID, *, lapsed_grace: floa
 
 def batch_state(conn: Connection, batch_id: uuid.UUID) -> tuple[str, uuid.UUID | None] | None:
     """A batch's state and its root (for a leaf), to explain why it could not be sealed or cancelled."""
-    row = conn.execute(text("SELECT state, parent_id FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    row = conn.execute(q("batch_state").text, {"id": batch_id}).first()
     return None if row is None else (row.state, row.parent_id)

@@ -17,19 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 from .batches import Encoded
+from .statements import q
 
 # A run ended for good: nothing runs the body again.
 FINAL_STATES = frozenset({"succeeded", "failed", "revoked", "ignored"})
 # A run ended and handed the successor on: the next delivery (Celery's retry, the redelivered message, the
 # replacement task) may start a run; the relay republishes it if that delivery never comes.
 HANDED_OVER_STATES = frozenset({"retrying", "requeued", "replaced"})
-# Whether a running successor's run is dead: its lease lapsed more than `grace` seconds ago. The stall detector
-# uses it as the guard (`fanin_claim_run`) and `fanin_republish_successor` do, so that a delivery is admitted
-# exactly when the relay would republish.
-_DEAD_RUN = "coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:grace AS double precision))"
 
 
 @dataclass(frozen=True)
@@ -72,10 +69,7 @@ def claim_run(
     racing for one row wait for each other and re-check: one wins.
     """
     row = conn.execute(
-        text(
-            "SELECT run, attempt, state, run_owner FROM fanin_claim_run(:id, :step, :task_id, :retries,"
-            " CAST(:lease AS double precision), CAST(:grace AS double precision), :owner, :dead_owner)"
-        ),
+        q("claim_run").text,
         {
             "id": batch_id,
             "step": step,
@@ -94,7 +88,7 @@ def claim_run(
 
 def count_duplicate(conn: Connection, batch_id: uuid.UUID, step: str) -> None:
     """Count a refused delivery (shown by `status` as the successor's duplicates)."""
-    conn.execute(text("SELECT fanin_count_duplicate(:id, :step)"), {"id": batch_id, "step": step})
+    conn.execute(q("count_duplicate").text, {"id": batch_id, "step": step})
 
 
 def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = None) -> bool:
@@ -106,7 +100,7 @@ def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = 
     if state not in HANDED_OVER_STATES:
         raise ValueError(f"not a hand-over state: {state!r}")
     found = conn.execute(
-        text("SELECT fanin_hand_over(:id, :step, :run, :state, CAST(:due AS timestamptz))"),
+        q("hand_over").text,
         {"id": run.batch_id, "step": run.step, "run": run.number, "state": state, "due": due_at},
     ).scalar_one()
     return bool(found)
@@ -115,7 +109,7 @@ def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = 
 def take_back(conn: Connection, run: Run, lease: float) -> bool:
     """Undo `hand_over` when the retry or replacement was never published (Celery raised instead)."""
     found = conn.execute(
-        text("SELECT fanin_take_back(:id, :step, :run, CAST(:lease AS double precision))"),
+        q("take_back").text,
         {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease},
     ).scalar_one()
     return bool(found)
@@ -126,10 +120,7 @@ def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tup
     if not runs:
         return set()
     rows = conn.execute(
-        text(
-            "SELECT batch_id, step, runs FROM fanin_renew_leases(CAST(:ids AS uuid[]), CAST(:steps AS text[]),"
-            " CAST(:runs AS integer[]), CAST(:lease AS double precision))"
-        ),
+        q("renew_leases").text,
         {
             "ids": [r.batch_id for r in runs],
             "steps": [r.step for r in runs],
@@ -163,10 +154,7 @@ def record_state(
     if state not in FINAL_STATES:
         raise ValueError(f"not a final successor state: {state!r}")
     found = conn.execute(
-        text(
-            "SELECT fanin_finish_successor(:id, :step, :task_id, CAST(:run AS integer), :state, :result, :rct, :rce,"
-            " :exc_type, :exc_message)"
-        ),
+        q("record_state").text,
         {
             "id": batch_id,
             "step": step,
@@ -191,16 +179,7 @@ def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) ->
     Running with a dead run (see `claim_run`): the worker died mid-body and nothing redelivered it.
     """
     rows = conn.execute(
-        text(
-            f"""
-            SELECT s.batch_id, s.step FROM fanin_successors s
-             WHERE (s.state IN ('sent', 'retrying', 'requeued', 'replaced')
-                    AND coalesce(s.lease_until, s.state_at)
-                        < now() - make_interval(secs => CAST(:timeout AS double precision)))
-                OR (s.state = 'running' AND {_DEAD_RUN})
-             LIMIT :n
-            """
-        ),
+        q("stalled").text,
         {"timeout": timeout, "grace": grace, "n": limit},
     )
     return [(r[0], r[1]) for r in rows]
@@ -214,10 +193,7 @@ def republish(conn: Connection, batch_id: uuid.UUID, step: str, timeout: float, 
     condition is checked again here, against the row as it is now.
     """
     found = conn.execute(
-        text(
-            "SELECT fanin_republish_successor(:id, :step, CAST(:timeout AS double precision),"
-            " CAST(:grace AS double precision))"
-        ),
+        q("republish").text,
         {"id": batch_id, "step": step, "timeout": timeout, "grace": grace},
     ).scalar_one()
     return bool(found)
