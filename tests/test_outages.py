@@ -202,7 +202,8 @@ def test_relay_reconnects_after_its_connections_are_cut(
         wait_for(lambda: relay.stats.errors >= 1, 20, message="the relay to notice the cut")
         batch, children, _ = create(direct, 1)
         with direct.begin() as conn:  # the last child's report creates the successor (its NOTIFY is missed)
-            sql = text("SELECT fanin_record_terminal(:t, 'succeeded', NULL, NULL, NULL, NULL, NULL)")
+            nulls = ", ".join(["NULL"] * 8)
+            sql = text(f"SELECT fanin_record_terminal_v2(:t, 'succeeded', {nulls})")
             conn.execute(sql, {"t": children[0].task_id})
         errors = relay.stats.errors
         pg_proxy.restore()

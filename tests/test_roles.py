@@ -376,13 +376,55 @@ COUNTER_FUNCTIONS = (
     "fanin_settle(uuid,integer,integer)",
     "fanin_fail_up(uuid,integer)",
     "fanin_create_successor(uuid,text,text,text)",
-    "fanin_record_terminal(text,text,bytea,text,text,text,text)",
-    "fanin_record_terminal(text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)",
+    "fanin_record_terminal_v2(text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)",
     "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,"
     "text)",
     "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
     "fanin_seal(uuid)",
 )
+# Exactly what each runtime role may EXECUTE (docs/how-to/grants.sql); every other fanin_ function is internal.
+EXECUTES = {
+    "producer": {
+        "fanin_add_children(uuid,uuid[],integer[],integer,integer,bytea)",
+        "fanin_mark_published(uuid,integer)",
+        "fanin_seal(uuid)",
+        "fanin_cancel_open(uuid)",
+        "fanin_ensure_successor(uuid,text)",
+        "fanin_claim_outbox(integer,bigint[])",
+        "fanin_outbox_sent(bigint[])",
+        "fanin_outbox_failed(bigint,text,double precision)",
+        "fanin_abandon_after_threshold(uuid)",
+    },
+    "worker": {
+        "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,"
+        "integer,text)",
+        "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
+        "fanin_claim_run(uuid,text,text,integer,double precision,double precision,text,text)",
+        "fanin_count_duplicate(uuid,text)",
+        "fanin_hand_over(uuid,text,integer,text,timestamp with time zone)",
+        "fanin_take_back(uuid,text,integer,double precision)",
+        "fanin_renew_leases(uuid[],text[],integer[],double precision)",
+        "fanin_finish_successor(uuid,text,text,integer,text,bytea,text,text,text,text)",
+    },
+    "relay": {
+        "fanin_claim_outbox(integer,bigint[])",
+        "fanin_outbox_sent(bigint[])",
+        "fanin_outbox_failed(bigint,text,double precision)",
+        "fanin_mark_published(uuid,integer)",
+        "fanin_claim_redrive(text,integer)",
+        "fanin_fail_lost(text)",
+        "fanin_revoke_expired(text,double precision)",
+        "fanin_expire_batch(uuid,text,boolean)",
+        "fanin_reconcile_batch(uuid)",
+        "fanin_abandon_after_threshold(uuid)",
+        "fanin_renew_open_batches()",
+        "fanin_seal_open(uuid,double precision)",
+        "fanin_republish_successor(uuid,text,double precision,double precision)",
+    },
+    "maintenance": set(),
+    "dashboard": set(),
+}
+WRITTEN_ONLY_BY_FUNCTIONS = ("fanin_batches", "fanin_children", "fanin_successors", "fanin_outbox")
 
 
 def _report_sql(task_id: str, batch_id: str, index: int, name: str) -> str:
@@ -446,6 +488,143 @@ def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> N
             cluster.url("maintenance"), "SELECT fanin_record_starts(ARRAY['x'], ARRAY[0], ARRAY['w'], ARRAY[now()])"
         )
         assert handle.status().remaining == 1
+    finally:
+        FanIn.of(producer).dispose()
+
+
+def _one(url: str, statement: str) -> tuple[object, ...] | None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(statement).fetchone()
+
+
+@pytest.mark.timeout(120)
+def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
+    """Least privilege by construction (migration 0017): no runtime role has a direct write to a counter, a batch's
+    state, a child's outcome, a successor or the outbox; each may EXECUTE exactly its functions, and each function
+    refuses the moves its path does not make."""
+    _migrate(cluster)
+    producer = _app(cluster, "producer")
+    try:
+        with psycopg.connect(cluster.url("owner")) as conn:
+            procs = conn.execute(
+                "SELECT p.oid::regprocedure::text, p.prosecdef, pg_get_userbyid(p.proowner), p.proconfig"
+                " FROM pg_proc p WHERE left(p.proname, 6) = 'fanin_' AND p.pronamespace = 'public'::regnamespace"
+            ).fetchall()
+            assert len(procs) > len(COUNTER_FUNCTIONS)
+            for fn, definer, owner, config in procs:
+                assert definer and owner == cluster.role("owner"), fn
+                assert config and any(c.startswith("search_path=pg_catalog, public, pg_temp") for c in config), fn
+            for role, expected in EXECUTES.items():
+                rows = conn.execute(
+                    "SELECT p.oid::regprocedure::text FROM pg_proc p WHERE left(p.proname, 6) = 'fanin_'"
+                    " AND p.pronamespace = 'public'::regnamespace AND has_function_privilege(%s, p.oid, 'EXECUTE')",
+                    (cluster.role(role),),
+                ).fetchall()
+                assert {r[0] for r in rows} == expected, role
+            for role in ("producer", "worker", "relay", "dashboard", "maintenance"):
+                for table in WRITTEN_ONLY_BY_FUNCTIONS:
+                    row = conn.execute(
+                        "SELECT has_any_column_privilege(%s, %s, 'UPDATE'), has_table_privilege(%s, %s, 'INSERT'),"
+                        " has_any_column_privilege(%s, %s, 'INSERT')",
+                        (cluster.role(role), table) * 3,
+                    ).fetchone()
+                    assert row is not None
+                    update, insert_all, insert_some = row
+                    # retention locks the batches it deletes, which needs an UPDATE privilege (completed_at only)
+                    assert not update or (role, table) == ("maintenance", "fanin_batches"), (role, table)
+                    may_insert = role == "producer" and table in ("fanin_batches", "fanin_children")
+                    assert bool(insert_some) == may_insert, (role, table)
+                    assert bool(insert_all) == (may_insert and table == "fanin_batches"), (role, table)
+            outcome_columns = conn.execute(
+                "SELECT count(*) FROM unnest(ARRAY['state', 'result', 'finished_at', 'exc_type', 'started_at']) c"
+                " WHERE has_column_privilege(%s, 'fanin_children', c, 'INSERT')",
+                (cluster.role("producer"),),
+            ).fetchone()
+            assert outcome_columns == (0,), "a producer writes a child as published, never with an outcome"
+
+        child = producer.signature("roles.child")
+        ids = [f"least-{cluster.suffix}-{i}" for i in range(3)]
+        running = fan_in_group(
+            [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(ids[:2])],
+            then=producer.signature("roles.successor"),
+            app=producer,
+            child_timeout=3600,
+        ).apply_async()
+        bid = running.batch_id
+        finished = fan_in_group(
+            [child.clone(args=(0,)).set(task_id=ids[2])], then=producer.signature("roles.successor"), app=producer
+        ).apply_async()
+        worker, relay, producer_url = cluster.url("worker"), cluster.url("relay"), cluster.url("producer")
+
+        # --- the worker: a batch moves only by a child's first matching report; a successor only by its run ----
+        for url in (worker, relay, producer_url):
+            _refused(url, f"UPDATE fanin_batches SET remaining = remaining - 1 WHERE id = '{bid}'")
+            _refused(url, f"UPDATE fanin_children SET state = 'succeeded' WHERE batch_id = '{bid}'")
+            _refused(url, f"INSERT INTO fanin_successors (batch_id, step, task_id) VALUES ('{bid}', 'x', 'y')")
+            _refused(url, f"INSERT INTO fanin_outbox (batch_id, step) VALUES ('{bid}', 'x')")
+            _refused(url, f"UPDATE fanin_successors SET state = 'succeeded' WHERE batch_id = '{bid}'")
+            _refused(url, "UPDATE fanin_outbox SET sent_at = now()")
+            by_task_id = "', 'succeeded', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+            _refused(url, f"SELECT * FROM fanin_record_terminal_v2('{ids[0]}{by_task_id}")
+        first = _one(worker, _report_sql(ids[0], bid, 0, "roles.child"))
+        again = _one(worker, _report_sql(ids[0], bid, 0, "roles.child"))
+        assert first is not None and first[0] is True and again is not None and again[:2] == (False, True)
+        assert running.status().remaining == 1, "a second report of a counted child is late and moves nothing"
+        for fn in ("fanin_expire_batch(%s, 'cancel', NULL)", "fanin_reconcile_batch(%s)", "fanin_seal_open(%s, NULL)"):
+            _refused(worker, "SELECT * FROM " + fn.replace("%s", f"'{bid}'"))
+        _refused(worker, f"SELECT fanin_ensure_successor('{bid}', 'then')")
+        _refused(worker, f"SELECT fanin_add_children('{bid}', '{{}}', '{{}}', 5, 5, NULL)")
+
+        last = _one(worker, _report_sql(ids[2], finished.batch_id, 0, "roles.child"))
+        assert last is not None and last[3] is True, "the last report created the successor"
+        status = finished.status()
+        fbid, step, stid = finished.batch_id, status.step, status.successor_task_id
+        finish = "SELECT fanin_finish_successor('{b}', '{s}', {t}, {r}, 'succeeded', NULL, NULL, NULL, NULL, NULL)"
+        # Not started yet: no run to be fenced to (run 0 is nobody's), and the main-process path needs its task id.
+        assert _one(worker, finish.format(b=fbid, s=step, t="NULL", r=0)) == (False,)
+        assert _one(worker, finish.format(b=fbid, s=step, t="'forged'", r="NULL")) == (False,)
+        claim = f"SELECT run FROM fanin_claim_run('{fbid}', '{step}', '{{t}}', 0, 60, 60, 'w', NULL)"
+        assert _one(worker, claim.format(t="forged")) == (None,), "a run is admitted only under its task id"
+        assert _one(worker, claim.format(t=stid)) == (1,)
+        assert _one(worker, claim.format(t=stid)) == (None,), "and only once while it runs"
+        assert _one(worker, finish.format(b=fbid, s=step, t="NULL", r=2)) == (False,), "not its run"
+        assert finished.status().successor_state == "running"
+        assert _one(worker, finish.format(b=fbid, s=step, t="NULL", r=1)) == (True,), "its own run finishes it"
+
+        # --- the relay: recovery moves only what is overdue, expired or due -----------------------------------
+        assert _one(relay, f"SELECT fanin_fail_lost('{ids[1]}')") == (False,), "not overdue: not lost"
+        assert _one(relay, f"SELECT fanin_claim_redrive('{ids[1]}', 0)") == (False,)
+        assert _one(relay, f"SELECT fanin_revoke_expired('{ids[1]}', -1e9)") == (False,), "it has no expiry"
+        assert _one(relay, f"SELECT * FROM fanin_expire_batch('{bid}', 'deadline', NULL)") is None, "no deadline"
+        assert _one(relay, f"SELECT problems FROM fanin_reconcile_batch('{bid}')") == ([],), "nothing to repair"
+        _refused(relay, _report_sql(ids[1], bid, 1, "roles.child"))
+        _refused(relay, f"SELECT fanin_add_children('{bid}', '{{}}', '{{}}', 5, 5, NULL)")
+        _refused(relay, f"SELECT fanin_ensure_successor('{bid}', 'then')")
+        _refused(relay, finish.format(b=fbid, s=step, t=f"'{stid}'", r="NULL"))
+        _refused(relay, f"SELECT run FROM fanin_claim_run('{fbid}', '{step}', '{stid}', 0, 60, 60, 'w', NULL)")
+
+        # --- the producer: counters of its open batches only, a successor only for a finished batch ----------
+        assert _one(producer_url, f"SELECT * FROM fanin_cancel_open('{bid}')") is None, "not open: not cancelled"
+        assert _one(producer_url, f"SELECT fanin_ensure_successor('{bid}', 'then')") == (None,), "still running"
+        assert _one(producer_url, f"SELECT fanin_add_children('{bid}', '{{}}', '{{}}', 5, 5, NULL)") == (False,)
+        negative = pytest.raises(psycopg.errors.InvalidParameterValue)
+        with psycopg.connect(producer_url, autocommit=True) as conn, negative:
+            conn.execute(f"SELECT fanin_add_children('{bid}', '{{}}', '{{}}', 0, -1, NULL)")
+        _refused(
+            producer_url,
+            "INSERT INTO fanin_children (task_id, batch_id, idx, task_name, message, content_type, content_encoding,"
+            f" state) VALUES ('x', '{bid}', 9, 'roles.child', '', 'a', 'b', 'succeeded')",
+        )
+        for statement in (
+            _report_sql(ids[1], bid, 1, "roles.child"),
+            f"SELECT * FROM fanin_expire_batch('{bid}', 'cancel', NULL)",
+            f"SELECT * FROM fanin_reconcile_batch('{bid}')",
+            f"SELECT fanin_fail_lost('{ids[1]}')",
+            finish.format(b=fbid, s=step, t=f"'{stid}'", r="NULL"),
+        ):
+            _refused(producer_url, statement)
+        status = running.status()
+        assert (status.state, status.remaining, status.succeeded, status.planned) == ("running", 1, 1, 2)
     finally:
         FanIn.of(producer).dispose()
 

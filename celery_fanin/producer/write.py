@@ -331,7 +331,7 @@ def _cancel_unfinishable(fanin: FanIn, conn: Connection, root: batches.NewBatch,
     try:
         conn.rollback()
         with conn.begin():
-            expiry = recovery.expire_batch(conn, root.id, reason="cancel", proceed=False)
+            expiry = recovery.cancel_open_batch(conn, root.id)
     except SQLAlchemyError:
         logger.warning(
             "batch_id=%s: the input raised and the batch could not be cancelled; the relay will seal it",

@@ -14,6 +14,8 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from .statements import q
+
 # Batch states in which nothing is counted any more (a failed_threshold batch may still record late children).
 FINISHED_STATES = ("complete", "partial", "failed_threshold", "expired", "cancelled")
 BATCH_STATES = ("open", "running", *FINISHED_STATES)
@@ -123,15 +125,7 @@ def rounds(conn: Connection, original_id: uuid.UUID) -> list[Node]:
 def open_children(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int]:
     """(pending, started) children of a batch and its leaves: published or queued, and running on a worker now."""
     r = conn.execute(
-        text(
-            """
-            SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
-                   count(*) FILTER (WHERE state = 'started') AS started
-              FROM fanin_children
-             WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-               AND state IN ('pending', 'started')
-            """
-        ),
+        q("open_children").text,
         {"id": batch_id},
     ).one()
     return int(r.pending), int(r.started)
@@ -140,10 +134,7 @@ def open_children(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int]:
 def last_progress(conn: Connection, batch_id: uuid.UUID) -> datetime | None:
     """When a child of the batch (or of its leaves) last reached a terminal state."""
     return conn.execute(
-        text(
-            "SELECT max(finished_at) FROM fanin_children"
-            " WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)"
-        ),
+        q("last_progress").text,
         {"id": batch_id},
     ).scalar_one()
 
@@ -151,10 +142,7 @@ def last_progress(conn: Connection, batch_id: uuid.UUID) -> datetime | None:
 def child_location(conn: Connection, task_id: str) -> tuple[uuid.UUID, int] | None:
     """The root batch a child belongs to (its leaf's root for a tree) and the child's index."""
     r = conn.execute(
-        text(
-            "SELECT coalesce(b.parent_id, b.id) AS root, c.idx FROM fanin_children c"
-            " JOIN fanin_batches b ON b.id = c.batch_id WHERE c.task_id = :t"
-        ),
+        q("child_location").text,
         {"t": task_id},
     ).first()
     return None if r is None else (r.root, int(r.idx))
@@ -170,30 +158,21 @@ class RecoveryPolicy:
 def recovery_policy(conn: Connection, batch_id: uuid.UUID) -> RecoveryPolicy:
     """What a batch does about lost children (a retry round of it does the same)."""
     r = conn.execute(
-        text(
-            "SELECT extract(epoch FROM child_timeout) AS timeout_s, on_lost, max_redrives"
-            " FROM fanin_batches WHERE id = :id"
-        ),
+        q("recovery_policy").text,
         {"id": batch_id},
     ).one()
     return RecoveryPolicy(float(r.timeout_s) if r.timeout_s is not None else None, r.on_lost, int(r.max_redrives))
 
 
 def db_now(conn: Connection) -> datetime:
-    return conn.execute(text("SELECT now()")).scalar_one()
+    return conn.execute(q("db_now").text).scalar_one()
 
 
 def failure_count(conn: Connection, batch_id: uuid.UUID) -> int:
     """Children of a batch (and its leaves) that ended in any terminal state but `succeeded`."""
     return int(
         conn.execute(
-            text(
-                """
-                SELECT count(*) FROM fanin_children
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-                   AND state NOT IN ('pending', 'started', 'succeeded')
-                """
-            ),
+            q("failure_count").text,
             {"id": batch_id},
         ).scalar_one()
     )
@@ -277,13 +256,7 @@ def list_batches(
 def latest_round(conn: Connection, original_id: uuid.UUID) -> uuid.UUID | None:
     """The batch of the highest round of `original_id` (itself when it was never retried); None if none exists."""
     return conn.execute(
-        text(
-            """
-            SELECT id FROM fanin_batches
-             WHERE (id = :id AND retry_of IS NULL) OR retry_of = :id
-             ORDER BY round DESC, created_at DESC LIMIT 1
-            """
-        ),
+        q("latest_round").text,
         {"id": original_id},
     ).scalar()
 
@@ -291,7 +264,7 @@ def latest_round(conn: Connection, original_id: uuid.UUID) -> uuid.UUID | None:
 def highest_round(conn: Connection, original_id: uuid.UUID) -> int:
     return int(
         conn.execute(
-            text("SELECT coalesce(max(round), 1) FROM fanin_batches WHERE id = :id OR retry_of = :id"),
+            q("highest_round").text,
             {"id": original_id},
         ).scalar_one()
     )
@@ -356,7 +329,7 @@ def lock_prunable(conn: Connection, age_seconds: float, limit: int) -> list[Prun
 def lock_leaves(conn: Connection, root_id: uuid.UUID, limit: int) -> list[tuple[uuid.UUID, int]]:
     """Up to `limit` leaves of a locked prunable root, with their child counts."""
     rows = conn.execute(
-        text("SELECT id, planned FROM fanin_batches WHERE parent_id = :id ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"),
+        q("lock_leaves").text,
         {"id": root_id, "n": limit},
     )
     return [(r.id, int(r.planned)) for r in rows]
@@ -364,11 +337,7 @@ def lock_leaves(conn: Connection, root_id: uuid.UUID, limit: int) -> list[tuple[
 
 def child_rows(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
     """Child rows held directly by these batches (about to be deleted with them)."""
-    return int(
-        conn.execute(
-            text("SELECT count(*) FROM fanin_children WHERE batch_id = ANY(CAST(:ids AS uuid[]))"), {"ids": list(ids)}
-        ).scalar_one()
-    )
+    return int(conn.execute(q("child_rows").text, {"ids": list(ids)}).scalar_one())
 
 
 # A saga retention may delete: finished for good (succeeded, or compensated with every manual action acknowledged)
@@ -402,5 +371,5 @@ def delete_batches(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
     """Delete batch rows; their children, leaves, successors and outbox rows go with them (ON DELETE CASCADE)."""
     if not ids:
         return 0
-    result = conn.execute(text("DELETE FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[]))"), {"ids": list(ids)})
+    result = conn.execute(q("delete_batches").text, {"ids": list(ids)})
     return int(result.rowcount)

@@ -14,23 +14,19 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from ..protocol import CHILD_OPEN, ChildState
+from .statements import q
 
 # Terminal states a child can end in; `succeeded` counts as a success, every other one as a failure.
 CHILD_TERMINAL_STATES = frozenset(ChildState) - CHILD_OPEN
 
 # The per-batch advisory lock a producer holds while it publishes its children is keyed by the batch id's first
 # 64 bits, in the two-int form (which does not overlap the single-bigint key space used by migrations): two batches
-# share a lock only if their random ids share 64 bits. `PUBLISH_LOCK_OF` matches a batch `b` to its lock in pg_locks.
-PUBLISH_LOCK_OF = """
-    l.locktype = 'advisory' AND l.objsubid = 2
-    AND l.classid = CAST(CAST(CAST('x' || substr(replace(b.id::text, '-', ''), 1, 8) AS bit(32)) AS integer) AS oid)
-    AND l.objid = CAST(CAST(CAST('x' || substr(replace(b.id::text, '-', ''), 9, 8) AS bit(32)) AS integer) AS oid)
-    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-"""
+# share a lock only if their random ids share 64 bits. The relay matches a batch to its lock in pg_locks the same
+# way (`lapsed_open_batches` in sql/queries.sql, `fanin_renew_open_batches` in sql/schema.sql).
 
 
 @dataclass(frozen=True)
@@ -158,24 +154,7 @@ def insert_batch(
     if remaining is None:
         remaining = 1 if state == "open" else planned
     row = conn.execute(
-        text(
-            """
-            INSERT INTO fanin_batches (id, step, state, planned, remaining, successor_task_id, successor_name,
-                                       successor_message, successor_content_type, successor_content_encoding,
-                                       completed_at, child_timeout, on_lost, max_redrives, deadline_at, on_deadline,
-                                       max_failures, max_failures_ratio, on_expire_message, on_expire_content_type,
-                                       on_expire_content_encoding, on_failure_message, on_failure_content_type,
-                                       on_failure_content_encoding, app_name, key, digest, parent_id, depth,
-                                       lineage, parent_task_id, round, retry_of, fail_up)
-            VALUES (:id, :step, :state, :planned, :remaining, :stid, :sname, :smsg, :sct, :sce,
-                    CASE WHEN :state = 'complete' THEN now() END,
-                    :child_timeout, :on_lost, :max_redrives, :deadline_at, :on_deadline, :max_failures, :ratio,
-                    :emsg, :ect, :ece, :fmsg, :fct, :fce, :app_name, :key, :digest, :parent_id, :depth, :lineage,
-                    :parent_task_id, :round, :retry_of, :fail_up)
-            ON CONFLICT (app_name, key) WHERE key IS NOT NULL DO NOTHING
-            RETURNING id
-            """
-        ),
+        q("insert_batch").text,
         {
             "id": batch.id,
             "step": batch.step,
@@ -221,10 +200,7 @@ def insert_children(conn: Connection, batch_id: uuid.UUID, children: Sequence[Ne
 
 
 # COPY has no ON CONFLICT; children never need one (their task ids are new, and a taken one must fail the chunk).
-_COPY_CHILDREN = (
-    "COPY fanin_children (task_id, batch_id, idx, task_name, message, content_type, content_encoding, expires_at,"
-    " eta_at) FROM STDIN (FORMAT BINARY)"
-)
+_COPY_CHILDREN = q("copy_children").sql
 _COPY_TYPES = ("text", "uuid", "int4", "text", "bytea", "text", "text", "timestamptz", "timestamptz")
 
 
@@ -273,44 +249,25 @@ def add_children(
     for batch_id, _, _ in placed:
         if batch_id != root_id:
             per_leaf[batch_id] = per_leaf.get(batch_id, 0) + 1
-    if per_leaf:
-        # In id order, as the relay locks a stopped tree's leaves (recovery.abandon_after_threshold).
+    # One statement (fanin_add_children, migration 0017): leaves locked in id order, then the root.
+    return bool(
         conn.execute(
-            text("SELECT 1 FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[])) ORDER BY id FOR UPDATE"),
-            {"ids": list(per_leaf)},
-        ).all()
-        conn.execute(
-            text(
-                """
-                UPDATE fanin_batches b SET planned = b.planned + p.n, remaining = b.remaining + p.n
-                  FROM unnest(CAST(:ids AS uuid[]), CAST(:ns AS integer[])) AS p(id, n)
-                 WHERE b.id = p.id
-                """
-            ),
-            {"ids": list(per_leaf), "ns": list(per_leaf.values())},
-        )
-    result = conn.execute(
-        text(
-            """
-            UPDATE fanin_batches SET planned = planned + :total, remaining = remaining + :direct, digest = :digest,
-                                     producer_seen_at = now()
-             WHERE id = :id AND state = 'open'
-         RETURNING 1
-            """
-        ),
-        {
-            "id": root_id,
-            "total": len(placed),
-            "direct": len(placed) - sum(per_leaf.values()) + opened,
-            "digest": digest,
-        },
+            q("add_children").text,
+            {
+                "root": root_id,
+                "ids": list(per_leaf),
+                "ns": list(per_leaf.values()),
+                "total": len(placed),
+                "direct": len(placed) - sum(per_leaf.values()) + opened,
+                "digest": digest,
+            },
+        ).scalar_one()
     )
-    return result.rowcount > 0
 
 
 def state_of(conn: Connection, batch_id: uuid.UUID) -> str | None:
     """A batch's state now (None if there is no such batch)."""
-    state = conn.execute(text("SELECT state FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar()
+    state = conn.execute(q("state_of").text, {"id": batch_id}).scalar()
     conn.rollback()
     return None if state is None else str(state)
 
@@ -325,14 +282,14 @@ def add_leaf(conn: Connection, root: NewBatch, leaf_id: uuid.UUID) -> None:
 def seal(conn: Connection, batch_id: uuid.UUID) -> bool:
     """Release an open batch's token: it takes no more children and can finish. True if that created the
     successor (everything had already finished)."""
-    row = conn.execute(text("SELECT * FROM fanin_seal(:id)"), {"id": batch_id}).one()
+    row = conn.execute(q("seal").text, {"id": batch_id}).one()
     return bool(row.successor_created)
 
 
 def find_by_key(conn: Connection, app_name: str, key: str) -> tuple[uuid.UUID, str, int, bytes | None] | None:
     """The batch holding an idempotency key: (id, state, planned, digest)."""
     row = conn.execute(
-        text("SELECT id, state, planned, digest FROM fanin_batches WHERE app_name = :a AND key = :k"),
+        q("find_by_key").text,
         {"a": app_name, "k": key},
     ).first()
     return None if row is None else (row.id, row.state, row.planned, bytes(row.digest) if row.digest else None)
@@ -340,15 +297,13 @@ def find_by_key(conn: Connection, app_name: str, key: str) -> tuple[uuid.UUID, s
 
 def direct_children(conn: Connection, batch_id: uuid.UUID) -> int:
     """Children written to the batch row itself (not to its leaves)."""
-    return int(
-        conn.execute(text("SELECT count(*) FROM fanin_children WHERE batch_id = :id"), {"id": batch_id}).scalar_one()
-    )
+    return int(conn.execute(q("direct_children").text, {"id": batch_id}).scalar_one())
 
 
 def open_leaves(conn: Connection, root_id: uuid.UUID) -> list[tuple[uuid.UUID, int]]:
     """An open root's open leaves and how many children each holds (to resume a producer)."""
     rows = conn.execute(
-        text("SELECT id, planned FROM fanin_batches WHERE parent_id = :id AND state = 'open' ORDER BY created_at, id"),
+        q("open_leaves").text,
         {"id": root_id},
     )
     return [(r.id, r.planned) for r in rows]
@@ -357,45 +312,23 @@ def open_leaves(conn: Connection, root_id: uuid.UUID) -> list[tuple[uuid.UUID, i
 def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | None:
     """Create the batch's one successor (`kind` says which signature it runs) and its outbox row, once.
 
-    The unique key (batch_id, step) makes a second call a no-op; returns the new outbox row's id, or None.
+    `fanin_ensure_successor` (migration 0017) does it from the batch's own row, only for a finished root; a second
+    call is a no-op. Returns the new outbox row's id, or None.
     """
-    row = conn.execute(
-        text(
-            """
-            WITH succ AS (
-                INSERT INTO fanin_successors (batch_id, step, task_id, kind)
-                SELECT id, step, successor_task_id, :kind FROM fanin_batches WHERE id = :id
-                ON CONFLICT (batch_id, step) DO NOTHING
-                RETURNING batch_id, step
-            ), out AS (
-                INSERT INTO fanin_outbox (batch_id, step) SELECT batch_id, step FROM succ RETURNING id
-            )
-            SELECT id, pg_notify('fanin_outbox', id::text) FROM out
-            """
-        ),
-        {"id": batch_id, "kind": kind},
-    ).first()
-    return None if row is None else int(row[0])
+    row = conn.execute(q("insert_successor").text, {"id": batch_id, "kind": kind}).scalar()
+    return None if row is None else int(row)
 
 
-# The statements a worker sends, each a whole transaction in autocommit (one round trip). They are driver-level
-# SQL (psycopg's named placeholders) because the worker hooks send them over a psycopg connection of their own
-# (see `store.reports`); `record_terminal` below sends the same text through SQLAlchemy.
+# The statements a worker sends, each a whole transaction in autocommit (one round trip), in psycopg's
+# placeholders because the worker hooks send them over a psycopg connection of their own (see `store.reports`);
+# `record_terminal` below sends the same text through SQLAlchemy's `exec_driver_sql`.
 # A worker's report names the child's batch, index and task name as its message carries them, and counts only
 # if the child row agrees (`fanin_report_terminal`, migration 0014). The recovery paths, which read the child from
-# the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal`, by task id).
-RECORD_TERMINAL_SQL = (
-    "SELECT counted, late, remaining, successor_created, refused FROM fanin_report_terminal("
-    "%(task_id)s, %(batch_id)s, %(index)s, %(task_name)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s,"
-    " %(exc_message)s, %(started_at)s, %(attempt)s, %(worker)s)"
-)
-RECOVERY_TERMINAL_SQL = (
-    "SELECT counted, late, remaining, successor_created FROM fanin_record_terminal("
-    "%(task_id)s, %(state)s, %(result)s, %(rct)s, %(rce)s, %(exc_type)s, %(exc_message)s,"
-    " %(started_at)s, %(attempt)s, %(worker)s)"
-)
+# the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by task id).
+RECORD_TERMINAL_SQL = q("report_terminal").psycopg
+RECOVERY_TERMINAL_SQL = q("record_terminal").psycopg
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
-RECORD_STARTS_SQL = "SELECT fanin_record_starts(%(task_ids)s, %(attempts)s, %(workers)s, %(started_at)s)"
+RECORD_STARTS_SQL = q("record_starts").psycopg
 
 
 @dataclass(frozen=True)
@@ -476,7 +409,7 @@ def record_terminal(
     With `claim` (a report from a message), only if the child has the claimed batch, index and task name;
     without (recovery, which read the child from the store), by task id.
 
-    Invariant (see `fanin_record_terminal` in migrations/0006 and `fanin_settle` in 0009): a child row moves
+    Invariant (see `fanin_record_terminal_v2` and `fanin_settle` in sql/schema.sql): a child row moves
     from pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is
     recorded as late and changes no counter); only the report that made that move decrements its batch, never
     below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its
@@ -506,36 +439,27 @@ def hold_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
     Taken inside the creating transaction, it outlives the commit; it is released by `release_publish_lock` or by
     the connection closing when the producer dies, which is how the relay knows the producer is gone.
     """
-    conn.execute(text("SELECT pg_advisory_lock(:k1, :k2)"), _lock_key(batch_id))
+    conn.execute(q("hold_publish_lock").text, _lock_key(batch_id))
 
 
 def try_publish_lock(conn: Connection, batch_id: uuid.UUID) -> bool:
-    return bool(conn.execute(text("SELECT pg_try_advisory_lock(:k1, :k2)"), _lock_key(batch_id)).scalar_one())
+    return bool(conn.execute(q("try_publish_lock").text, _lock_key(batch_id)).scalar_one())
 
 
 def release_publish_lock(conn: Connection, batch_id: uuid.UUID) -> None:
-    conn.execute(text("SELECT pg_advisory_unlock(:k1, :k2)"), _lock_key(batch_id))
+    conn.execute(q("release_publish_lock").text, _lock_key(batch_id))
 
 
 def mark_published(conn: Connection, batch_id: uuid.UUID, upto: int | None) -> None:
     """Record that children with idx < upto are on the broker or need not be (monotonic: never moves back);
     `None`: all the batch's children so far."""
-    conn.execute(
-        text(
-            "UPDATE fanin_batches SET published_upto = coalesce(CAST(:upto AS integer), planned)"
-            " WHERE id = :id AND published_upto < coalesce(CAST(:upto AS integer), planned)"
-        ),
-        {"id": batch_id, "upto": upto},
-    )
+    conn.execute(q("mark_published").text, {"id": batch_id, "upto": upto})
 
 
 def unpublished_batches(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
     """Batches some of whose children may never have reached the broker (their producer died or is publishing)."""
     rows = conn.execute(
-        text(
-            "SELECT id FROM fanin_batches WHERE published_upto < planned AND parent_id IS NULL "
-            "ORDER BY created_at LIMIT :n"
-        ),
+        q("unpublished_batches").text,
         {"n": limit},
     )
     return [r[0] for r in rows]
@@ -550,16 +474,7 @@ def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> l
     last one needs no publishing: `mark_published(conn, batch_id, None)` says so.
     """
     rows = conn.execute(
-        text(
-            """
-            SELECT c.idx, c.task_id, c.message, c.content_type, c.content_encoding
-              FROM fanin_batches root
-              JOIN fanin_batches b ON b.id = root.id OR b.parent_id = root.id
-              JOIN fanin_children c ON c.batch_id = b.id AND c.idx >= root.published_upto AND c.state = 'pending'
-             WHERE root.id = :id
-             ORDER BY c.idx LIMIT :n
-            """
-        ),
+        q("unpublished_children").text,
         {"id": batch_id, "n": limit},
     )
     return [(r.idx, r.task_id, Encoded(r.content_type, r.content_encoding, bytes(r.message))) for r in rows]

@@ -1,9 +1,9 @@
 """The outbox: successors waiting to be published, claimed by one relay at a time.
 
-Claiming is `SELECT ... FOR UPDATE SKIP LOCKED` inside the transaction that also marks the rows sent: the relay
-holds the row locks while it publishes, so a second relay skips those rows, and a relay that dies mid-publish
-releases them at once (its rows were never marked sent, and go out again: at-least-once publishing, made
-exactly-once in effect by the successor's start guard).
+Claiming is `SELECT ... FOR UPDATE SKIP LOCKED` (`fanin_claim_outbox`, migration 0017) inside the transaction
+that also marks the rows sent: the relay holds the row locks while it publishes, so a second relay skips those
+rows, and a relay that dies mid-publish releases them at once (its rows were never marked sent, and go out again:
+at-least-once publishing, made exactly-once in effect by the successor's start guard).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-from .queries import BATCH_COLUMNS, SUCCESSOR_COLUMNS, BatchRow, SuccessorRow, batch_row, successor_row
+from .queries import BatchRow, SuccessorRow, batch_row, successor_row
+from .statements import q
 
 
 @dataclass(frozen=True)
@@ -37,20 +38,7 @@ def claim(conn: Connection, limit: int, ids: Sequence[int] | None = None) -> lis
     row's own transaction wrote with it.
     """
     rows = conn.execute(
-        text(
-            f"""
-            SELECT o.id AS outbox_id, o.batch_id AS outbox_batch_id, o.step AS outbox_step,
-                   o.attempts AS outbox_attempts, {BATCH_COLUMNS}, {SUCCESSOR_COLUMNS}
-              FROM fanin_outbox o
-              LEFT JOIN fanin_batches b ON b.id = o.batch_id
-              LEFT JOIN fanin_successors s ON s.batch_id = o.batch_id AND s.step = o.step
-             WHERE o.sent_at IS NULL AND o.available_at <= now()
-               AND (CAST(:ids AS bigint[]) IS NULL OR o.id = ANY(CAST(:ids AS bigint[])))
-             ORDER BY o.available_at, o.id
-             LIMIT :n
-               FOR UPDATE OF o SKIP LOCKED
-            """
-        ),
+        q("claim").text,
         {"n": limit, "ids": list(ids) if ids is not None else None},
     )
     return [
@@ -64,49 +52,24 @@ def mark_sent(conn: Connection, rows: Sequence[OutboxRow]) -> None:
     if not rows:
         return
     # The worker's start guard waits on the successor's row until this commits: one round trip, not two.
-    conn.execute(
-        text(
-            """
-            WITH sent AS (
-                UPDATE fanin_outbox SET sent_at = now(), attempts = attempts + 1
-                 WHERE id = ANY(CAST(:ids AS bigint[]))
-             RETURNING batch_id, step
-            )
-            UPDATE fanin_successors s SET state = 'sent', state_at = now()
-              FROM sent
-             WHERE s.batch_id = sent.batch_id AND s.step = sent.step AND s.state = 'pending'
-            """
-        ),
-        {"ids": [r.id for r in rows]},
-    )
+    conn.execute(q("mark_sent").text, {"ids": [r.id for r in rows]})
 
 
 def mark_failed(conn: Connection, row: OutboxRow, error: str, retry_in_seconds: float) -> None:
     """Keep the row pending, due again after a backoff, with the error for `status` and the logs."""
     conn.execute(
-        text(
-            """
-            UPDATE fanin_outbox
-               SET attempts = attempts + 1, last_error = :err,
-                   available_at = now() + make_interval(secs => :delay)
-             WHERE id = :id
-            """
-        ),
+        q("mark_failed").text,
         {"id": row.id, "err": error[:2000], "delay": retry_in_seconds},
     )
 
 
 def backlog(conn: Connection) -> tuple[int, float | None]:
     """How many rows wait to be published, and the age in seconds of the oldest."""
-    row = conn.execute(
-        text("SELECT count(*), extract(epoch FROM now() - min(created_at)) FROM fanin_outbox WHERE sent_at IS NULL")
-    ).one()
+    row = conn.execute(q("backlog").text).one()
     return int(row[0]), (float(row[1]) if row[1] is not None else None)
 
 
 def pending_ids(conn: Connection, batch_id: uuid.UUID) -> list[int]:
     """A batch's outbox rows not yet sent (to publish a successor at once rather than on NOTIFY)."""
-    rows = conn.execute(
-        text("SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id"), {"id": batch_id}
-    )
+    rows = conn.execute(q("pending_ids").text, {"id": batch_id})
     return [int(r[0]) for r in rows]

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 
 from .batches import Encoded
+from .statements import q
 
 
 @dataclass(frozen=True)
@@ -64,25 +65,8 @@ def _encoded(body: bytes | None, content_type: str | None, content_encoding: str
     return Encoded(content_type or "", content_encoding or "", bytes(body))
 
 
-# A batch's row and its successor's, as `BatchRow` and `SuccessorRow` are built from them: shared by the reads
-# below and by the relay's claim (store/outbox.py), which reads both in the statement that locks the outbox row.
-BATCH_COLUMNS = """
-    b.id, b.step, b.state, b.planned, b.remaining, b.succeeded, b.failed, b.published_upto, b.successor_task_id,
-    b.successor_name, b.successor_message, b.successor_content_type, b.successor_content_encoding,
-    b.created_at, b.completed_at, b.deadline_at, b.on_expire_message, b.on_expire_content_type,
-    b.on_expire_content_encoding, b.on_failure_message, b.on_failure_content_type,
-    b.on_failure_content_encoding, extract(epoch FROM b.child_timeout) AS child_timeout_seconds,
-    b.round, b.retry_of, b.refused_reports
-"""
-SUCCESSOR_COLUMNS = """
-    s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
-    s.exc_type AS s_exc_type, s.exc_message AS s_exc_message, s.started_at AS s_started_at,
-    s.finished_at AS s_finished_at, s.kind AS s_kind
-"""
-
-
 def batch_row(r: Any) -> BatchRow | None:
-    """The `BatchRow` of a result row holding `BATCH_COLUMNS` (None where an outer join found no batch)."""
+    """The `BatchRow` of a row with the `batch` statement's columns (None where an outer join found no batch)."""
     if r is None or r.id is None:
         return None
     return BatchRow(
@@ -98,7 +82,7 @@ def batch_row(r: Any) -> BatchRow | None:
 
 
 def successor_row(r: Any) -> SuccessorRow | None:
-    """The `SuccessorRow` of a result row holding `SUCCESSOR_COLUMNS` (None where an outer join found none)."""
+    """The `SuccessorRow` of a row with the `successor` statement's columns (None where an outer join found none)."""
     if r is None or r.s_task_id is None:
         return None
     return SuccessorRow(r.s_task_id, r.s_state, r.s_runs, r.s_duplicates, r.s_exc_type, r.s_exc_message,
@@ -106,13 +90,13 @@ def successor_row(r: Any) -> SuccessorRow | None:
 
 
 def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
-    r = conn.execute(text(f"SELECT {BATCH_COLUMNS} FROM fanin_batches b WHERE b.id = :id"), {"id": batch_id})
+    r = conn.execute(q("batch").text, {"id": batch_id})
     return batch_row(r.first())
 
 
 def successor(conn: Connection, batch_id: uuid.UUID, step: str) -> SuccessorRow | None:
     r = conn.execute(
-        text(f"SELECT {SUCCESSOR_COLUMNS} FROM fanin_successors s WHERE s.batch_id = :id AND s.step = :step"),
+        q("successor").text,
         {"id": batch_id, "step": step},
     )
     return successor_row(r.first())
@@ -122,13 +106,7 @@ def unfinished_leaves(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int, 
     """(count, succeeded, failed) of a root's leaves still counting: the part of its totals not yet handed up (a
     `fail_up` leaf hands its failures up as they are counted)."""
     row = conn.execute(
-        text(
-            """
-            SELECT count(*), coalesce(sum(succeeded), 0), coalesce(sum(failed) FILTER (WHERE NOT fail_up), 0)
-              FROM fanin_batches
-             WHERE parent_id = :id AND state IN ('open', 'running')
-            """
-        ),
+        q("unfinished_leaves").text,
         {"id": batch_id},
     ).one()
     return int(row[0]), int(row[1]), int(row[2])
@@ -136,27 +114,21 @@ def unfinished_leaves(conn: Connection, batch_id: uuid.UUID) -> tuple[int, int, 
 
 def successor_result(conn: Connection, batch_id: uuid.UUID, step: str) -> Encoded | None:
     row = conn.execute(
-        text(
-            "SELECT result, result_content_type, result_content_encoding FROM fanin_successors"
-            " WHERE batch_id = :id AND step = :step"
-        ),
+        q("successor_result").text,
         {"id": batch_id, "step": step},
     ).first()
     return None if row is None else _encoded(row.result, row.result_content_type, row.result_content_encoding)
 
 
 def depth(conn: Connection, batch_id: uuid.UUID) -> int | None:
-    row = conn.execute(text("SELECT depth FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    row = conn.execute(q("depth").text, {"id": batch_id}).first()
     return None if row is None else int(row[0])
 
 
 def child_counts(conn: Connection, batch_id: uuid.UUID) -> dict[str, int]:
     """How many children are in each state (pending, started, succeeded, failed, lost, ...)."""
     rows = conn.execute(
-        text(
-            "SELECT state, count(*) FROM fanin_children"
-            " WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id) GROUP BY state"
-        ),
+        q("child_counts").text,
         {"id": batch_id},
     )
     return {r[0]: int(r[1]) for r in rows}
@@ -178,16 +150,7 @@ class FailureRow:
 def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) -> list[FailureRow]:
     """Children that did not succeed, in child order, with their stored signatures (to show their arguments)."""
     rows = conn.execute(
-        text(
-            """
-            SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
-                   message, content_type, content_encoding
-              FROM fanin_children
-             WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-               AND state NOT IN ('pending', 'started', 'succeeded')
-             ORDER BY idx LIMIT :n
-            """
-        ),
+        q("failures").text,
         {"id": batch_id, "n": limit},
     )
     return [
@@ -203,17 +166,7 @@ def stream_failures(
     """`failures`, streamed with a server-side cursor (memory bounded by `fetch_size`); `after`: past that index."""
     with engine.connect() as conn:
         rows = conn.execution_options(stream_results=True, yield_per=fetch_size).execute(
-            text(
-                """
-                SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
-                       message, content_type, content_encoding
-                  FROM fanin_children
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-                   AND state NOT IN ('pending', 'started', 'succeeded')
-                   AND idx > coalesce(CAST(:after AS integer), -1)
-                 ORDER BY idx
-                """
-            ),
+            q("stream_failures").text,
             {"id": batch_id, "after": after},
         )
         for r in rows:
@@ -236,14 +189,7 @@ def child_results(
     """Every child's (index, task id, state, encoded result), in child order, streamed with a server-side cursor."""
     with engine.connect() as conn:
         rows = conn.execution_options(stream_results=True, yield_per=fetch_size).execute(
-            text(
-                """
-                SELECT idx, task_id, state, result, result_content_type, result_content_encoding
-                  FROM fanin_children
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-                 ORDER BY idx
-                """
-            ),
+            q("child_results").text,
             {"id": batch_id},
         )
         for r in rows:
@@ -259,15 +205,7 @@ def unfinished_children(conn: Connection, batch_id: uuid.UUID) -> list[Any]:
     """A batch's children (leaves included) not yet terminal, in child order, with their stored messages."""
     return list(
         conn.execute(
-            text(
-                """
-                SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.content_encoding
-                  FROM fanin_children c
-                 WHERE c.batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-                   AND c.state IN ('pending', 'started')
-                 ORDER BY c.idx
-                """
-            ),
+            q("unfinished_children").text,
             {"id": batch_id},
         )
     )

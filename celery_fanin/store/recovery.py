@@ -11,9 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-from .batches import PUBLISH_LOCK_OF, Encoded, insert_successor, record_terminal
+from .batches import Encoded
+from .statements import q
 
 # --- lost children -------------------------------------------------------------------------------------------
 
@@ -34,21 +35,7 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
     """Unfinished children of running batches whose child_timeout has passed since they last started (or were
     published or redriven)."""
     rows = conn.execute(
-        text(
-            """
-            SELECT c.task_id, c.batch_id, c.idx, c.state, b.on_lost, c.redrives, b.max_redrives,
-                   c.message, c.content_type, c.content_encoding
-              FROM fanin_batches b
-              JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
-             WHERE b.state IN ('open', 'running') AND b.child_timeout IS NOT NULL
-               AND greatest(b.created_at, c.started_at, c.redriven_at, c.eta_at) + b.child_timeout < now()
-               -- a nested fan-in's child is alive for as long as its inner batch is
-               AND NOT EXISTS (SELECT 1 FROM fanin_batches n
-                                WHERE n.parent_task_id = c.task_id AND n.state IN ('open', 'running'))
-             ORDER BY b.created_at, c.idx
-             LIMIT :n
-            """
-        ),
+        q("overdue_children").text,
         {"n": limit},
     )
     return [
@@ -61,32 +48,18 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
 def claim_redrive(conn: Connection, child: OverdueChild) -> bool:
     """Take the right to re-publish an overdue child once: moves it back to pending and restarts its timer.
 
-    Conditional on the redrive count the caller saw, so two relays never redrive the same child twice.
+    Conditional on the redrive count the caller saw, so two relays never redrive the same child twice; the store
+    checks again that it is overdue and may be redriven (`fanin_claim_redrive`, migration 0017).
     """
-    row = conn.execute(
-        text(
-            """
-            UPDATE fanin_children
-               SET state = 'pending', started_at = NULL, redriven_at = now(), redrives = redrives + 1
-             WHERE task_id = :task_id AND state IN ('pending', 'started') AND redrives = :seen
-         RETURNING 1
-            """
-        ),
-        {"task_id": child.task_id, "seen": child.redrives},
-    ).first()
-    return row is not None
+    found = conn.execute(q("claim_redrive").text, {"task_id": child.task_id, "seen": child.redrives}).scalar_one()
+    return bool(found)
 
 
 def fail_lost(conn: Connection, child: OverdueChild) -> bool:
-    """Count an overdue child as a terminal failure with state `lost`; True if this call counted it."""
-    timeout = conn.execute(
-        text("SELECT child_timeout::text FROM fanin_batches WHERE id = :id"), {"id": child.batch_id}
-    ).scalar_one()
-    rec = record_terminal(
-        conn, child.task_id, "lost", exc_type="ChildLost",
-        exc_message=f"no terminal outcome within child_timeout ({timeout}); redrives: {child.redrives}",
-    )  # fmt: skip
-    return rec.counted
+    """Count an overdue child as a terminal failure with state `lost`; True if this call counted it.
+
+    `fanin_fail_lost` checks, on the locked child row, that it is overdue and may not be redriven."""
+    return bool(conn.execute(q("fail_lost").text, {"task_id": child.task_id}).scalar_one())
 
 
 # --- children whose message expired unconsumed -----------------------------------------------------------------
@@ -98,17 +71,7 @@ def expired_children(conn: Connection, grace_seconds: float, limit: int = 500) -
     Why: RabbitMQ drops an expired message unconsumed (Celery gives it a TTL), so no worker's `task_revoked`
     reports it. A worker that took the message before it expired reports it itself (revoked, or its run)."""
     rows = conn.execute(
-        text(
-            """
-            SELECT c.task_id, c.batch_id, c.idx
-              FROM fanin_children c
-              JOIN fanin_batches b ON b.id = c.batch_id AND b.state IN ('open', 'running')
-             WHERE c.expires_at IS NOT NULL AND c.state = 'pending'
-               AND c.expires_at + make_interval(secs => :grace) < now()
-             ORDER BY c.expires_at
-             LIMIT :n
-            """
-        ),
+        q("expired_children").text,
         {"grace": grace_seconds, "n": limit},
     )
     return [(r.task_id, r.batch_id, r.idx) for r in rows]
@@ -120,25 +83,8 @@ def revoke_expired(conn: Connection, task_id: str, grace_seconds: float) -> bool
     The child row is locked first and checked again (a start written since moves it out of `pending`), then
     counted by the same conditional transition a worker's report takes: a real report arriving later is late.
     """
-    still = conn.execute(
-        text(
-            """
-            SELECT 1 FROM fanin_children
-             WHERE task_id = :task_id AND state = 'pending'
-               AND expires_at + make_interval(secs => :grace) < now()
-               FOR UPDATE
-            """
-        ),
-        {"task_id": task_id, "grace": grace_seconds},
-    ).first()
-    if still is None:
-        return False
-    rec = record_terminal(conn, task_id, "revoked", exc_type=EXPIRED_EXC_TYPE, exc_message="expired")
-    return rec.counted
-
-
-# What a worker records for a revoked child (celery_fanin.worker.hooks._Revoked), so both paths read the same.
-EXPIRED_EXC_TYPE = "_Revoked"
+    found = conn.execute(q("revoke_expired").text, {"task_id": task_id, "grace": grace_seconds}).scalar_one()
+    return bool(found)
 
 
 # --- deadlines -------------------------------------------------------------------------------------------------
@@ -146,14 +92,7 @@ EXPIRED_EXC_TYPE = "_Revoked"
 
 def due_deadlines(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
     rows = conn.execute(
-        text(
-            """
-            SELECT id FROM fanin_batches
-             WHERE state IN ('open', 'running') AND parent_id IS NULL
-               AND deadline_at IS NOT NULL AND deadline_at <= now()
-             ORDER BY deadline_at LIMIT :n
-            """
-        ),
+        q("due_deadlines").text,
         {"n": limit},
     )
     return [r[0] for r in rows]
@@ -168,11 +107,8 @@ class Expiry:
     state: str = ""  # the batch's final state: partial, expired or cancelled
 
 
-# Why a batch was ended early: the exception its unfinished children are abandoned with.
-_ENDINGS = {
-    "deadline": ("DeadlineExceeded", "the batch deadline passed before this child finished"),
-    "cancel": ("Cancelled", "the batch was cancelled before this child finished"),
-}
+# Why a batch may be ended early (the exception its unfinished children are abandoned with is fanin_expire_batch's).
+_ENDINGS = frozenset({"deadline", "cancel"})
 
 
 def expire_batch(
@@ -192,78 +128,26 @@ def expire_batch(
     Locks are taken in the order every terminal report takes them (child rows, then leaves, then the root), so
     this never deadlocks with live reports; counters are then set from the child rows, under those locks.
     """
-    exc_type, exc_message = _ENDINGS[reason]
-    head = conn.execute(
-        text(
-            """
-            SELECT on_deadline, on_expire_message IS NOT NULL AS has_on_expire, parent_task_id FROM fanin_batches
-             WHERE id = :id AND state IN ('open', 'running') AND parent_id IS NULL
-               AND (CAST(:anytime AS boolean) OR deadline_at <= now())
-            """
-        ),
-        {"id": batch_id, "anytime": reason == "cancel"},
+    if reason not in _ENDINGS:
+        raise ValueError(f"not a reason to end a batch: {reason!r}")
+    row = conn.execute(
+        q("expire_batch").text,
+        {"id": batch_id, "reason": reason, "proceed": proceed},
     ).first()
-    if head is None:
+    return _expiry(batch_id, row)
+
+
+def cancel_open_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
+    """`expire_batch(reason="cancel", proceed=False)` for a batch that is still open (its producer's input raised):
+    the producer's cancel, which ends no batch that was sealed. None if it is not an open root."""
+    row = conn.execute(q("cancel_open_batch").text, {"id": batch_id}).first()
+    return _expiry(batch_id, row)
+
+
+def _expiry(batch_id: uuid.UUID, row: Any) -> Expiry | None:
+    if row is None:
         return None
-    if proceed is None:
-        proceed = reason == "deadline" and head.on_deadline == "proceed"
-    abandoned = [
-        r[0]
-        for r in conn.execute(
-            text(
-                """
-                UPDATE fanin_children
-                   SET state = 'abandoned', finished_at = now(), exc_type = :exc_type, exc_message = :exc_message
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-                   AND state IN ('pending', 'started')
-             RETURNING task_id
-                """
-            ),
-            {"id": batch_id, "exc_type": exc_type, "exc_message": exc_message},
-        )
-    ]
-    conn.execute(
-        text("SELECT id FROM fanin_batches WHERE parent_id = :id ORDER BY id FOR UPDATE"), {"id": batch_id}
-    ).all()
-    still = conn.execute(
-        text("SELECT 1 FROM fanin_batches WHERE id = :id AND state IN ('open', 'running') FOR UPDATE"),
-        {"id": batch_id},
-    ).first()
-    if still is None:
-        return None
-    new_state = "partial" if proceed else "cancelled" if reason == "cancel" else "expired"
-    conn.execute(
-        text(
-            """
-            WITH totals AS (
-                SELECT count(*) FILTER (WHERE state = 'succeeded') AS s,
-                       count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS f
-                  FROM fanin_children
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-            ), leaves AS (
-                UPDATE fanin_batches SET state = :state, remaining = 0, completed_at = now()
-                 WHERE parent_id = :id AND state IN ('open', 'running')
-            )
-            UPDATE fanin_batches b
-               SET state = :state, remaining = 0, succeeded = totals.s, failed = totals.f, completed_at = now()
-              FROM totals
-             WHERE b.id = :id
-            """
-        ),
-        {"id": batch_id, "state": new_state},
-    )
-    created = None
-    if proceed:
-        created = insert_successor(conn, batch_id, "then")
-    elif head.has_on_expire:
-        created = insert_successor(conn, batch_id, "on_expire")
-    elif head.parent_task_id:
-        # A nested batch abandoned with nothing to run: the outer child it stands for fails now.
-        how = "cancelled" if reason == "cancel" else "abandoned at its deadline"
-        record_terminal(
-            conn, head.parent_task_id, "failed", exc_type=exc_type, exc_message=f"nested batch {batch_id} was {how}"
-        )
-    return Expiry(batch_id, "proceed" if proceed else "abandon", abandoned, created is not None, new_state)
+    return Expiry(batch_id, row.on_deadline, list(row.abandoned), bool(row.successor_created), row.state)
 
 
 # --- reconciliation --------------------------------------------------------------------------------------------
@@ -285,21 +169,7 @@ def batches_to_reconcile(conn: Connection, limit: int = 1000) -> list[uuid.UUID]
     """Open and running batches (leaves before roots, so a leaf finished here is counted in its root's recount),
     and finished roots whose successor or its outbox row is missing."""
     rows = conn.execute(
-        text(
-            """
-            SELECT id FROM (
-                SELECT id, parent_id IS NULL AS is_root FROM fanin_batches WHERE state IN ('open', 'running')
-                UNION
-                SELECT b.id, true FROM fanin_batches b
-                  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-                  LEFT JOIN fanin_outbox o ON o.batch_id = b.id AND o.step = b.step
-                 WHERE b.parent_id IS NULL AND b.state IN ('complete', 'partial', 'failed_threshold')
-                   AND (s.batch_id IS NULL OR o.id IS NULL)
-            ) candidates
-             ORDER BY is_root
-             LIMIT :n
-            """
-        ),
+        q("batches_to_reconcile").text,
         {"n": limit},
     )
     return [r[0] for r in rows]
@@ -316,96 +186,10 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
     root gets its successor exactly once). Missing child rows (planned > created: rows deleted by hand, a
     restored backup) are reported, never guessed at.
     """
-    b = conn.execute(
-        text(
-            """
-            SELECT id, step, state, planned, remaining, succeeded, failed, parent_id,
-                   on_failure_message IS NOT NULL AS has_on_failure
-              FROM fanin_batches WHERE id = :id FOR UPDATE
-            """
-        ),
-        {"id": batch_id},
-    ).first()
-    if b is None:
+    row = conn.execute(q("reconcile_batch").text, {"id": batch_id}).one()
+    if not row.problems:
         return None
-    c = conn.execute(
-        text(
-            """
-            WITH direct AS (
-                SELECT count(*) AS created,
-                       count(*) FILTER (WHERE state IN ('pending', 'started')) AS open,
-                       count(*) FILTER (WHERE state = 'succeeded') AS succeeded,
-                       count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS failed
-                  FROM fanin_children WHERE batch_id = :id
-            ), leaves AS (
-                -- a `fail_up` leaf has handed its failures to the root as they were counted, finished or not
-                SELECT coalesce(sum(planned), 0) AS created,
-                       count(*) FILTER (WHERE state IN ('open', 'running')) AS open,
-                       coalesce(sum(succeeded) FILTER (WHERE state NOT IN ('open', 'running')), 0) AS succeeded,
-                       coalesce(sum(failed) FILTER (WHERE state NOT IN ('open', 'running') OR fail_up), 0) AS failed
-                  FROM fanin_batches WHERE parent_id = :id
-            )
-            SELECT direct.created + leaves.created AS created, direct.open + leaves.open AS open,
-                   direct.succeeded + leaves.succeeded AS succeeded, direct.failed + leaves.failed AS failed
-              FROM direct, leaves
-            """
-        ),
-        {"id": batch_id},
-    ).one()
-    repair = Repair(batch_id)
-    if c.created != b.planned:
-        repair.problems.append(f"planned {b.planned} children but {c.created} rows exist")
-    # An open batch (or leaf) holds its producer's token: one unit more than its unfinished children, and it
-    # never finishes here (sealing it is its producer's, the relay's grace duty's or an operator's call).
-    token = 1 if b.state == "open" else 0
-    if b.state in ("open", "running") and c.created == b.planned:
-        if (b.remaining, b.succeeded, b.failed) != (c.open + token, c.succeeded, c.failed):
-            repair.problems.append(
-                f"counter says remaining={b.remaining} succeeded={b.succeeded} failed={b.failed}, children say "
-                f"remaining={c.open + token} succeeded={c.succeeded} failed={c.failed}"
-            )
-            repair.actions.append("counters recomputed from child rows")
-        finish = c.open == 0 and not token
-        if finish:
-            if not repair.problems:
-                repair.problems.append("all children are terminal but the batch was still running")
-            repair.actions.append("batch finished")
-        if repair.problems:
-            # Leave one unit for fanin_settle to take, so that finishing goes the way a last report's would.
-            conn.execute(
-                text("UPDATE fanin_batches SET remaining = :r, succeeded = :s, failed = :f WHERE id = :id"),
-                {"id": batch_id, "r": c.open + token + (1 if finish else 0), "s": c.succeeded, "f": c.failed},
-            )
-            if finish:
-                conn.execute(text("SELECT * FROM fanin_settle(:id, 0, 0)"), {"id": batch_id})
-    state_now = conn.execute(text("SELECT state FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar_one()
-    if b.parent_id is None and state_now in ("complete", "partial", "failed_threshold"):
-        kind = "on_failure" if state_now == "failed_threshold" and b.has_on_failure else "then"
-        if insert_successor(conn, batch_id, kind) is not None:
-            if not any("successor" in a for a in repair.actions):
-                repair.problems.append(f"batch is {state_now} but had no successor")
-            repair.actions.append("successor and outbox row inserted")
-        elif _restore_outbox_row(conn, batch_id, b.step):
-            repair.problems.append("successor had no outbox row")
-            repair.actions.append("outbox row inserted")
-    return repair if repair.problems else None
-
-
-def _restore_outbox_row(conn: Connection, batch_id: uuid.UUID, step: str) -> bool:
-    row = conn.execute(
-        text(
-            """
-            INSERT INTO fanin_outbox (batch_id, step)
-            SELECT s.batch_id, s.step FROM fanin_successors s
-             WHERE s.batch_id = :id AND s.step = :step AND s.state = 'pending'
-               AND NOT EXISTS (SELECT 1 FROM fanin_outbox o WHERE o.batch_id = s.batch_id AND o.step = s.step)
-            ON CONFLICT (batch_id, step) DO NOTHING
-            RETURNING id
-            """
-        ),
-        {"id": batch_id, "step": step},
-    ).first()
-    return row is not None
+    return Repair(batch_id, list(row.problems), list(row.actions))
 
 
 def abandon_after_threshold(conn: Connection, batch_id: uuid.UUID) -> list[str]:
@@ -419,63 +203,11 @@ def abandon_after_threshold(conn: Connection, batch_id: uuid.UUID) -> list[str]:
     report that counted has committed by then (the child UPDATE waited for any in flight). Runs again harmlessly:
     a stopped batch has nothing unfinished.
     """
-    abandoned = [
-        r[0]
-        for r in conn.execute(
-            text(
-                """
-                UPDATE fanin_children
-                   SET state = 'abandoned', finished_at = now(), exc_type = 'FailureThresholdPassed',
-                       exc_message = 'the batch passed max_failures before this child finished'
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-                   AND state IN ('pending', 'started')
-                   AND EXISTS (SELECT 1 FROM fanin_batches r WHERE r.id = :id AND r.state = 'failed_threshold')
-             RETURNING task_id
-                """
-            ),
-            {"id": batch_id},
-        )
-    ]
-    conn.execute(
-        text("SELECT id FROM fanin_batches WHERE parent_id = :id ORDER BY id FOR UPDATE"), {"id": batch_id}
-    ).all()
-    root = conn.execute(
-        text("SELECT remaining FROM fanin_batches WHERE id = :id AND state = 'failed_threshold' FOR UPDATE"),
-        {"id": batch_id},
-    ).first()
-    if root is None or (root.remaining == 0 and not abandoned):
-        return abandoned
-    conn.execute(
-        text(
-            """
-            WITH leaves AS (
-                UPDATE fanin_batches b
-                   SET state = 'failed_threshold', remaining = 0, completed_at = now(),
-                       succeeded = (SELECT count(*) FROM fanin_children c
-                                     WHERE c.batch_id = b.id AND c.state = 'succeeded'),
-                       failed = (SELECT count(*) FROM fanin_children c
-                                  WHERE c.batch_id = b.id AND c.state NOT IN ('pending', 'started', 'succeeded'))
-                 WHERE b.parent_id = :id AND b.state IN ('open', 'running')
-            ), totals AS (
-                SELECT count(*) FILTER (WHERE state = 'succeeded') AS s,
-                       count(*) FILTER (WHERE state NOT IN ('pending', 'started', 'succeeded')) AS f
-                  FROM fanin_children
-                 WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
-            )
-            UPDATE fanin_batches b SET remaining = 0, succeeded = totals.s, failed = totals.f
-              FROM totals
-             WHERE b.id = :id
-            """
-        ),
-        {"id": batch_id},
-    )
-    return abandoned
+    found = conn.execute(q("abandon_after_threshold").text, {"id": batch_id}).scalar_one()
+    return list(found)
 
 
 # --- open batches whose producer is gone -----------------------------------------------------------------------
-
-# Whether a live session holds a batch's publish lock: its producer (or a resumer) is still writing it.
-_PUBLISH_LOCK_HELD = f"EXISTS (SELECT 1 FROM pg_locks l WHERE l.granted AND {PUBLISH_LOCK_OF})"
 
 
 def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100) -> list[uuid.UUID]:
@@ -488,20 +220,9 @@ def lapsed_open_batches(conn: Connection, grace_seconds: float, limit: int = 100
     from (about) the moment the producer let go, not from its last chunk.
     """
     params = {"grace": grace_seconds, "n": limit}
-    conn.execute(
-        text(
-            "UPDATE fanin_batches b SET producer_seen_at = now() "
-            f"WHERE b.state = 'open' AND b.parent_id IS NULL AND {_PUBLISH_LOCK_HELD}"
-        ),
-        params,
-    )
+    conn.execute(q("renew_open_batches").text)
     rows = conn.execute(
-        text(
-            "SELECT b.id FROM fanin_batches b "
-            "WHERE b.state = 'open' AND b.parent_id IS NULL "
-            "AND b.producer_seen_at < now() - make_interval(secs => :grace) "
-            f"AND NOT {_PUBLISH_LOCK_HELD} ORDER BY b.producer_seen_at LIMIT :n"
-        ),
+        q("lapsed_open_batches").text,
         params,
     )
     return [r[0] for r in rows]
@@ -522,34 +243,16 @@ def seal_open_batch(conn: Connection, batch_id: uuid.UUID, *, lapsed_grace: floa
     longer ago than that (checked under the row lock, so a resumer that wrote a chunk since is not sealed under).
     Returns None if the batch is not an open root (or has not lapsed).
     """
-    leaves = [
-        r[0]
-        for r in conn.execute(
-            text("SELECT id FROM fanin_batches WHERE parent_id = :id AND state = 'open' ORDER BY id FOR UPDATE"),
-            {"id": batch_id},
-        )
-    ]
-    head = conn.execute(
-        text(
-            """
-            SELECT planned FROM fanin_batches
-             WHERE id = :id AND state = 'open' AND parent_id IS NULL
-               AND (CAST(:grace AS double precision) IS NULL
-                    OR producer_seen_at < now() - make_interval(secs => CAST(:grace AS double precision)))
-               FOR UPDATE
-            """
-        ),
+    row = conn.execute(
+        q("seal_open_batch").text,
         {"id": batch_id, "grace": lapsed_grace},
     ).first()
-    if head is None:
+    if row is None:
         return None
-    for leaf_id in leaves:
-        conn.execute(text("SELECT * FROM fanin_seal(:id)"), {"id": leaf_id}).all()
-    row = conn.execute(text("SELECT * FROM fanin_seal(:id)"), {"id": batch_id}).one()
-    return Sealed(batch_id, head.planned, bool(row.successor_created))
+    return Sealed(batch_id, row.planned, bool(row.successor_created))
 
 
 def batch_state(conn: Connection, batch_id: uuid.UUID) -> tuple[str, uuid.UUID | None] | None:
     """A batch's state and its root (for a leaf), to explain why it could not be sealed or cancelled."""
-    row = conn.execute(text("SELECT state, parent_id FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    row = conn.execute(q("batch_state").text, {"id": batch_id}).first()
     return None if row is None else (row.state, row.parent_id)

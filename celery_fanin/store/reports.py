@@ -1,7 +1,7 @@
 """The workers' reports (children's terminal outcomes, their starts) over a psycopg connection of their own.
 
-Each report is one statement, a whole transaction by itself (`fanin_record_terminal` and `fanin_record_starts` in
-migrations/0006_batched_starts.sql, `fanin_settle` in 0009), so they run in autocommit: one round trip, no
+Each report is one statement, a whole transaction by itself (`fanin_report_terminal` and `fanin_record_starts` in
+sql/schema.sql), so they run in autocommit: one round trip, no
 BEGIN/COMMIT, no liveness ping. They are sent on a plain psycopg connection rather than through SQLAlchemy because
 they sit on every child's path: SQLAlchemy's pool checkout, statement compilation and result wrapping cost about
 as much CPU as the round trip itself. psycopg prepares them server-side after a few uses (its

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, text
 
 from ..protocol import SagaStepState
 from .batches import Encoded
+from .statements import q
 
 # The task that stands for a nested fan-in child (celery_fanin.nesting.TASK_NAME; repeated so store/ imports
 # nothing above it).
@@ -158,27 +159,14 @@ def _encoded(body: bytes | None, content_type: str | None, content_encoding: str
 def create_saga(conn: Connection, saga: NewSaga, steps: Sequence[NewStep]) -> bool:
     """Write the saga and every step in one transaction; False (nothing written) if its key is already taken."""
     row = conn.execute(
-        text(
-            """
-            INSERT INTO fanin_sagas (id, app_name, key, steps, compensation_timeout, compensation_redrives)
-            VALUES (:id, :app_name, :key, :steps, :timeout, :redrives)
-            ON CONFLICT (app_name, key) WHERE key IS NOT NULL DO NOTHING
-            RETURNING id
-            """
-        ),
+        q("create_saga_1").text,
         {"id": saga.id, "app_name": saga.app_name, "key": saga.key, "steps": saga.steps,
          "timeout": saga.compensation_timeout, "redrives": saga.compensation_redrives},
     ).first()  # fmt: skip
     if row is None:
         return False
     conn.execute(
-        text(
-            """
-            INSERT INTO fanin_saga_steps (saga_id, position, kind, name, manual_text, definition, content_type,
-                                          content_encoding, undo_message, undo_content_type, undo_content_encoding)
-            VALUES (:saga_id, :position, :kind, :name, :manual_text, :definition, :ct, :ce, :undo, :uct, :uce)
-            """
-        ),
+        q("create_saga_2").text,
         [
             {"saga_id": saga.id, "position": s.position, "kind": s.kind, "name": s.name,
              "manual_text": s.manual_text, "definition": s.definition.body, "ct": s.definition.content_type,
@@ -191,9 +179,7 @@ def create_saga(conn: Connection, saga: NewSaga, steps: Sequence[NewStep]) -> bo
 
 
 def find_saga(conn: Connection, app_name: str, key: str) -> uuid.UUID | None:
-    row = conn.execute(
-        text("SELECT id FROM fanin_sagas WHERE app_name = :a AND key = :k"), {"a": app_name, "k": key}
-    ).first()
+    row = conn.execute(q("find_saga").text, {"a": app_name, "k": key}).first()
     return None if row is None else row[0]
 
 
@@ -216,14 +202,7 @@ def get_saga(conn: Connection, saga_id: uuid.UUID, *, lock: bool = False) -> Sag
 
 def get_steps(conn: Connection, saga_id: uuid.UUID) -> list[StepRow]:
     rows = conn.execute(
-        text(
-            """
-            SELECT position, kind, name, manual_text, definition, content_type, content_encoding, undo_message,
-                   undo_content_type, undo_content_encoding, state, batch_id, exc_type, exc_message, started_at,
-                   finished_at
-              FROM fanin_saga_steps WHERE saga_id = :id ORDER BY position
-            """
-        ),
+        q("get_steps").text,
         {"id": saga_id},
     )
     return [
@@ -237,12 +216,7 @@ def get_steps(conn: Connection, saga_id: uuid.UUID) -> list[StepRow]:
 def start_step(conn: Connection, saga_id: uuid.UUID, position: int, batch_id: uuid.UUID) -> None:
     """Record the step's batch (the same one, whoever created it: its key is derived from the step)."""
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_steps SET batch_id = :b, state = 'running', started_at = coalesce(started_at, now())
-             WHERE saga_id = :id AND position = :p AND state IN ('pending', 'running')
-            """
-        ),
+        q("start_step").text,
         {"id": saga_id, "p": position, "b": batch_id},
     )
 
@@ -252,12 +226,7 @@ def finish_step(
     exc_message: str | None = None,
 ) -> None:  # fmt: skip
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_steps SET state = :state, exc_type = :et, exc_message = :em, finished_at = now()
-             WHERE saga_id = :id AND position = :p
-            """
-        ),
+        q("finish_step").text,
         {"id": saga_id, "p": position, "state": state, "et": exc_type, "em": exc_message},
     )
 
@@ -266,19 +235,14 @@ def set_step_states(conn: Connection, saga_id: uuid.UUID, positions: Iterable[in
                     only_from: Sequence[str]) -> None:  # fmt: skip
     """Move the given steps to `state`, those still in one of `only_from`."""
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_steps SET state = :state
-             WHERE saga_id = :id AND position = ANY(CAST(:ps AS integer[])) AND state = ANY(CAST(:from AS text[]))
-            """
-        ),
+        q("set_step_states").text,
         {"id": saga_id, "ps": sorted(set(positions)), "state": state, "from": list(only_from)},
     )
 
 
 def advance(conn: Connection, saga_id: uuid.UUID, next_step: int) -> None:
     conn.execute(
-        text("UPDATE fanin_sagas SET current_step = :n, state_at = now() WHERE id = :id"),
+        q("advance").text,
         {"id": saga_id, "n": next_step},
     )
 
@@ -286,14 +250,7 @@ def advance(conn: Connection, saga_id: uuid.UUID, next_step: int) -> None:
 def set_state(conn: Connection, saga_id: uuid.UUID, state: str, *, finished: bool,
               failed_compensation: str | None = None) -> None:  # fmt: skip
     conn.execute(
-        text(
-            """
-            UPDATE fanin_sagas
-               SET state = :state, state_at = now(), failed_compensation = :fc,
-                   finished_at = CASE WHEN :finished THEN now() END
-             WHERE id = :id
-            """
-        ),
+        q("set_state").text,
         {"id": saga_id, "state": state, "finished": finished, "fc": failed_compensation},
     )
 
@@ -311,16 +268,7 @@ def start_rollback(
     say so."""
     if compensations:
         conn.execute(
-            text(
-                """
-                INSERT INTO fanin_saga_compensations (saga_id, undo_of, position, stage, ordinal, kind, unit,
-                                                      task_name, message, content_type, content_encoding,
-                                                      manual_text, task_id)
-                VALUES (:saga_id, :undo_of, :position, :stage, :ordinal, :kind, :unit, :task_name, :message, :ct,
-                        :ce, :manual_text, :task_id)
-                ON CONFLICT (saga_id, undo_of) DO NOTHING
-                """
-            ),
+            q("start_rollback_1").text,
             [
                 {"saga_id": saga_id, "undo_of": c.undo_of, "position": c.position, "stage": c.stage,
                  "ordinal": c.ordinal, "kind": c.kind, "unit": c.unit, "task_name": c.task_name,
@@ -332,29 +280,15 @@ def start_rollback(
             ],
         )  # fmt: skip
     conn.execute(
-        text(
-            """
-            UPDATE fanin_sagas
-               SET state = 'compensating', failed_step = :p, exc_type = :et, exc_message = :em, current_stage = 0,
-                   state_at = now()
-             WHERE id = :id
-            """
-        ),
+        q("start_rollback_2").text,
         {"id": saga_id, "p": failed_step, "et": exc_type, "em": exc_message},
     )
     conn.execute(
-        text("UPDATE fanin_saga_steps SET state = 'skipped' WHERE saga_id = :id AND position > :p"),
+        q("start_rollback_3").text,
         {"id": saga_id, "p": failed_step},
     )
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_steps s SET state = 'nothing_to_undo'
-             WHERE s.saga_id = :id AND s.position < :p AND s.state = 'succeeded'
-               AND NOT EXISTS (SELECT 1 FROM fanin_saga_compensations c
-                                WHERE c.saga_id = s.saga_id AND c.position = s.position)
-            """
-        ),
+        q("start_rollback_4").text,
         {"id": saga_id, "p": failed_step},
     )
 
@@ -386,7 +320,7 @@ def get_compensations(conn: Connection, saga_id: uuid.UUID, stage: int | None = 
 
 def set_stage(conn: Connection, saga_id: uuid.UUID, stage: int) -> None:
     conn.execute(
-        text("UPDATE fanin_sagas SET current_stage = :s, state_at = now() WHERE id = :id"),
+        q("set_stage").text,
         {"id": saga_id, "s": stage},
     )
 
@@ -395,13 +329,7 @@ def request_manual(conn: Connection, saga_id: uuid.UUID, stage: int) -> list[int
     """The rollback reached these manual steps: ask an operator (it does not wait for them). Returns their
     positions."""
     rows = conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_compensations SET state = 'manual_action_required'
-             WHERE saga_id = :id AND stage = :s AND kind = 'manual' AND state = 'pending'
-         RETURNING position
-            """
-        ),
+        q("request_manual").text,
         {"id": saga_id, "s": stage},
     )
     return [r[0] for r in rows]
@@ -410,12 +338,7 @@ def request_manual(conn: Connection, saga_id: uuid.UUID, stage: int) -> list[int
 def set_stage_batch(conn: Connection, saga_id: uuid.UUID, undo_ofs: Sequence[str], batch_id: uuid.UUID) -> None:
     """Record the compensation batch that runs these compensations' current attempt."""
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_compensations SET batch_id = :b, state = 'running'
-             WHERE saga_id = :id AND undo_of = ANY(CAST(:u AS text[])) AND state IN ('pending', 'running')
-            """
-        ),
+        q("set_stage_batch").text,
         {"id": saga_id, "u": list(undo_ofs), "b": batch_id},
     )
 
@@ -423,16 +346,7 @@ def set_stage_batch(conn: Connection, saga_id: uuid.UUID, undo_ofs: Sequence[str
 def stage_outcomes(conn: Connection, saga_id: uuid.UUID, stage: int) -> list[StageOutcome]:
     """The automated compensations of a stage, each with the terminal state of its current attempt's task."""
     rows = conn.execute(
-        text(
-            """
-            SELECT r.undo_of, r.position, r.task_id, r.task_name, r.state, r.batch_id, c.state AS child_state,
-                   c.exc_type, c.exc_message
-              FROM fanin_saga_compensations r
-              LEFT JOIN fanin_children c ON c.task_id = r.task_id
-             WHERE r.saga_id = :id AND r.stage = :s AND r.kind <> 'manual'
-             ORDER BY r.ordinal
-            """
-        ),
+        q("stage_outcomes").text,
         {"id": saga_id, "s": stage},
     )
     return [StageOutcome(*r) for r in rows]
@@ -441,13 +355,7 @@ def stage_outcomes(conn: Connection, saga_id: uuid.UUID, stage: int) -> list[Sta
 def finish_compensation(conn: Connection, saga_id: uuid.UUID, undo_of: str, state: str,
                         exc_type: str | None = None, exc_message: str | None = None) -> None:  # fmt: skip
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_compensations
-               SET state = :state, exc_type = :et, exc_message = :em, finished_at = now()
-             WHERE saga_id = :id AND undo_of = :u AND state IN ('pending', 'running')
-            """
-        ),
+        q("finish_compensation").text,
         {"id": saga_id, "u": undo_of, "state": state, "et": exc_type, "em": exc_message},
     )
 
@@ -457,15 +365,7 @@ def retry_compensation(conn: Connection, saga_id: uuid.UUID, undo_of: str, attem
     """A new attempt of a compensation that did not succeed: its own task id (the undo's identity, the original's,
     is unchanged), no batch yet."""
     conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_compensations
-               SET attempt = :a, task_id = :t, message = :m, content_type = :ct, content_encoding = :ce,
-                   batch_id = NULL, state = 'pending', exc_type = NULL, exc_message = NULL, finished_at = NULL
-             WHERE saga_id = :id AND undo_of = :u AND state NOT IN ('succeeded', 'manual_action_required',
-                                                                     'acknowledged')
-            """
-        ),
+        q("retry_compensation").text,
         {"id": saga_id, "u": undo_of, "a": attempt, "t": task_id, "m": message.body, "ct": message.content_type,
          "ce": message.content_encoding},
     )  # fmt: skip
@@ -473,36 +373,21 @@ def retry_compensation(conn: Connection, saga_id: uuid.UUID, undo_of: str, attem
 
 def mark_resumed(conn: Connection, saga_id: uuid.UUID) -> None:
     conn.execute(
-        text(
-            """
-            UPDATE fanin_sagas SET state = 'compensating', failed_compensation = NULL, finished_at = NULL,
-                                   resumes = resumes + 1, state_at = now()
-             WHERE id = :id
-            """
-        ),
+        q("mark_resumed").text,
         {"id": saga_id},
     )
 
 
 def waiting_on(conn: Connection, batch_id: uuid.UUID) -> list[tuple[uuid.UUID, int]]:
     """The (saga, stage) pairs whose compensations a compensation batch runs."""
-    rows = conn.execute(
-        text("SELECT DISTINCT saga_id, stage FROM fanin_saga_compensations WHERE batch_id = :b"), {"b": batch_id}
-    )
+    rows = conn.execute(q("waiting_on").text, {"b": batch_id})
     return [(r[0], r[1]) for r in rows]
 
 
 def acknowledge(conn: Connection, saga_id: uuid.UUID, position: int, by: str | None) -> bool:
     """An operator did the manual undo of a step; False if no manual action was pending for it."""
     row = conn.execute(
-        text(
-            """
-            UPDATE fanin_saga_compensations SET state = 'acknowledged', acked_at = now(), acked_by = :by,
-                                                finished_at = now()
-             WHERE saga_id = :id AND position = :p AND kind = 'manual' AND state = 'manual_action_required'
-         RETURNING 1
-            """
-        ),
+        q("acknowledge").text,
         {"id": saga_id, "p": position, "by": by},
     ).first()
     if row is None:
@@ -515,10 +400,7 @@ def manual_pending(conn: Connection, saga_id: uuid.UUID) -> int:
     """Manual actions an operator has been asked for and not yet acknowledged."""
     return int(
         conn.execute(
-            text(
-                "SELECT count(*) FROM fanin_saga_compensations"
-                " WHERE saga_id = :id AND kind = 'manual' AND state = 'manual_action_required'"
-            ),
+            q("manual_pending").text,
             {"id": saga_id},
         ).scalar_one()
     )
@@ -528,7 +410,7 @@ def manual_pending(conn: Connection, saga_id: uuid.UUID) -> int:
 
 
 def batch_state(conn: Connection, batch_id: uuid.UUID) -> str | None:
-    return conn.execute(text("SELECT state FROM fanin_batches WHERE id = :id"), {"id": batch_id}).scalar_one_or_none()
+    return conn.execute(q("sagas_batch_state").text, {"id": batch_id}).scalar_one_or_none()
 
 
 def first_child(conn: Connection, batch_id: uuid.UUID) -> ChildRow | None:
@@ -540,16 +422,14 @@ def first_child(conn: Connection, batch_id: uuid.UUID) -> ChildRow | None:
 def nested_batch(conn: Connection, parent_task_id: str) -> uuid.UUID | None:
     """The batch a nested fan-in child created (`celery_fanin.run_group` as a child), if it did."""
     return conn.execute(
-        text("SELECT id FROM fanin_batches WHERE parent_task_id = :t ORDER BY created_at LIMIT 1"),
+        q("nested_batch").text,
         {"t": parent_task_id},
     ).scalar_one_or_none()
 
 
 def leaves(conn: Connection, batch_id: uuid.UUID) -> list[uuid.UUID]:
     """The leaf batches of a wide batch (a tree of counters)."""
-    return list(
-        conn.execute(text("SELECT id FROM fanin_batches WHERE parent_id = :b ORDER BY id"), {"b": batch_id}).scalars()
-    )
+    return list(conn.execute(q("leaves").text, {"b": batch_id}).scalars())
 
 
 def succeeded_children_marked(conn: Connection, batch_ids: Sequence[uuid.UUID], marker: bytes) -> list[ChildRow]:
@@ -567,13 +447,7 @@ def nested_batches(conn: Connection, batch_ids: Sequence[uuid.UUID]) -> list[uui
     """The batches nested fan-in children of these batches created, whatever those children ended in (the inner
     children that succeeded did their work even when the inner successor failed)."""
     rows = conn.execute(
-        text(
-            """
-            SELECT n.id FROM fanin_children c JOIN fanin_batches n ON n.parent_task_id = c.task_id
-             WHERE c.batch_id = ANY(CAST(:bs AS uuid[])) AND c.task_name = :run_group
-             ORDER BY c.idx, n.id
-            """
-        ),
+        q("nested_batches").text,
         {"bs": list(batch_ids), "run_group": RUN_GROUP_TASK},
     )
     return [r[0] for r in rows]

@@ -17,22 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-from .batches import Encoded, record_terminal
+from .batches import Encoded
+from .statements import q
 
 # A run ended for good: nothing runs the body again.
 FINAL_STATES = frozenset({"succeeded", "failed", "revoked", "ignored"})
 # A run ended and handed the successor on: the next delivery (Celery's retry, the redelivered message, the
 # replacement task) may start a run; the relay republishes it if that delivery never comes.
 HANDED_OVER_STATES = frozenset({"retrying", "requeued", "replaced"})
-# What a nested batch's outer child is counted as when its successor ends in `ignored` (raise Ignore()): the
-# body ended without an error and without a value.
-_OUTER_CHILD_STATE = {"ignored": "succeeded"}
-
-# Whether a running successor's run is dead: its lease lapsed more than `grace` seconds ago. Both the guard and
-# the stall detector use it, so that a delivery is admitted exactly when the relay would republish.
-_DEAD_RUN = "coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:grace AS double precision))"
 
 
 @dataclass(frozen=True)
@@ -75,23 +69,7 @@ def claim_run(
     racing for one row wait for each other and re-check: one wins.
     """
     row = conn.execute(
-        text(
-            f"""
-            WITH run AS (
-                UPDATE fanin_successors s
-                   SET state = 'running', runs = s.runs + 1, attempt = greatest(s.attempt, :retries),
-                       lease_until = now() + make_interval(secs => CAST(:lease AS double precision)),
-                       run_owner = :owner, started_at = coalesce(s.started_at, now()), state_at = now()
-                 WHERE s.batch_id = :id AND s.step = :step AND s.task_id = :task_id
-                   AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')
-                        OR (s.state = 'running' AND ({_DEAD_RUN} OR s.run_owner = :dead_owner)))
-             RETURNING s.runs, s.attempt
-            )
-            SELECT (SELECT runs FROM run), (SELECT attempt FROM run), s.state, s.run_owner
-              FROM (SELECT 1) AS one
-              LEFT JOIN fanin_successors s ON s.batch_id = :id AND s.step = :step AND s.task_id = :task_id
-            """
-        ),
+        q("claim_run").text,
         {
             "id": batch_id,
             "step": step,
@@ -110,10 +88,7 @@ def claim_run(
 
 def count_duplicate(conn: Connection, batch_id: uuid.UUID, step: str) -> None:
     """Count a refused delivery (shown by `status` as the successor's duplicates)."""
-    conn.execute(
-        text("UPDATE fanin_successors SET duplicates = duplicates + 1 WHERE batch_id = :id AND step = :step"),
-        {"id": batch_id, "step": step},
-    )
+    conn.execute(q("count_duplicate").text, {"id": batch_id, "step": step})
 
 
 def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = None) -> bool:
@@ -125,36 +100,19 @@ def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = 
     if state not in HANDED_OVER_STATES:
         raise ValueError(f"not a hand-over state: {state!r}")
     found = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors
-               SET state = :state, lease_until = :due, state_at = now(),
-                   attempt = CASE :state WHEN 'retrying' THEN attempt + 1 WHEN 'replaced' THEN 0 ELSE attempt END
-             WHERE batch_id = :id AND step = :step AND runs = :run AND state = 'running'
-         RETURNING 1
-            """
-        ),
+        q("hand_over").text,
         {"id": run.batch_id, "step": run.step, "run": run.number, "state": state, "due": due_at},
-    ).first()
-    return found is not None
+    ).scalar_one()
+    return bool(found)
 
 
 def take_back(conn: Connection, run: Run, lease: float) -> bool:
     """Undo `hand_over` when the retry or replacement was never published (Celery raised instead)."""
     found = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors
-               SET state = 'running', lease_until = now() + make_interval(secs => CAST(:lease AS double precision)),
-                   state_at = now(),
-                   attempt = CASE state WHEN 'retrying' THEN greatest(attempt - 1, 0) ELSE attempt END
-             WHERE batch_id = :id AND step = :step AND runs = :run AND state IN ('retrying', 'replaced')
-         RETURNING 1
-            """
-        ),
+        q("take_back").text,
         {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease},
-    ).first()
-    return found is not None
+    ).scalar_one()
+    return bool(found)
 
 
 def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tuple[uuid.UUID, str, int]]:
@@ -162,15 +120,7 @@ def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tup
     if not runs:
         return set()
     rows = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors s
-               SET lease_until = now() + make_interval(secs => CAST(:lease AS double precision))
-              FROM unnest(CAST(:ids AS uuid[]), CAST(:steps AS text[]), CAST(:runs AS integer[])) AS l(id, step, run)
-             WHERE s.batch_id = l.id AND s.step = l.step AND s.runs = l.run AND s.state = 'running'
-         RETURNING s.batch_id, s.step, s.runs
-            """
-        ),
+        q("renew_leases").text,
         {
             "ids": [r.batch_id for r in runs],
             "steps": [r.step for r in runs],
@@ -188,6 +138,7 @@ def record_state(
     state: str,
     *,
     run: int | None = None,
+    task_id: str | None = None,
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
@@ -195,29 +146,19 @@ def record_state(
     """Move the successor to a final state; a final state is never left again. True if this call moved it.
 
     `run` fences the write to that run (the pool process reporting its own body's end). Without it (the worker's
-    main process: a hard time limit, a lost pool process, a revoke, an undecodable or unknown message) any
-    successor not yet final is moved. A nested batch (one that stands for a child of an outer batch) reports that
-    child in the same transaction: its return value is the child's result, its failure the child's.
+    main process: a hard time limit, a lost pool process, a revoke, an undecodable or unknown message) a
+    successor not yet final is moved if `task_id` is the one its batch assigned it (`fanin_finish_successor`). A
+    nested batch (one that stands for a child of an outer batch) reports that child in the same transaction: its
+    return value is the child's result, its failure the child's.
     """
     if state not in FINAL_STATES:
         raise ValueError(f"not a final successor state: {state!r}")
-    row = conn.execute(
-        text(
-            """
-            UPDATE fanin_successors s
-               SET state = :state, exc_type = :exc_type, exc_message = :exc_message, state_at = now(),
-                   result = :result, result_content_type = :rct, result_content_encoding = :rce,
-                   finished_at = now(), lease_until = NULL
-              FROM fanin_batches b
-             WHERE s.batch_id = :id AND s.step = :step AND b.id = s.batch_id
-               AND s.state NOT IN ('succeeded', 'failed', 'revoked', 'ignored')
-               AND (CAST(:run AS integer) IS NULL OR s.runs = CAST(:run AS integer))
-         RETURNING b.parent_task_id
-            """
-        ),
+    found = conn.execute(
+        q("record_state").text,
         {
             "id": batch_id,
             "step": step,
+            "task_id": task_id,
             "state": state,
             "run": run,
             "exc_type": exc_type,
@@ -226,19 +167,8 @@ def record_state(
             "rct": result.content_type if result else None,
             "rce": result.content_encoding if result else None,
         },
-    ).first()
-    if row is None:
-        return False
-    if row.parent_task_id:
-        record_terminal(
-            conn,
-            row.parent_task_id,
-            _OUTER_CHILD_STATE.get(state, state),
-            result=result,
-            exc_type=exc_type,
-            exc_message=exc_message,
-        )
-    return True
+    ).scalar_one()
+    return bool(found)
 
 
 def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
@@ -249,16 +179,7 @@ def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) ->
     Running with a dead run (see `claim_run`): the worker died mid-body and nothing redelivered it.
     """
     rows = conn.execute(
-        text(
-            f"""
-            SELECT s.batch_id, s.step FROM fanin_successors s
-             WHERE (s.state IN ('sent', 'retrying', 'requeued', 'replaced')
-                    AND coalesce(s.lease_until, s.state_at)
-                        < now() - make_interval(secs => CAST(:timeout AS double precision)))
-                OR (s.state = 'running' AND {_DEAD_RUN})
-             LIMIT :n
-            """
-        ),
+        q("stalled").text,
         {"timeout": timeout, "grace": grace, "n": limit},
     )
     return [(r[0], r[1]) for r in rows]
@@ -271,27 +192,8 @@ def republish(conn: Connection, batch_id: uuid.UUID, step: str, timeout: float, 
     live run that returns (its heartbeat comes back) finds itself fenced off rather than beside a second run. The
     condition is checked again here, against the row as it is now.
     """
-    row = conn.execute(
-        text(
-            f"""
-            WITH s AS (
-                UPDATE fanin_successors s
-                   SET state = CASE WHEN s.state = 'running' THEN 'sent' ELSE s.state END,
-                       lease_until = NULL, state_at = now()
-                 WHERE s.batch_id = :id AND s.step = :step
-                   AND ((s.state IN ('sent', 'retrying', 'requeued', 'replaced')
-                         AND coalesce(s.lease_until, s.state_at)
-                             < now() - make_interval(secs => CAST(:timeout AS double precision)))
-                        OR (s.state = 'running' AND {_DEAD_RUN}))
-             RETURNING s.batch_id, s.step
-            )
-            UPDATE fanin_outbox o SET sent_at = NULL, available_at = now(), last_error = 'republished: stalled'
-              FROM s WHERE o.batch_id = s.batch_id AND o.step = s.step
-         RETURNING o.id
-            """
-        ),
+    found = conn.execute(
+        q("republish").text,
         {"id": batch_id, "step": step, "timeout": timeout, "grace": grace},
-    ).first()
-    if row is not None:
-        conn.execute(text("SELECT pg_notify('fanin_outbox', :id)"), {"id": str(row[0])})
-    return row is not None
+    ).scalar_one()
+    return bool(found)

@@ -201,8 +201,9 @@ class WorkerHooks:
         exc: BaseException | None = None,
         value: Any = None,
         live: successor_runs.LiveRun | None = None,
+        task_id: str | None = None,
     ) -> bool:
-        """Record a successor's final state: fenced to `live`'s run, or unfenced from the main process."""
+        """Record a successor's final state: fenced to `live`'s run, or from the main process by its `task_id`."""
         exc_type, exc_message = _exc_fields(exc)
         result = None
         if state == SuccessorState.SUCCEEDED:
@@ -221,6 +222,7 @@ class WorkerHooks:
                 marker.batch_id,
                 marker.step or "",
                 state,
+                task_id=task_id,
                 result=result,
                 exc_type=exc_type,
                 exc_message=exc_message,
@@ -256,7 +258,7 @@ class WorkerHooks:
     ) -> None:
         """A main-process path ended the message: its child's terminal state, or its successor's final one."""
         if marker.is_successor:
-            self.record_successor(fanin, marker, successor, exc)
+            self.record_successor(fanin, marker, successor, exc, task_id=task_id)
         else:
             self.record_child(fanin, marker.child_id(task_id), marker, child, exc=exc)
 

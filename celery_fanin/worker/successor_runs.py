@@ -170,11 +170,13 @@ def record_final(
     state: str,
     *,
     run: int | None = None,
+    task_id: str | None = None,
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
 ) -> bool:
-    """One attempt at recording a final state (`store.successors.record_state`); the caller retries."""
+    """One attempt at recording a final state (`store.successors.record_state`); the caller retries. Unfenced
+    (no `run`), the delivery's `task_id` must be the successor's."""
     with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         return successors.record_state(
             conn,
@@ -182,6 +184,7 @@ def record_final(
             step,
             state,
             run=run,
+            task_id=task_id,
             result=result,
             exc_type=exc_type,
             exc_message=exc_message,

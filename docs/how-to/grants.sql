@@ -2,65 +2,101 @@
 -- idempotent). Rows are only ever deleted by retention; the stored task signatures (`message`, `*_message`) are
 -- written once by producers and never updated, so no role but the owner can rewrite what a worker will run.
 
--- The functions that count a child and settle its batch run with their owner's rights (SECURITY DEFINER, search
--- path pinned: migration 0014), so EXECUTE on them is the right to move a batch, and only on their terms. The
--- migration revokes them from PUBLIC already; this repeats it for a database migrated before.
+-- Every write to a counter, a batch's state, a child's outcome, a successor or the outbox is made by a function
+-- that runs with its owner's rights (SECURITY DEFINER, search path pinned: migrations 0014 and 0017), each with
+-- the checks of its own path. EXECUTE on one of them is the right to make that move, on its terms; no runtime
+-- role may UPDATE fanin_batches, fanin_children, fanin_successors or fanin_outbox, or INSERT into the last two.
+-- The migrations revoke PUBLIC's EXECUTE on them already; this repeats it for a database migrated before.
+-- Internal (no role calls them): fanin_settle, fanin_fail_up, fanin_create_successor, fanin_record_terminal_v2.
 REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_fail_up(uuid, integer),
                            fanin_create_successor(uuid, text, text, text),
-                           fanin_record_terminal(text, text, bytea, text, text, text, text),
-                           fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
+                           fanin_record_terminal_v2(text, text, bytea, text, text, text, text, timestamptz, integer,
+                                                    text),
                            fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                  timestamptz, integer, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
-                           fanin_seal(uuid) FROM PUBLIC;
+                           fanin_seal(uuid),
+                           fanin_ensure_successor(uuid, text),
+                           fanin_add_children(uuid, uuid[], integer[], integer, integer, bytea),
+                           fanin_mark_published(uuid, integer),
+                           fanin_expire_batch(uuid, text, boolean),
+                           fanin_cancel_open(uuid),
+                           fanin_reconcile_batch(uuid),
+                           fanin_abandon_after_threshold(uuid),
+                           fanin_claim_redrive(text, integer),
+                           fanin_fail_lost(text),
+                           fanin_revoke_expired(text, double precision),
+                           fanin_renew_open_batches(),
+                           fanin_seal_open(uuid, double precision),
+                           fanin_claim_outbox(integer, bigint[]),
+                           fanin_outbox_sent(bigint[]),
+                           fanin_outbox_failed(bigint, text, double precision),
+                           fanin_republish_successor(uuid, text, double precision, double precision),
+                           fanin_claim_run(uuid, text, text, integer, double precision, double precision, text, text),
+                           fanin_count_duplicate(uuid, text),
+                           fanin_hand_over(uuid, text, integer, text, timestamptz),
+                           fanin_take_back(uuid, text, integer, double precision),
+                           fanin_renew_leases(uuid[], text[], integer[], double precision),
+                           fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text)
+    FROM PUBLIC;
+-- Direct writes a database migrated (and granted) before version 17 still has: revoked, so that re-running this
+-- file after the upgrade leaves only the functions. (Revoking what was never granted is a no-op.)
+REVOKE UPDATE, INSERT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox
+    FROM fanin_producer, fanin_worker, fanin_relay;
+REVOKE USAGE ON SEQUENCE fanin_outbox_id_seq FROM fanin_producer, fanin_relay;
 
--- Producers: write a batch and its children, publish them, send an empty (or already finished) batch's successor.
-GRANT SELECT, INSERT ON fanin_batches, fanin_children TO fanin_producer;
-GRANT UPDATE (planned, remaining, digest, published_upto, state, succeeded, failed, completed_at, max_failures,
-              last_settle_moved, producer_seen_at)
-    ON fanin_batches TO fanin_producer;
--- A streamed batch whose generator raises (no key) is cancelled by its producer: its unfinished children are
--- marked abandoned.
-GRANT UPDATE (state, finished_at, exc_type, exc_message) ON fanin_children TO fanin_producer;
-GRANT SELECT, INSERT ON fanin_successors, fanin_outbox TO fanin_producer;
-GRANT UPDATE (state, state_at) ON fanin_successors TO fanin_producer;
-GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_producer;
-GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_producer;
-GRANT EXECUTE ON FUNCTION fanin_seal(uuid) TO fanin_producer;
+-- Producers: write a batch and its children (a child's row as published: no outcome columns), and through the
+-- functions raise a streamed batch's counters, mark children published, seal, cancel a streamed batch whose input
+-- raised (only while it is open), create an empty batch's successor and publish it (claim and mark the outbox row).
+GRANT SELECT, INSERT ON fanin_batches TO fanin_producer;
+GRANT SELECT ON fanin_children, fanin_successors, fanin_outbox TO fanin_producer;
+GRANT INSERT (task_id, batch_id, idx, task_name, message, content_type, content_encoding, expires_at, eta_at)
+    ON fanin_children TO fanin_producer;
+GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, integer, bytea),
+                          fanin_mark_published(uuid, integer),
+                          fanin_seal(uuid),
+                          fanin_cancel_open(uuid),
+                          fanin_ensure_successor(uuid, text),
+                          fanin_claim_outbox(integer, bigint[]),
+                          fanin_outbox_sent(bigint[]),
+                          fanin_outbox_failed(bigint, text, double precision),
+                          fanin_abandon_after_threshold(uuid) TO fanin_producer;
 
--- Workers: a child's start and terminal outcome, through the functions only (no write to a child, a counter, a
--- successor row's creation or the outbox), and the successor's own run: its start guard, lease, state and result
--- are columns of its row the worker updates (store/successors.py; none of them moves a counter). Read access for
--- BatchOutcome.results(). fanin_record_terminal (by task id) is for a nested batch's successor, which finishes
--- the outer child it stands for.
+-- Workers: a child's start and terminal outcome (fanin_report_terminal counts a report only if the child row
+-- matches its message; the last one creates the successor), and a successor's run: admitted only under its
+-- pre-assigned task id, every later write fenced to the run's number (or, from the main process, to that task
+-- id); a nested batch's successor reports its outer child inside fanin_finish_successor. Read access for
+-- BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
-GRANT UPDATE (state, runs, duplicates, started_at, state_at, finished_at, exc_type, exc_message, result,
-              result_content_type, result_content_encoding, lease_until, attempt, run_owner)
-    ON fanin_successors TO fanin_worker;
-GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
-                          fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
-                          fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
+GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                 timestamptz, integer, text),
-                          fanin_record_starts(text[], integer[], text[], timestamptz[]) TO fanin_worker;
+                          fanin_record_starts(text[], integer[], text[], timestamptz[]),
+                          fanin_claim_run(uuid, text, text, integer, double precision, double precision, text, text),
+                          fanin_count_duplicate(uuid, text),
+                          fanin_hand_over(uuid, text, integer, text, timestamptz),
+                          fanin_take_back(uuid, text, integer, double precision),
+                          fanin_renew_leases(uuid[], text[], integer[], double precision),
+                          fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text)
+    TO fanin_worker;
 
--- The relay: the outbox, children no producer published, lost children, deadlines, stalled successors and
--- reconciliation. It never creates batches or children.
+-- The relay: the outbox, children no producer published, lost children (only overdue ones), expired children
+-- (only past their expiry), deadlines (only due ones) and cancels, stalled successors, open batches whose
+-- producer is gone, thresholds and reconciliation. It never creates batches or children.
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_relay;
-GRANT UPDATE (published_upto, remaining, succeeded, failed, state, completed_at, max_failures, last_settle_moved,
-              producer_seen_at)
-    ON fanin_batches TO fanin_relay;
-GRANT UPDATE (state, started_at, attempt, starts, worker, finished_at, result, result_content_type,
-              result_content_encoding, exc_type, exc_message, late_state, late_at, late_reports, redrives,
-              redriven_at)
-    ON fanin_children TO fanin_relay;
-GRANT INSERT ON fanin_successors, fanin_outbox TO fanin_relay;
-GRANT UPDATE (state, state_at, lease_until) ON fanin_successors TO fanin_relay;
-GRANT UPDATE (sent_at, attempts, last_error, available_at) ON fanin_outbox TO fanin_relay;
-GRANT USAGE ON SEQUENCE fanin_outbox_id_seq TO fanin_relay;
-GRANT EXECUTE ON FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text),
-                          fanin_record_terminal(text, text, bytea, text, text, text, text, timestamptz, integer, text),
-                          fanin_settle(uuid, integer, integer), fanin_seal(uuid) TO fanin_relay;
+GRANT EXECUTE ON FUNCTION fanin_claim_outbox(integer, bigint[]),
+                          fanin_outbox_sent(bigint[]),
+                          fanin_outbox_failed(bigint, text, double precision),
+                          fanin_mark_published(uuid, integer),
+                          fanin_claim_redrive(text, integer),
+                          fanin_fail_lost(text),
+                          fanin_revoke_expired(text, double precision),
+                          fanin_expire_batch(uuid, text, boolean),
+                          fanin_reconcile_batch(uuid),
+                          fanin_abandon_after_threshold(uuid),
+                          fanin_renew_open_batches(),
+                          fanin_seal_open(uuid, double precision),
+                          fanin_republish_successor(uuid, text, double precision, double precision) TO fanin_relay;
 
 -- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
 -- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the

@@ -21,6 +21,7 @@ from celery_fanin import FanIn, FanInDatabaseError, FanInGroup, FanInResult, Inv
 from celery_fanin.broker import publish
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
+from celery_fanin.store.statements import q
 from tests.conftest import REDIS_CLAIM_KEY
 
 from .helpers import (
@@ -67,14 +68,12 @@ def test_the_publish_lock_of_a_batch_is_found_by_its_id(store_engine: Engine) ->
     """The relay tells a live producer from a dead one by matching each batch to its lock in pg_locks."""
     batch, _, _ = create(store_engine, 1)
     other = uuid.UUID(int=batch.id.int ^ 1)  # shares its first 64 bits: the only way to share a lock
-    held = (
-        f"SELECT count(*) FROM fanin_batches b WHERE EXISTS (SELECT 1 FROM pg_locks l WHERE {batches.PUBLISH_LOCK_OF})"
-    )
+    held = q("held_publish_locks").text
     with store_engine.connect() as holder:
         batches.hold_publish_lock(holder, batch.id)
         holder.commit()
         with store_engine.connect() as conn:
-            assert conn.execute(text(held)).scalar_one() == 1
+            assert conn.execute(held).scalar_one() == 1
             assert not batches.try_publish_lock(conn, batch.id)
             assert not batches.try_publish_lock(conn, other)
             assert batches.try_publish_lock(conn, uuid.uuid4())
