@@ -1,7 +1,11 @@
 """Celery message signing (`task_serializer = "auth"`) with fan-in: children (plain and chains) published on the
 producer's fast path, signed; a real worker that accepts only signed messages runs and counts them; the relay
 publishes the successor, signed, from its stored signature; the successor runs once with every value. An unsigned
-message carrying a pending child's headers is refused by the worker and moves nothing."""
+message carrying a pending child's headers is refused by the worker and moves nothing.
+
+Signing covers the body, not the headers: a captured signed body published again under another child's or
+successor's headers (task id, batch, index) is refused by the fan-in claim in the body, and a replayed successor
+message by the run guard."""
 
 from __future__ import annotations
 
@@ -9,16 +13,20 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
 import pytest
 import redis
 from celery import Celery, chain
+from click.testing import CliRunner
 from kombu.serialization import registry
 
-from celery_fanin import fan_in_group
+from celery_fanin import fan_in_group, protocol
+from celery_fanin.cli import fanin as fanin_cli
 from tests.signing import configure_signing, make_certificate
+from tests.workers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,3 +81,110 @@ def test_signed_children_successor_and_relay(
             (uuid.UUID(handle.batch_id),),
         ).fetchall()
     assert rows == [(0, "succeeded", 0), (1, "succeeded", 0), (2, "failed", 0)]
+
+
+def _take_queue(client: redis.Redis) -> list[bytes]:
+    """Everything on the `celery` queue, taken off it (put back later with `lpush`)."""
+    raw: list[bytes] = client.lrange("celery", 0, -1)  # type: ignore[assignment]
+    client.delete("celery")
+    return raw
+
+
+def _reheaded(message: dict[str, Any], **headers: Any) -> str:
+    """`message` (a Redis transport message: signed body, headers, properties) under other headers: what a publisher
+    without the key can make of a signed message it captured."""
+    forged = json.loads(json.dumps(message))
+    forged["headers"].update(headers)
+    if "id" in headers:
+        forged["properties"]["correlation_id"] = headers["id"]
+    forged["properties"]["delivery_tag"] = str(uuid.uuid4())
+    return json.dumps(forged)
+
+
+def _children(e2e_env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"]) as conn:
+        return conn.execute(
+            "SELECT idx, state, starts, late_reports FROM fanin_children WHERE batch_id = %s ORDER BY idx",
+            (uuid.UUID(batch_id),),
+        ).fetchall()
+
+
+def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
+    signed_app: Celery, signing_dir: Path, e2e_env: dict[str, str], processes: Any, successor_runs: Any
+) -> None:
+    app = signed_app
+    env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
+    handle = fan_in_group(
+        [_sig(app, "ok", i) for i in (1, 2, 3)], then=_sig(app, "record_run", "signed", with_values=True), app=app
+    ).apply_async()
+    app.send_task("tests.app.ok", args=(7,))  # a signed message of no batch
+    client = redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"])
+    genuine = _take_queue(client)
+    messages = [json.loads(m) for m in genuine]
+    child = {m["headers"]["fanin_index"]: m for m in messages if protocol.HEADER_BATCH in m["headers"]}
+    loose = next(m for m in messages if protocol.HEADER_BATCH not in m["headers"])
+    as_1 = {"id": child[1]["headers"]["id"], protocol.HEADER_INDEX: 1}
+    as_2 = {"id": child[2]["headers"]["id"], protocol.HEADER_BATCH: handle.batch_id, protocol.HEADER_INDEX: 2}
+    forgeries = [
+        # Child 0's signed body (ok(1)) under child 1's task id and index: its claim names child 0.
+        _reheaded(child[0], **as_1),
+        # A signed body of no batch (ok(7)) under child 2's headers: it carries no claim at all...
+        _reheaded(loose, **as_2),
+        # ... nor does a claim put in a header count (the worker takes the claim from the body alone).
+        _reheaded(loose, **as_2, **{protocol.BODY_CLAIM: protocol.claim({**loose["headers"], **as_2})}),
+    ]
+    client.rpush("celery", *forgeries)
+    worker = processes.worker(env)
+    wait_for(lambda: handle.status().refused_reports == 3, timeout=60, message="three refused reports")
+    # Refused before they ran: no child started or finished, nothing was counted late.
+    assert _children(e2e_env, handle.batch_id) == [(0, "pending", 0, 0), (1, "pending", 0, 0), (2, "pending", 0, 0)]
+    assert worker.output().count("report refused") == 3, worker.output()
+    shown = CliRunner().invoke(fanin_cli, ["status", handle.batch_id], obj=SimpleNamespace(app=app))
+    assert shown.exit_code == 0 and "refused reports" in shown.output and " 3" in shown.output, shown.output
+    # The genuine messages count each child with its own value.
+    client.lpush("celery", *genuine)
+    processes.relay(env)
+    status = handle.wait(timeout=60)
+    assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (3, 0, 3, "succeeded")
+    assert [r["values"] for r in successor_runs(handle.batch_id)] == [[10, 20, 30]]
+    assert [row[1] for row in _children(e2e_env, handle.batch_id)] == ["succeeded"] * 3
+
+
+def _successor_state(e2e_env: dict[str, str], batch_id: str) -> tuple[Any, ...] | None:
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"]) as conn:
+        return conn.execute(
+            "SELECT state, runs, duplicates, task_id FROM fanin_successors WHERE batch_id = %s", (uuid.UUID(batch_id),)
+        ).fetchone()
+
+
+def test_a_signed_successor_replayed_or_reheaded_is_refused(
+    signed_app: Celery, signing_dir: Path, e2e_env: dict[str, str], processes: Any, successor_runs: Any
+) -> None:
+    """Two batches whose successors are waiting on the broker (empty groups: sent at once). B1's signed successor
+    message under B2's successor headers (its batch and pre-assigned task id, which the run guard admits) is refused
+    by the claim; B1's message delivered again after B1's successor ran is refused by the run guard."""
+    app = signed_app
+    env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
+    b1 = fan_in_group([], then=_sig(app, "record_run", "b1"), app=app).apply_async()
+    b2 = fan_in_group([], then=_sig(app, "record_run", "b2"), app=app).apply_async()
+    client = redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"])
+    genuine = _take_queue(client)
+    by_batch = {json.loads(m)["headers"][protocol.HEADER_SUCCESSOR]: m for m in genuine}
+    assert set(by_batch) == {b1.batch_id, b2.batch_id}
+    b2_state = _successor_state(e2e_env, b2.batch_id)
+    assert b2_state is not None
+    first = json.loads(by_batch[b1.batch_id])
+    client.rpush("celery", _reheaded(first, id=b2_state[3], **{protocol.HEADER_SUCCESSOR: b2.batch_id}))
+    worker = processes.worker(env)
+    wait_for(lambda: (_successor_state(e2e_env, b2.batch_id) or ())[2] == 1, timeout=60, message="B2 refused once")
+    assert "report refused" in worker.output()
+    assert successor_runs(b1.batch_id) == [] and successor_runs(b2.batch_id) == []
+    client.lpush("celery", *genuine)
+    assert b1.wait(timeout=60).successor_state == "succeeded"
+    assert b2.wait(timeout=60).successor_state == "succeeded"
+    # The same signed message again (a broker redelivery, or a publisher replaying what it captured).
+    client.rpush("celery", _reheaded(first))
+    wait_for(lambda: (_successor_state(e2e_env, b1.batch_id) or ())[2] == 1, timeout=60, message="B1 replay refused")
+    assert [r["label"] for r in successor_runs(b1.batch_id)] == ["b1"]
+    assert [r["label"] for r in successor_runs(b2.batch_id)] == ["b2"]
+    assert [_successor_state(e2e_env, b.batch_id)[:3] for b in (b1, b2)] == [("succeeded", 1, 1)] * 2  # type: ignore[index]
