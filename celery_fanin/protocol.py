@@ -25,8 +25,23 @@ HEADER_UNDO_OF = "fanin_undo_of"
 BODY_CLAIM = "fanin_claim"
 # The dispatch uid of the worker hooks' before_task_publish receiver, which puts the claim into Celery's messages.
 CLAIM_RECEIVER = "celery_fanin.claim"
-# What a claim holds: the message's task id and task name, and every fan-in header it carries.
-CLAIMED = ("id", "task", HEADER_BATCH, HEADER_INDEX, HEADER_CHAIN, HEADER_TASK, HEADER_SUCCESSOR, HEADER_STEP)
+# What a claim holds: the message's task id and task name, every fan-in header it carries, and the headers that can
+# end a child without its body failing (expiry, time limits, the retry count that max_retries is checked against) or
+# hold it back (eta): a forger must not turn a genuine signed message into a revoked, timed-out or failed child.
+CLAIMED = (
+    "id",
+    "task",
+    "eta",
+    "expires",
+    "timelimit",
+    "retries",
+    HEADER_BATCH,
+    HEADER_INDEX,
+    HEADER_CHAIN,
+    HEADER_TASK,
+    HEADER_SUCCESSOR,
+    HEADER_STEP,
+)
 
 # The library's own tasks (`celery_fanin.builtin_tasks`). Messages in flight and users' routes name them: never
 # rename one.

@@ -23,6 +23,7 @@ from celery import Celery, chord, current_app, signals
 from celery.app.trace import build_tracer
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.worker import state as worker_state
 from celery.worker.consumer.consumer import Consumer
 from kombu.exceptions import EncodeError
 from prometheus_client import Counter
@@ -229,7 +230,12 @@ class WorkerHooks:
                 why,
                 extra=extra,
             )
-            successor_runs.count_refused(fanin, marker.batch_id, marker.step or "")
+            report.send(
+                fanin,
+                "successor",
+                f"refused delivery of the successor of batch {marker.batch_id}",
+                lambda: successor_runs.count_refused(fanin, marker.batch_id, marker.step or ""),
+            )
             return
         child_id = marker.child_id(task_id)
         what = (task_id, marker.index, marker.batch_id, marker.task_name, why)
@@ -423,8 +429,15 @@ class WorkerHooks:
         if marker is None or fanin is None or request is None:
             return
         self.received.pop(request.id)
-        if claim_refusal(fanin, getattr(request, "request_dict", request), _request_claim(request)):
-            return  # not the message its headers say: it ends nothing
+        why = claim_refusal(fanin, getattr(request, "request_dict", request), _request_claim(request))
+        if why is not None:  # not the message its headers say (revoked or expired before the pool saw it)
+            if expired:
+                # Celery put the task id in the worker's revoked set on this message's word (its `expires` header,
+                # which signing does not cover) before any hook ran: taken out again, or the genuine message would
+                # be discarded as revoked and its child counted `revoked`.
+                worker_state.revoked.discard(request.id)
+            self.refuse(fanin, request.id, marker, why)
+            return
         reason = "expired" if expired else "terminated" if terminated else "revoked"
         self._ended(fanin, request.id, marker, ChildState.REVOKED, SuccessorState.REVOKED, _Revoked(reason))
 

@@ -130,19 +130,13 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
 
 def count_refused(fanin: FanIn, batch_id: str, step: str) -> None:
     """Count a delivery refused before the run guard saw it (its claim disagrees with its headers) as the guard
-    counts one it refuses: in the successor's `duplicates`."""
+    counts one it refuses: in the successor's `duplicates`. One attempt: the caller retries (`report.send`)."""
     try:
         bid = uuid.UUID(batch_id)
     except ValueError:
         return  # names no batch: nothing to count it on
-    try:
-        _store(
-            fanin,
-            f"refused delivery of the successor of batch {batch_id}",
-            lambda c: successors.count_duplicate(c, bid, step),
-        )
-    except (retry.GaveUp, SQLAlchemyError):
-        logger.warning("cannot count a refused delivery of the successor of batch_id=%s", batch_id, exc_info=True)
+    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        successors.count_duplicate(conn, bid, step)
 
 
 def hand_over(live: LiveRun, state: str, due_at: datetime | None = None) -> bool:

@@ -23,8 +23,9 @@ from celery import Celery, chain
 from click.testing import CliRunner
 from kombu.serialization import registry
 
-from celery_fanin import fan_in_group, protocol
+from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.cli import fanin as fanin_cli
+from tests.e2e.brokers import on_broker
 from tests.signing import configure_signing, make_certificate
 from tests.workers import wait_for
 
@@ -37,14 +38,20 @@ def signing_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def signed_app(app: Celery, signing_dir: Path) -> Iterator[Celery]:
-    """The producer app, signing; kombu's registry (process-wide) is put back afterwards."""
+def kombu_registry() -> Iterator[None]:
+    """Signing changes kombu's serializer registry (process-wide): put it back afterwards."""
     saved = (registry._default_content_type, registry._default_content_encoding, set(registry._disabled_content_types))
-    configure_signing(app, signing_dir)
-    yield app
+    yield
     registry._default_content_type, registry._default_content_encoding = saved[0], saved[1]
     registry._disabled_content_types.clear()
     registry._disabled_content_types.update(saved[2])
+
+
+@pytest.fixture
+def signed_app(app: Celery, signing_dir: Path, kombu_registry: None) -> Celery:
+    """The producer app, signing."""
+    configure_signing(app, signing_dir)
+    return app
 
 
 def _sig(app: Celery, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +88,62 @@ def test_signed_children_successor_and_relay(
             (uuid.UUID(handle.batch_id),),
         ).fetchall()
     assert rows == [(0, "succeeded", 0), (1, "succeeded", 0), (2, "failed", 0)]
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
+    broker: str,
+    signing_dir: Path,
+    kombu_registry: None,
+    e2e_env: dict[str, str],
+    processes: Any,
+    successor_runs: Any,
+) -> None:
+    """The fast path on each broker (RabbitMQ: the frames written by `broker.amqp_frames`), a child retried until
+    it fails (each retry is a message Celery publishes from the worker), a chain, and a batch whose producer died
+    before publishing: its children are published by the relay from their stored signatures. All signed, all run
+    by a worker that accepts only signed messages, none refused."""
+    with on_broker(e2e_env, broker) as env:
+        queue = env["FANIN_TEST_QUEUE"]
+        app = Celery(f"signed-{uuid.uuid4().hex[:6]}", broker=env["FANIN_TEST_BROKER"], set_as_current=False)
+        app.conf.update(fanin_database_url=env["FANIN_DATABASE_URL"], task_default_queue=queue)
+        configure_signing(app, signing_dir)
+        FanIn(app)
+        env = {**env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
+        try:
+            orphan = fan_in_group(
+                [_sig(app, "ok", 4), _sig(app, "ok", 5)],
+                then=_sig(app, "record_run", "orphan", with_values=True),
+                app=app,
+            ).apply_async()
+            # Its producer "died" before publishing: its messages taken off the broker, the batch marked unpublished.
+            if broker == "rabbitmq":
+                with app.connection_for_write() as conn:
+                    assert conn.default_channel.queue_purge(queue) == 2
+            else:
+                assert redis.Redis.from_url(env["FANIN_TEST_BROKER"]).delete(queue) == 1
+            with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+                conn.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (uuid.UUID(orphan.batch_id),))
+            children = [_sig(app, "ok", 1), _sig(app, "always_retry", 2), chain(_sig(app, "ok", 3), _sig(app, "ok"))]
+            handle = fan_in_group(
+                children, then=_sig(app, "record_run", "signed", with_values=True), app=app
+            ).apply_async()
+            worker = processes.worker(env)
+            processes.relay(env)
+            status = handle.wait(timeout=90)
+            assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (
+                2,
+                1,
+                0,
+                "succeeded",
+            )
+            assert [r["values"] for r in successor_runs(handle.batch_id)] == [[10, 300]]
+            status = orphan.wait(timeout=60)
+            assert (status.published, status.succeeded, status.refused_reports) == (2, 2, 0)
+            assert [r["values"] for r in successor_runs(orphan.batch_id)] == [[40, 50]]
+            assert "report refused" not in worker.output() and "not counted" not in worker.output()
+        finally:
+            FanIn.of(app).dispose()
 
 
 def _take_queue(client: redis.Redis) -> list[bytes]:
@@ -132,20 +195,22 @@ def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
         _reheaded(loose, **as_2),
         # ... nor does a claim put in a header count (the worker takes the claim from the body alone).
         _reheaded(loose, **as_2, **{protocol.BODY_CLAIM: protocol.claim({**loose["headers"], **as_2})}),
+        # Child 0's own message, expired: the worker would revoke it and count the child revoked.
+        _reheaded(child[0], expires="2000-01-01T00:00:00+00:00"),
     ]
     client.rpush("celery", *forgeries)
     worker = processes.worker(env)
-    wait_for(lambda: handle.status().refused_reports == 3, timeout=60, message="three refused reports")
+    wait_for(lambda: handle.status().refused_reports == 4, timeout=60, message="four refused reports")
     # Refused before they ran: no child started or finished, nothing was counted late.
     assert _children(e2e_env, handle.batch_id) == [(0, "pending", 0, 0), (1, "pending", 0, 0), (2, "pending", 0, 0)]
-    assert worker.output().count("report refused") == 3, worker.output()
+    assert worker.output().count("report refused") == 4, worker.output()
     shown = CliRunner().invoke(fanin_cli, ["status", handle.batch_id], obj=SimpleNamespace(app=app))
-    assert shown.exit_code == 0 and "refused reports" in shown.output and " 3" in shown.output, shown.output
+    assert shown.exit_code == 0 and "refused reports" in shown.output and " 4" in shown.output, shown.output
     # The genuine messages count each child with its own value.
     client.lpush("celery", *genuine)
     processes.relay(env)
     status = handle.wait(timeout=60)
-    assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (3, 0, 3, "succeeded")
+    assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (3, 0, 4, "succeeded")
     assert [r["values"] for r in successor_runs(handle.batch_id)] == [[10, 20, 30]]
     assert [row[1] for row in _children(e2e_env, handle.batch_id)] == ["succeeded"] * 3
 
