@@ -20,6 +20,29 @@ HEADER_UNDO = "fanin_undo"
 # On a compensation task: the task id of the work it undoes (`task.request.fanin_undo_of`), its idempotency key.
 HEADER_UNDO_OF = "fanin_undo_of"
 
+# Not a header: the key, in a protocol-2 body's embed (its third part), of the fan-in claim. Celery's message signing
+# covers the body and not the headers, so the claim binds the fan-in headers to the signed body (see `claim`).
+BODY_CLAIM = "fanin_claim"
+# The dispatch uid of the worker hooks' before_task_publish receiver, which puts the claim into Celery's messages.
+CLAIM_RECEIVER = "celery_fanin.claim"
+# What a claim holds: the message's task id and task name, every fan-in header it carries, and the headers that can
+# end a child without its body failing (expiry, time limits, the retry count that max_retries is checked against) or
+# hold it back (eta): a forger must not turn a genuine signed message into a revoked, timed-out or failed child.
+CLAIMED = (
+    "id",
+    "task",
+    "eta",
+    "expires",
+    "timelimit",
+    "retries",
+    HEADER_BATCH,
+    HEADER_INDEX,
+    HEADER_CHAIN,
+    HEADER_TASK,
+    HEADER_SUCCESSOR,
+    HEADER_STEP,
+)
+
 # The library's own tasks (`celery_fanin.builtin_tasks`). Messages in flight and users' routes name them: never
 # rename one.
 RUN_GROUP_TASK = "celery_fanin.run_group"
@@ -38,6 +61,36 @@ def request_header(request: Any, name: str, default: Any = None) -> Any:
     if value is None:
         value = (getattr(request, "headers", None) or {}).get(name)
     return default if value is None else value
+
+
+def claim(headers: Any) -> dict[str, str] | None:
+    """The fan-in claim of a message with these headers (a mapping, or a worker's request with them as attributes),
+    or None for a message without fan-in headers.
+
+    The publisher puts it into the body, which `task_serializer = "auth"` signs; the worker computes it again from
+    the headers it received and refuses the message if the two differ. A replayed signed body under another task id,
+    task name, batch, index or successor is thereby refused. Values are compared as text (a broker may turn an int
+    header into another integer type).
+    """
+    get = headers.get if hasattr(headers, "get") else (lambda k, d=None: getattr(headers, k, d))
+    if not (get(HEADER_BATCH, None) or get(HEADER_SUCCESSOR, None)):
+        return None
+    return {key: str(value) for key in CLAIMED if (value := get(key, None)) is not None}
+
+
+def body_claim(body: Any) -> Any:
+    """The claim a protocol-2 body (args, kwargs, embed) carries, or None."""
+    if isinstance(body, (tuple, list)) and len(body) == 3 and isinstance(body[2], dict):
+        return body[2].get(BODY_CLAIM)
+    return None
+
+
+def put_claim(body: Any, headers: Any) -> None:
+    """Put the claim of `headers` into `body`'s embed, in place (a protocol-2 body; anything else is left alone)."""
+    if isinstance(body, (tuple, list)) and len(body) == 3 and isinstance(body[2], dict):
+        found = claim(headers)
+        if found is not None:
+            body[2][BODY_CLAIM] = found
 
 
 class Marker:

@@ -24,6 +24,7 @@ from kombu import Connection
 
 from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.broker import confirms, publish
+from celery_fanin.worker import hooks
 from tests import publish_tasks
 from tests.workers import CeleryProcess, start_relay, start_worker
 
@@ -238,6 +239,7 @@ OPTION_SETS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("name", "options"), OPTION_SETS, ids=[f"{n}-{sorted(o)}" for n, o in OPTION_SETS])
 def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]) -> None:
+    hooks.worker_hooks.install()  # Celery's path gets its claim from the hooks (the fast path builds it in)
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(
         task_default_queue="default-q",
@@ -254,7 +256,7 @@ def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]
     ((celery_body, celery_kwargs),) = capture.published
 
     route, our_headers, our_body, properties = publish._Builder(app, "b").build(3, task_id, sig)
-    assert our_body == celery_body
+    assert our_body == celery_body and protocol.body_claim(our_body) == protocol.claim(our_headers)
     assert route.exchange == (
         celery_kwargs["exchange"].name if hasattr(celery_kwargs["exchange"], "name") else celery_kwargs["exchange"]
     )
@@ -276,12 +278,13 @@ def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]
 @pytest.mark.parametrize(("name", "options"), OPTION_SETS[:4], ids=[f"{n}-{sorted(o)}" for n, o in OPTION_SETS[:4]])
 def test_successor_message_matches_what_celery_publishes(name: str, options: dict[str, Any]) -> None:
     """The relay builds a successor's message like a child's: the outcome first, the successor headers."""
+    hooks.worker_hooks.install()
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(task_default_queue="default-q", task_routes={publish_tasks.ROUTED: {"queue": "routed-q"}})
     publish_tasks.register(app)
     sig = app.signature(name, args=("label",), **options)
     outcome = {"batch_id": "b", "succeeded": 2, "failed": 1, "failures": [{"index": 1, "state": "failed"}]}
-    task_id = str(uuid.uuid4())
+    task_id, batch = str(uuid.uuid4()), str(uuid.UUID(int=0))
     with app.connection_for_write() as conn:
         capture = _Capture(conn)
         sig.apply_async(
@@ -289,15 +292,15 @@ def test_successor_message_matches_what_celery_publishes(name: str, options: dic
             task_id=task_id,
             producer=capture,
             add_to_parent=False,
-            headers={**(options.get("headers") or {}), protocol.HEADER_SUCCESSOR: "b", protocol.HEADER_STEP: "merge"},
+            headers={**(options.get("headers") or {}), protocol.HEADER_SUCCESSOR: batch, protocol.HEADER_STEP: "merge"},
         )
         ours = _Capture(conn)
-        publish.publish_successor(app, ours, uuid.UUID(int=0), "merge", task_id, sig, outcome)  # type: ignore[arg-type]
+        publish.publish_successor(app, ours, uuid.UUID(batch), "merge", task_id, sig, outcome)  # type: ignore[arg-type]
     ((celery_body, celery_kwargs),) = capture.published
     ((our_body, our_kwargs),) = ours.published
-    assert our_body == celery_body and our_body[0][0] == outcome
+    # Both bodies carry the claim (ours built in, Celery's put in by the hooks' before_task_publish).
+    assert our_body == celery_body and our_body[0][0] == outcome and protocol.body_claim(our_body)
     theirs, mine = dict(celery_kwargs["headers"]), dict(our_kwargs["headers"])
-    theirs[protocol.HEADER_SUCCESSOR] = str(uuid.UUID(int=0))
     for key in ("eta", "expires"):
         assert (mine.pop(key) is None) == (theirs.pop(key) is None), key
     assert mine == theirs

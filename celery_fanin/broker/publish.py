@@ -28,7 +28,16 @@ from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
 
 from ..codec import serialize
-from ..protocol import HEADER_BATCH, HEADER_CHAIN, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, HEADER_TASK
+from ..protocol import (
+    CLAIM_RECEIVER,
+    HEADER_BATCH,
+    HEADER_CHAIN,
+    HEADER_INDEX,
+    HEADER_STEP,
+    HEADER_SUCCESSOR,
+    HEADER_TASK,
+    put_claim,
+)
 from . import amqp_frames
 from .amqp_frames import FrameBuffer
 from .confirms import ConfirmChannel, Unconfirmed, confirm_channel
@@ -143,6 +152,8 @@ class _Builder:
         self.routes: dict[Any, _Route] = {}
         self.tasks: dict[str, Task | None] = {}
         self.declared: set[int] = set()
+        # Whether anyone but celery-fanin's own claim receiver (whose work `build` does) hears before_task_publish.
+        self.before_publish = _others_listen(signals.before_task_publish)
 
     def repr(self, value: tuple[Any, ...] | dict[str, Any], size: int) -> str:
         """`saferepr`'s text for the usual flat arguments at `repr`'s speed; `saferepr` itself for anything else."""
@@ -316,6 +327,7 @@ class _Builder:
         headers = message.headers
         headers.update(options.get("headers") or {})
         headers.update(marker if marker is not None else {HEADER_BATCH: self.batch_id, HEADER_INDEX: idx})
+        put_claim(message.body, headers)  # the fan-in headers, bound into the body that signing covers
         properties = {**route.properties, **message.properties}
         if expires is not None:
             # As `send_task`: an expiring task is also a message with a TTL (RabbitMQ drops it unconsumed).
@@ -328,6 +340,14 @@ class _Builder:
 
 
 _UNSUPPORTED_TASK: Any = object()
+
+
+def _others_listen(signal: Any) -> bool:
+    """Whether a receiver other than the claim's (`protocol.CLAIM_RECEIVER`) is connected to `signal`: sending a
+    signal costs about as much as building a message's headers, so the fast path skips one only it would hear."""
+    return any(key[0] != CLAIM_RECEIVER for key, _ in signal.receivers)
+
+
 # Types whose `repr` is what `saferepr` prints for them.
 _SCALARS = frozenset({int, float, bool, type(None)})
 
@@ -458,7 +478,7 @@ def _send(
             prod.maybe_declare(entity)
             builder.declared.add(id(entity))
     before = signals.before_task_publish
-    if before.receivers:
+    if builder.before_publish:
         before.send(
             sender=name,
             body=body,

@@ -23,6 +23,7 @@ from celery import Celery, chord, current_app, signals
 from celery.app.trace import build_tracer
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.worker import state as worker_state
 from celery.worker.consumer.consumer import Consumer
 from kombu.exceptions import EncodeError
 from prometheus_client import Counter
@@ -30,14 +31,18 @@ from prometheus_client import Counter
 from ..codec import encode_result
 from ..context import FanIn
 from ..exceptions import FanInNotConfigured
-from ..protocol import ChildState, Marker, SuccessorState
+from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, body_claim, claim, put_claim
 from ..store import batches
 from . import report, starts, successor_runs
 
 logger = logging.getLogger("celery_fanin.hooks")
 
-# Terminal reports the store refused: the message's batch, index or task name disagree with the child's row.
+# Reports refused: the message's batch, index or task name disagree with the child's row (the store's check), or its
+# headers disagree with the claim in its body (the worker's, for children and successors).
 _REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
+# The claim `refuse` sends for a child: no child has index -1, so the store's report statement moves nothing and
+# counts the refusal on the child the task id names (its batch's `refused_reports`), as for any refused report.
+_NO_CHILD = batches.Claim("00000000-0000-0000-0000-000000000000", -1, None)
 
 
 class ReceivedMarkers:
@@ -100,6 +105,23 @@ def claim_of(marker: Marker) -> batches.Claim:
 
 class _Revoked(Exception):
     """Stands for the reason a revoked task never ran to an end, as stored in the child's row."""
+
+
+def claim_refusal(fanin: FanIn, headers: Any, found: Any) -> str | None:
+    """Why a fan-in message must not count (None: it may): its headers (a mapping, or a request with them as
+    attributes) differ from the claim `found` in its body, or the app signs its messages and the body has none.
+
+    Celery's signing covers the body, not the headers: without this a captured signed body, published again under
+    another child's or successor's headers, would run and count as that one. Without signing a message with no
+    claim (published by an earlier release, or by protocol 1) is still taken; one whose claim differs never is.
+    """
+    if found is None:
+        if fanin.app.conf.task_serializer == "auth" and int(fanin.app.conf.task_protocol or 2) == 2:
+            return "its signed body carries no fan-in claim"
+        return None
+    if found != claim(headers):
+        return "its headers differ from the fan-in claim in its signed body"
+    return None
 
 
 def _unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None) -> bool:
@@ -193,6 +215,39 @@ class WorkerHooks:
             )
         return rec
 
+    def refuse(self, fanin: FanIn, task_id: str, marker: Marker, why: str) -> None:
+        """A message refused before it ran (`claim_refusal`): logged and counted like a report the store refused,
+        on the child its task id names (`refused_reports`) or as a refused delivery of the successor
+        (`duplicates`). Nothing else moves."""
+        _REFUSED.inc()
+        extra = {"batch_id": marker.batch_id, "task_id": task_id}
+        if marker.is_successor:
+            logger.warning(
+                "report refused: task_id=%s as the successor of batch %s, step %s: %s (body not run)",
+                task_id,
+                marker.batch_id,
+                marker.step,
+                why,
+                extra=extra,
+            )
+            report.send(
+                fanin,
+                "successor",
+                f"refused delivery of the successor of batch {marker.batch_id}",
+                lambda: successor_runs.count_refused(fanin, marker.batch_id, marker.step or ""),
+            )
+            return
+        child_id = marker.child_id(task_id)
+        what = (task_id, marker.index, marker.batch_id, marker.task_name, why)
+        logger.warning(
+            "report refused: task_id=%s as child %s of batch %s, task %s: %s (body not run)", *what, extra=extra
+        )
+        report.send_terminal(
+            fanin,
+            f"refused report of task {child_id}",
+            lambda reports: reports.record_terminal(child_id, ChildState.REJECTED, claim=_NO_CHILD),
+        )
+
     def record_successor(
         self,
         fanin: FanIn,
@@ -264,13 +319,30 @@ class WorkerHooks:
 
     # --- one method per signal ----------------------------------------------------------------------------------
 
+    def before_task_publish(self, sender: Any = None, body: Any = None, headers: Any = None, **_: Any) -> None:
+        """Bind a fan-in message's headers into the body Celery publishes (`protocol.claim`)."""
+        # Every fan-in message Celery publishes itself: a chain's next task, a retry, a replacement, a child or
+        # successor published one at a time. The fast path builds the claim into its own messages.
+        if headers:
+            put_claim(body, headers)
+
     def task_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
-        """Remember a fan-in message's marker while the main process holds its request."""
+        """Remember a fan-in message's marker while the main process holds its request (unless its claim refuses it)."""
+        # A claim given as a header is dropped: the pool reads the claim from the request, to which Celery lifts the
+        # headers and then the body's embed, so only the (signed) body's claim may reach it.
         if request is None:
             return
-        marker = Marker.from_mapping(getattr(request, "request_dict", None))
-        if marker is not None:
-            self.received.add(request.id, marker, request)
+        data = getattr(request, "request_dict", None)
+        if data is None:
+            return
+        data.pop(BODY_CLAIM, None)
+        marker = Marker.from_mapping(data)
+        if marker is None:
+            return
+        fanin = _fanin_for(getattr(sender, "app", None))
+        if fanin is not None and claim_refusal(fanin, data, body_claim(getattr(request, "_payload", None))):
+            return  # refused, logged and counted when the pool takes it (`_guard`); no main-process path counts it
+        self.received.add(request.id, marker, request)
 
     def task_prerun(self, sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
         """Queue a child's start, written off the child's path by `starts`."""
@@ -284,6 +356,8 @@ class WorkerHooks:
         if fanin is None or not fanin.setting("track_started"):
             return
         request = task.request
+        if not request.is_eager and claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None)):
+            return  # refused by `_guard`, next: not started
         child_id = marker.child_id(task_id)  # a chain child started when its first task did
         starts.note_start(fanin, child_id, int(getattr(request, "retries", 0) or 0), getattr(request, "hostname", None))
 
@@ -309,6 +383,12 @@ class WorkerHooks:
         if marker.is_successor:
             self._successor_postrun(fanin, marker, successor_runs.request_run(task.request), state, retval)
             return
+        if not task.request.is_eager and state in ("SUCCESS", "FAILURE", "REJECTED"):
+            # `_guard` refused such a message before it ran (IGNORED); this catches a task it did not wrap.
+            why = claim_refusal(fanin, task.request, getattr(task.request, BODY_CLAIM, None))
+            if why is not None:
+                self.refuse(fanin, task_id, marker, why)
+                return
         child_id = marker.child_id(task_id)
         if state == "SUCCESS":
             if child_id != task_id:
@@ -351,6 +431,15 @@ class WorkerHooks:
         if marker is None or fanin is None or request is None:
             return
         self.received.pop(request.id)
+        why = claim_refusal(fanin, getattr(request, "request_dict", request), _request_claim(request))
+        if why is not None:  # not the message its headers say (revoked or expired before the pool saw it)
+            if expired:
+                # Celery put the task id in the worker's revoked set on this message's word (its `expires` header,
+                # which signing does not cover) before any hook ran: taken out again, or the genuine message would
+                # be discarded as revoked and its child counted `revoked`.
+                worker_state.revoked.discard(request.id)
+            self.refuse(fanin, request.id, marker, why)
+            return
         reason = "expired" if expired else "terminated" if terminated else "revoked"
         self._ended(fanin, request.id, marker, ChildState.REVOKED, SuccessorState.REVOKED, _Revoked(reason))
 
@@ -466,6 +555,7 @@ _SIGNALS = (
     ("task_prerun", "prerun"),
     ("task_postrun", "postrun"),
     ("task_received", "received"),
+    ("before_task_publish", "claim"),  # protocol.CLAIM_RECEIVER: the fast path tells it from other receivers
     ("task_failure", "failure"),
     ("task_revoked", "revoked"),
     ("task_unknown", "unknown"),
@@ -479,20 +569,36 @@ _SIGNALS = (
 worker_hooks = WorkerHooks()
 
 
-def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a task's `before_start` so that a successor's body runs in one execution at a time, never after it
-    ended for good (see `store.successors`).
+def _request_claim(request: Any) -> Any:
+    """The claim in a request's body: a main-process `Request` holds the decoded body, a pool's context has the
+    body's embed lifted onto it (and no header of that name: `task_received` dropped it)."""
+    payload = getattr(request, "_payload", None)
+    return body_claim(payload) if payload is not None else getattr(request, BODY_CLAIM, None)
 
-    `before_start` runs inside the trace's exception handling, so the `Ignore` raised for a duplicate delivery
-    ends that execution as IGNORED without running its body (and without touching the live run's state).
+
+def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a task's `before_start` so that a fan-in message whose headers differ from its body's claim never
+    runs (see `claim_refusal`), and a successor's body runs in one execution at a time, never after it ended for
+    good (see `store.successors`).
+
+    `before_start` runs inside the trace's exception handling, so the `Ignore` raised for a refused message or a
+    duplicate delivery ends that execution as IGNORED without running its body (and without touching the live
+    run's state).
     """
 
     def before_start_guarded(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
-        marker = Marker.from_mapping(self.request)
-        fanin = _fanin_for(self.app) if marker is not None and marker.is_successor else None
+        request = self.request
+        marker = Marker.from_mapping(request)
+        fanin = _fanin_for(self.app) if marker is not None else None
+        if fanin is not None and marker is not None and not request.is_eager:
+            why = claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None))
+            if why is not None:
+                worker_hooks.refuse(fanin, task_id, marker, why)
+                raise Ignore()
         if (
             fanin is not None
             and marker is not None
+            and marker.is_successor
             and successor_runs.request_run(self.request) is None
             and worker_hooks.admit_successor(fanin, self.request, task_id, marker) is None
         ):

@@ -128,6 +128,17 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
     return live
 
 
+def count_refused(fanin: FanIn, batch_id: str, step: str) -> None:
+    """Count a delivery refused before the run guard saw it (its claim disagrees with its headers) as the guard
+    counts one it refuses: in the successor's `duplicates`. One attempt: the caller retries (`report.send`)."""
+    try:
+        bid = uuid.UUID(batch_id)
+    except ValueError:
+        return  # names no batch: nothing to count it on
+    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        successors.count_duplicate(conn, bid, step)
+
+
 def hand_over(live: LiveRun, state: str, due_at: datetime | None = None) -> bool:
     """End the run and leave the successor to its next delivery (see `store.successors.hand_over`)."""
     _heartbeat.remove(live)

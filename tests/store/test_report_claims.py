@@ -25,6 +25,13 @@ def _report(
         return batches.record_terminal(conn, task_id, state, result=json_encoded(result), claim=claim)
 
 
+def _refused_metric() -> float:
+    """The worker's `fanin_worker_reports_refused` counter, as Prometheus exports it."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("fanin_worker_reports_refused_total") or 0.0
+
+
 def _refused(engine: Engine, batch_id: uuid.UUID) -> int:
     with engine.connect() as conn:
         found = queries.batch(conn, batch_id)
@@ -125,10 +132,73 @@ def test_the_worker_hook_logs_a_refused_report(
     fanin = FanIn.of(app)  # type: ignore[arg-type]
     batch, children, _ = create(store_engine, 1)
     forged = protocol.Marker(str(batch.id), 0, None, task_name="t.forged")
+    before = _refused_metric()
     with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
         rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
     assert rec is not None and rec.refused and not rec.counted
     assert "report refused" in caplog.text and children[0].task_id in caplog.text
+    assert _refused_metric() == before + 1
     genuine = protocol.Marker(str(batch.id), 0, None, task_name="t.child")
     rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
     assert rec is not None and rec.counted and rec.successor_created
+
+
+def test_a_message_refused_by_its_claim_is_counted_on_the_child_and_moves_nothing(
+    store_engine: Engine, app: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's own refusal (`WorkerHooks.refuse`: the headers disagree with the claim in the signed body) goes
+    through the store's report statement with a claim no child matches: counted where a refused report is."""
+    from celery_fanin import FanIn
+    from celery_fanin.worker import hooks
+
+    fanin = FanIn.of(app)  # type: ignore[arg-type]
+    batch, children, _ = create(store_engine, 2)
+    before, metric = snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"})), _refused_metric()
+    genuine = protocol.Marker(str(batch.id), 1, None, task_name="t.child")
+    with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
+        hooks.worker_hooks.refuse(fanin, children[1].task_id, genuine, "its headers differ")
+    assert "report refused" in caplog.text and "its headers differ" in caplog.text
+    assert snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"})) == before
+    assert (_refused(store_engine, batch.id), _refused_metric()) == (1, metric + 1)
+    # The child's genuine report still counts.
+    rec = hooks.worker_hooks.record_child(fanin, children[1].task_id, genuine, "succeeded", value=1, has_value=True)
+    assert rec is not None and rec.counted
+
+
+def test_claim_refusal_compares_the_body_with_the_headers(app: object) -> None:
+    from celery import Celery
+
+    from celery_fanin import FanIn
+    from celery_fanin.worker.hooks import claim_refusal
+
+    assert isinstance(app, Celery)
+    fanin = FanIn.of(app)
+    headers = {"id": "t-1", "task": "t.child", "retries": 0, protocol.HEADER_BATCH: "b", protocol.HEADER_INDEX: 2}
+    body: tuple[list[object], dict[str, object], dict[str, object]] = ([], {}, {"callbacks": None})
+    protocol.put_claim(body, headers)
+    claimed = {"id": "t-1", "task": "t.child", "retries": "0", "fanin_batch": "b", "fanin_index": "2"}
+    assert protocol.body_claim(body) == claimed
+    assert claim_refusal(fanin, headers, protocol.body_claim(body)) is None
+    for changed in (
+        {"id": "t-2"},
+        {"task": "t.other"},
+        {protocol.HEADER_INDEX: 1},
+        {protocol.HEADER_BATCH: "c"},
+        {"expires": "2020-01-01T00:00:00+00:00"},  # would expire it: revoked
+        {"timelimit": [0.1, None]},  # would time it out
+        {"retries": 3},  # would make its first retryable failure its last
+        {"eta": "2999-01-01T00:00:00+00:00"},  # would hold it back past child_timeout
+    ):
+        assert claim_refusal(fanin, {**headers, **changed}, protocol.body_claim(body)), changed
+    assert claim_refusal(fanin, {**headers, protocol.HEADER_CHAIN: "t-9"}, protocol.body_claim(body))
+    # No claim: taken without signing (an earlier release's message), refused with it.
+    assert claim_refusal(fanin, headers, None) is None
+    app.conf.task_serializer = "auth"
+    try:
+        assert claim_refusal(fanin, headers, None) == "its signed body carries no fan-in claim"
+    finally:
+        app.conf.task_serializer = "json"
+    # A message of no batch carries no claim.
+    plain: tuple[list[object], dict[str, object], dict[str, object]] = ([], {}, {})
+    protocol.put_claim(plain, {"id": "t-3", "task": "t.plain"})
+    assert protocol.body_claim(plain) is None
