@@ -1,4 +1,4 @@
-"""`FanInGroup` is a plan, immutable once built: a retry round or a nested batch is a changed copy (`replace`)."""
+"""`FanInGroup` is a plan, immutable once built: a retry round or a nested batch is a changed copy (`evolve`)."""
 
 from __future__ import annotations
 
@@ -21,22 +21,22 @@ def test_a_built_group_refuses_changes(plan: FanInGroup) -> None:
         with pytest.raises(AttributeError, match="immutable"):
             setattr(plan, name, value)
     with pytest.raises(TypeError):
-        plan.options["on_lost"] = "redrive"  # type: ignore[index]
+        plan.policy_options["on_lost"] = "redrive"  # type: ignore[index]
     assert (plan.round, plan.retry_of, plan.parent_task_id, plan.key) == (1, None, None, None)
 
 
-def test_replace_makes_a_changed_copy_and_leaves_the_original(plan: FanInGroup) -> None:
+def test_evolve_makes_a_changed_copy_and_leaves_the_original(plan: FanInGroup) -> None:
     original = uuid.uuid4()
-    retry = plan.replace(round=2, retry_of=original, key=f"retry:{original}:2")
+    retry = plan.evolve(round=2, retry_of=original, key=f"retry:{original}:2")
     assert (retry.round, retry.retry_of, retry.key) == (2, original, f"retry:{original}:2")
     assert (plan.round, plan.retry_of, plan.key) == (1, None, None)
     assert retry.children is plan.children and retry.then is plan.then and retry.app is plan.app
-    nested = plan.replace(parent_task_id="outer-task")
+    nested = plan.evolve(parent_task_id="outer-task")
     assert nested.parent_task_id == "outer-task" and plan.parent_task_id is None
     with pytest.raises(AttributeError):
         retry.round = 3
     with pytest.raises(TypeError, match="on_lost"):
-        plan.replace(on_lost="redrive")
+        plan.evolve(on_lost="redrive")
 
 
 def test_a_nested_spec_round_trips(plan: FanInGroup) -> None:
