@@ -45,6 +45,10 @@ app.conf.update(
     # Chords need a result backend (tests/e2e/test_canvas.py); every other test runs without one.
     result_backend=os.environ.get("FANIN_TEST_RESULT_BACKEND") or None,
 )
+if os.environ.get("FANIN_TEST_LOG_FORMAT"):  # what `app.log.setup` formats with (tests/e2e/test_relay_app.py)
+    app.conf.worker_log_format = os.environ["FANIN_TEST_LOG_FORMAT"]
+if os.environ.get("FANIN_TEST_AUTODISCOVER"):  # found as a worker finds a Django app's tasks.py
+    app.autodiscover_tasks(["tests.routed"])
 if os.environ.get("FANIN_TEST_SIGNING_DIR"):  # message signing (tests/e2e/test_signing.py)
     from tests.signing import configure_signing
 
