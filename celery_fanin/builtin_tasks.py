@@ -92,11 +92,15 @@ def register(app: Celery) -> None:
         return {"batch_id": group.apply_async().batch_id}
 
     @app.task(name=RUN_CANVAS_TASK, **_CANVAS_TASK_OPTIONS)
-    def run_canvas(self: Any, canvas: dict[str, Any]) -> dict[str, Any]:
+    def run_canvas(self: Any, canvas: dict[str, Any], key: str | None = None) -> dict[str, Any]:
         """Write the fan-in a chain, a link or a chord's body reached (`FanInGroup.apply_async` sends it here
-        rather than writing it in the trace of the task before). Its batch id was fixed when it was sent, so a
-        re-delivered message, or a retry after a database error, finds the batch the first run wrote."""
+        rather than writing it in the trace of the task before), or a beat entry (`fan_in_schedule`, with the key
+        of its schedule slot). Its batch id was fixed when it was sent, or its key names the slot, so a
+        re-delivered message, a second beat's, or a retry after a database error finds the batch the first run
+        wrote."""
         group = FanInGroup._restore(canvas, self.app, from_message=False)
+        if key is not None:
+            group = group.evolve(key=key)
         return {"batch_id": group.apply_async().batch_id}
 
     @app.task(name=THEN_CANVAS_TASK, bind=True, shared=False)

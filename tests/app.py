@@ -508,3 +508,17 @@ def values(outcome: dict[str, Any]) -> list[Any]:
 def raise_value_error(outcome: dict[str, Any]) -> None:
     """A successor that fails: `handle.get()` raises its error, and its `link_error` runs."""
     raise ValueError(f"the successor of batch {outcome['batch_id']} failed on purpose")
+
+
+# --- celery beat (tests/e2e/test_beat.py) ---------------------------------------------------------------------------
+
+if os.environ.get("FANIN_TEST_BEAT_EVERY"):
+    from celery_fanin import fan_in_group, fan_in_schedule
+
+    app.conf.beat_schedule = {
+        "fan-in-every": fan_in_schedule(
+            "fan-in-every",
+            fan_in_group([ok.s(1), ok.s(2)], then=record_run.s("beat"), app=app),
+            float(os.environ["FANIN_TEST_BEAT_EVERY"]),
+        )
+    }
