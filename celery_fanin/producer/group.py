@@ -42,6 +42,7 @@ from ..store import batches, queries
 from . import eager, write
 from .result import FanInResult, parse_batch_id
 from .task_ids import random_ids
+from .transaction import adopt
 
 logger = logging.getLogger("celery_fanin.canvas")
 
@@ -254,6 +255,7 @@ _CALL_OPTIONS = frozenset(
         "retry_policy",
         "task_id",
         BATCH_ID_OPTION,
+        "transaction",
     }
 )
 # The plan's names: read-only attributes (`evolve` makes a changed copy).
@@ -708,11 +710,12 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         its index), the error propagates; with a `key` the batch stays open with the children written so far, for
         a rerun with the same key to resume, and without one the batch is cancelled (nothing could resume it).
         """
+        transaction = options.pop("transaction", None)
         options = {k: v for k, v in options.items() if v is not None}
         args, kwargs, options = self._merge(tuple(args or ()), dict(kwargs or {}), options)
         if self._from_message:
             return self._send_to_worker(tuple(args), dict(kwargs), dict(options))
-        return self._write(tuple(args), dict(kwargs), dict(options))
+        return self._write(tuple(args), dict(kwargs), dict(options), transaction)
 
     def delay(self, *args: Any, **kwargs: Any) -> FanInResult:
         return self.apply_async(args, kwargs)
@@ -751,10 +754,17 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         )
         return FanInResult(app, batch_id, successor_id)
 
-    def _write(self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]) -> FanInResult:
+    def _write(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any], transaction: Any = None
+    ) -> FanInResult:
         app = self.app
         fanin = FanIn.of(app)
         then, step = self._validate_head(app)
+        tx = None
+        if transaction is not None:
+            if app.conf.task_always_eager:
+                raise InvalidFanIn("transaction= cannot be used with task_always_eager: the children would run first")
+            tx = adopt(fanin, transaction)
         policy = self._policy(fanin)
         depth, lineage = lineage_of_current_task(fanin)
         if depth > fanin.settings.max_depth:
@@ -831,14 +841,12 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
             return child, sig
 
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
-        written = write.write(
-            fanin,
-            root,
-            self._partial_children(args, kwargs),
-            encode,
-            ratio=ratio,
-            max_width=self.max_width or fanin.settings.max_width,
-        )
+        width = self.max_width or fanin.settings.max_width
+        children = self._partial_children(args, kwargs)
+        if tx is not None:  # published after the caller's commit, by this process or the relay
+            written = write.write_in_transaction(fanin, tx, root, children, encode, ratio=ratio, max_width=width)
+        else:
+            written = write.write(fanin, root, children, encode, ratio=ratio, max_width=width)
         if app.conf.task_always_eager:  # the children ran inline as they were published; now the successor
             return eager.run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
