@@ -29,8 +29,8 @@ chaos: install
 
 ## ruff, mypy, and the documentation site built with --strict (a broken link or a missing page fails it).
 lint: install
-	$(BIN)/ruff check celery_fanin tests example_app bench mkdocs_hooks.py
-	$(BIN)/ruff format --check celery_fanin tests example_app bench mkdocs_hooks.py
+	$(BIN)/ruff check celery_fanin tests example_app examples bench mkdocs_hooks.py
+	$(BIN)/ruff format --check celery_fanin tests example_app examples bench mkdocs_hooks.py
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site

@@ -15,6 +15,7 @@ from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
 from .producer.group import FanInGroup, fan_in_group
 from .producer.result import BatchStatus, FanInResult
+from .producer.schedule import fan_in_schedule
 from .protocol import BatchState, ChildState, CompensationState, SagaState, SagaStepState, SuccessorState
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
@@ -44,6 +45,7 @@ __all__ = [
     "SuccessorState",
     "compensated",
     "fan_in_group",
+    "fan_in_schedule",
     "manual",
     "saga",
 ]

@@ -1,6 +1,8 @@
 """The library's own Celery tasks, defined on every app wired with `FanIn(app)` by `register`.
 
 - ``celery_fanin.run_group``: a nested fan-in, as a child or as `then=` (a pipeline stage);
+- ``celery_fanin.run_canvas``: a fan-in that came out of a message (a chain's next step, a link, a chord's body);
+- ``celery_fanin.then_canvas``: the successor of a fan-in whose `then=` is a chain or a group;
 - ``celery_fanin.saga_step_done`` and ``celery_fanin.compensation_done``: the successors that move a saga on;
 - ``celery_fanin.prune``: retention, for celery beat.
 
@@ -15,6 +17,7 @@ import weakref
 from typing import Any
 
 from celery import Celery
+from celery.canvas import Signature, _chain, group, maybe_signature
 from celery.exceptions import Ignore
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -27,8 +30,10 @@ from .protocol import (
     HEADER_BATCH,
     HEADER_SUCCESSOR,
     PRUNE_TASK,
+    RUN_CANVAS_TASK,
     RUN_GROUP_TASK,
     SAGA_STEP_DONE_TASK,
+    THEN_CANVAS_TASK,
     request_header,
 )
 from .sagas.driver import kick, settle_stage, settle_step
@@ -42,6 +47,18 @@ _SAGA_TASK_OPTIONS: dict[str, Any] = {
     "retry_backoff": True,
     "retry_backoff_max": 60,
     "max_retries": 20,
+}
+
+# A fan-in written from a message retries database errors (an outage must not lose it), never a bad plan.
+_CANVAS_TASK_OPTIONS: dict[str, Any] = {
+    "bind": True,
+    "shared": False,
+    "ignore_result": True,
+    "acks_late": True,
+    "autoretry_for": (OperationalError, InterfaceError, FanInDatabaseError),
+    "retry_backoff": True,
+    "retry_backoff_max": 60,
+    "max_retries": None,
 }
 
 _registered: weakref.WeakSet[Celery] = weakref.WeakSet()
@@ -65,14 +82,33 @@ def register(app: Celery) -> None:
         if request_header(self.request, HEADER_SUCCESSOR):
             # A pipeline stage: the batch that just finished (its outcome is args[0]) starts the next one.
             outcome = args[0]
-            handle = group.replace(key=f"then:{outcome['batch_id']}:{outcome['step']}").apply_async()
+            handle = group.evolve(key=f"then:{outcome['batch_id']}:{outcome['step']}").apply_async()
             return {"batch_id": handle.batch_id}
         if request_header(self.request, HEADER_BATCH):
             # A child: the inner batch's successor will report this child; until then it is not finished.
-            group.replace(key=f"nested:{self.request.id}", parent_task_id=self.request.id).apply_async()
+            group.evolve(key=f"nested:{self.request.id}", parent_task_id=self.request.id).apply_async()
             raise Ignore()
         # Called on its own (not through a fan-in): just start the group.
         return {"batch_id": group.apply_async().batch_id}
+
+    @app.task(name=RUN_CANVAS_TASK, **_CANVAS_TASK_OPTIONS)
+    def run_canvas(self: Any, canvas: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        """Write the fan-in a chain, a link or a chord's body reached (`FanInGroup.apply_async` sends it here
+        rather than writing it in the trace of the task before), or a beat entry (`fan_in_schedule`, with the key
+        of its schedule slot). Its batch id was fixed when it was sent, or its key names the slot, so a
+        re-delivered message, a second beat's, or a retry after a database error finds the batch the first run
+        wrote."""
+        group = FanInGroup._restore(canvas, self.app, from_message=False)
+        if key is not None:
+            group = group.evolve(key=key)
+        return {"batch_id": group.apply_async().batch_id}
+
+    @app.task(name=THEN_CANVAS_TASK, bind=True, shared=False)
+    def then_canvas(self: Any, outcome: dict[str, Any], canvas: dict[str, Any]) -> Any:
+        """The successor of `fan_in_group(..., then=chain(...) or group(...))`: replaces itself with that canvas,
+        the outcome its first argument (as a chord's body gets the header's results). The replacement ends the
+        successor, and takes its task id."""
+        raise self.replace(_with_first_argument(self.app.signature(canvas), outcome))
 
     @app.task(name=SAGA_STEP_DONE_TASK, **_SAGA_TASK_OPTIONS)
     def saga_step_done(self: Any, outcome: dict[str, Any], saga_id: str, position: int) -> dict[str, Any]:
@@ -116,3 +152,16 @@ def register(app: Celery) -> None:
         return prune(
             FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit, max_seconds=max_seconds
         ).as_dict()
+
+
+def _with_first_argument(sig: Signature, value: Any) -> Signature:
+    """`sig` with `value` before its own arguments where a chord body's first task would get its header's
+    results: a chain's first task, every member of a group (not `clone(args)`: a chain or group rebuilt from its
+    dict drops the arguments given to it as a whole)."""
+    if isinstance(sig, _chain):
+        tasks = [maybe_signature(t, app=sig._app) for t in sig.tasks]
+        return _chain(_with_first_argument(tasks[0], value), *tasks[1:], app=sig._app, **sig.options)
+    if isinstance(sig, group):
+        members = [_with_first_argument(maybe_signature(t, app=sig._app), value) for t in sig.tasks]
+        return group(members, app=sig._app, **sig.options)
+    return sig.clone((value,))

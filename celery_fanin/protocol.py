@@ -49,6 +49,12 @@ RUN_GROUP_TASK = "celery_fanin.run_group"
 SAGA_STEP_DONE_TASK = "celery_fanin.saga_step_done"
 COMPENSATION_DONE_TASK = "celery_fanin.compensation_done"
 PRUNE_TASK = "celery_fanin.prune"
+# A fan-in that came out of a message (a chain's next step, a link, a chord's body) or a beat entry: writes it.
+RUN_CANVAS_TASK = "celery_fanin.run_canvas"
+# The successor of a fan-in whose `then=` is a chain or a group: replaces itself with that canvas.
+THEN_CANVAS_TASK = "celery_fanin.then_canvas"
+# The subtask type a fan_in_group signature is registered under (`Signature.register_type`).
+FAN_IN_GROUP_TYPE = "fan_in_group"
 
 # The NOTIFY channel a new successor's transaction signals and the relay listens on.
 OUTBOX_CHANNEL = "fanin_outbox"

@@ -42,7 +42,13 @@ app.conf.update(
     task_acks_late=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
     task_reject_on_worker_lost=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
     worker_hijack_root_logger=False,
+    # Chords need a result backend (tests/e2e/test_canvas.py); every other test runs without one.
+    result_backend=os.environ.get("FANIN_TEST_RESULT_BACKEND") or None,
 )
+if os.environ.get("FANIN_TEST_LOG_FORMAT"):  # what `app.log.setup` formats with (tests/e2e/test_relay_app.py)
+    app.conf.worker_log_format = os.environ["FANIN_TEST_LOG_FORMAT"]
+if os.environ.get("FANIN_TEST_AUTODISCOVER"):  # found as a worker finds a Django app's tasks.py
+    app.autodiscover_tasks(["tests.routed"])
 if os.environ.get("FANIN_TEST_SIGNING_DIR"):  # message signing (tests/e2e/test_signing.py)
     from tests.signing import configure_signing
 
@@ -471,3 +477,48 @@ def die_once_pg(key: str) -> str:
     if _attempt(key) == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return key
+
+
+# --- composing like a chord (tests/e2e/test_canvas.py) --------------------------------------------------------------
+
+
+@app.task
+def add(x: Any, y: Any) -> Any:
+    return x + y
+
+
+@app.task
+def identity(x: Any) -> Any:
+    return x
+
+
+@app.task
+def tsum(numbers: list[int], extra: int = 0) -> int:
+    """A child of a fan-in that is a chord's body: it gets the header's results first, as the body would."""
+    return sum(numbers) + extra
+
+
+@app.task
+def values(outcome: dict[str, Any]) -> list[Any]:
+    """A successor that returns its children's values in child order (what a chord's body receives)."""
+    return list(BatchOutcome.from_message(outcome, app=app).values())
+
+
+@app.task
+def raise_value_error(outcome: dict[str, Any]) -> None:
+    """A successor that fails: `handle.get()` raises its error, and its `link_error` runs."""
+    raise ValueError(f"the successor of batch {outcome['batch_id']} failed on purpose")
+
+
+# --- celery beat (tests/e2e/test_beat.py) ---------------------------------------------------------------------------
+
+if os.environ.get("FANIN_TEST_BEAT_EVERY"):
+    from celery_fanin import fan_in_group, fan_in_schedule
+
+    app.conf.beat_schedule = {
+        "fan-in-every": fan_in_schedule(
+            "fan-in-every",
+            fan_in_group([ok.s(1), ok.s(2)], then=record_run.s("beat"), app=app),
+            float(os.environ["FANIN_TEST_BEAT_EVERY"]),
+        )
+    }

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import logging.handlers
-import sys
 import time
 from typing import Any
 
 import click
+from celery import Celery
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -79,18 +78,22 @@ def migrate(ctx: click.Context, check: bool, show_sql: bool) -> None:
         click.echo("schema is up to date")
 
 
-LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(name)s] %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def configure_logging(loglevel: str, logfile: str | None, log_format: str) -> None:
-    """The relay's log: stderr or `logfile`, as text or as one JSON object per line (python-json-logger: the time,
-    level, logger and message, plus a line's `batch_id`, `step` or `saga_id`, and the traceback as `exc_info`)."""
-    # A file is reopened when logrotate moves it away (WatchedFileHandler), so no copytruncate is needed.
-    handler = logging.handlers.WatchedFileHandler(logfile) if logfile else logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        from pythonjsonlogger.json import JsonFormatter
+def configure_logging(app: Celery, loglevel: str, logfile: str | None, log_format: str) -> None:
+    """The relay's log, set up by Celery as a worker's is (`app.log.setup`): the `setup_logging` signal, Django's
+    `LOGGING`, `worker_hijack_root_logger` and `worker_log_format` apply; without any of them, stderr or `logfile`.
 
+    `--log-format json` then writes one JSON object per line on every root handler (python-json-logger: the time,
+    level, logger and message, plus a line's `batch_id`, `step` or `saga_id`, and the traceback as `exc_info`). A
+    file is reopened when logrotate moves it away (Celery's WatchedFileHandler), so no copytruncate is needed."""
+    app.log.setup(loglevel=loglevel.upper(), logfile=logfile, redirect_stdouts=False, colorize=False)
+    if log_format != "json":
+        return
+    from pythonjsonlogger.json import JsonFormatter
+
+    for handler in logging.getLogger().handlers:
         handler.setFormatter(
             JsonFormatter(
                 "%(levelname)s %(name)s %(message)s",
@@ -98,9 +101,14 @@ def configure_logging(loglevel: str, logfile: str | None, log_format: str) -> No
                 timestamp="time",
             )
         )
-    else:
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    logging.basicConfig(level=loglevel.upper(), handlers=[handler])
+
+
+def load_like_a_worker(app: Celery) -> None:
+    """Import the app's task modules as a worker does at start (`imports`, `include`, `autodiscover_tasks()`, and
+    Django's setup through Celery's Django fixup), so that the relay routes a successor or a redriven child by its
+    task's own options (`@shared_task(queue=...)`) exactly as the workers' app would."""
+    app.loader.import_default_modules()
+    app.finalize(auto=True)
 
 
 @fanin.command()
@@ -143,11 +151,13 @@ def relay(
     log_format: str,
 ) -> None:
     """Run the relay sidecar: publish successors from the outbox, and children no producer published."""
+    fanin_ = _fanin(ctx)
+    load_like_a_worker(fanin_.app)
     try:
-        configure_logging(loglevel, logfile, log_format)
+        configure_logging(fanin_.app, loglevel, logfile, log_format)
     except OSError as exc:
         raise click.BadParameter(f"cannot open {logfile}: {exc.strerror}", param_hint="--logfile") from exc
-    r = Relay(_fanin(ctx), poll_interval=poll_interval)
+    r = Relay(fanin_, poll_interval=poll_interval)
     if metrics_port is not None:
         serve(r.fanin, metrics_port, relay=r)
     if once:

@@ -90,7 +90,7 @@ def retry_failed(fanin: FanIn, batch_id: str | uuid.UUID) -> RetryRound:
         child_timeout=policy.child_timeout_seconds,
         on_lost=policy.on_lost,
         max_redrives=policy.max_redrives,
-    ).replace(round=next_round, retry_of=original)
+    ).evolve(round=next_round, retry_of=original)
     handle = group.apply_async()
     return replace(result, batch_id=handle.batch_id, round=next_round, existing=taken is not None)
 

@@ -7,18 +7,20 @@ fast path). A producer that dies after the commit loses nothing: the relay publi
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
 from typing import Any
 
 from celery import Celery, current_app, current_task
-from celery.canvas import Signature
+from celery.canvas import Signature, _chain, maybe_signature
+from celery.canvas import group as _group
 from celery.utils import uuid as new_task_id
 from kombu.exceptions import EncodeError
 
@@ -26,12 +28,21 @@ from ..broker import publish
 from ..codec import encode_signature
 from ..context import FanIn
 from ..exceptions import FanInDepthExceeded, InvalidFanIn
-from ..protocol import HEADER_BATCH, HEADER_SUCCESSOR, RUN_GROUP_TASK, request_header
+from ..protocol import (
+    FAN_IN_GROUP_TYPE,
+    HEADER_BATCH,
+    HEADER_SUCCESSOR,
+    RUN_CANVAS_TASK,
+    RUN_GROUP_TASK,
+    THEN_CANVAS_TASK,
+    request_header,
+)
 from ..relay.outbox import publish_outbox
 from ..store import batches, queries
 from . import eager, write
 from .result import FanInResult, parse_batch_id
 from .task_ids import random_ids
+from .transaction import adopt
 
 logger = logging.getLogger("celery_fanin.canvas")
 
@@ -220,16 +231,57 @@ def _check_text(value: str, what: str) -> None:
 
 _DEFAULT = object()
 
+# The key of a FanInGroup's dict that holds its plan (children, successor, policy); the signature's other keys mean
+# what they mean for any Celery signature (`args` and `kwargs` are partial arguments for every child, as a chord
+# passes its own to its header).
+PLAN_KEY = "fan_in"
+# The execution option that fixes the batch id (`freeze` sets it), so a re-delivered message makes one batch.
+BATCH_ID_OPTION = "fanin_batch_id"
+# Options that place the fan-in in a canvas (a chain's next tasks, callbacks, a group or chord it belongs to): they
+# go to its successor, which takes the fan-in's place there, as a chord's body takes the chord's.
+_SUCCESSOR_OPTIONS = frozenset(
+    {"chain", "link", "link_error", "group_id", "group_index", "chord", "root_id", "parent_id", "reply_to"}
+)
+# Options of the call itself, which no message carries.
+_CALL_OPTIONS = frozenset(
+    {
+        "producer",
+        "publisher",
+        "connection",
+        "router",
+        "result_cls",
+        "add_to_parent",
+        "retry",
+        "retry_policy",
+        "task_id",
+        BATCH_ID_OPTION,
+        "transaction",
+    }
+)
+# The plan's names: read-only attributes (`evolve` makes a changed copy).
+_PLAN_NAMES = frozenset(
+    {"children", "then", "step", "key", "max_width", "parent_task_id", "round", "retry_of", "policy_options"}
+)
 
-class FanInGroup:
+
+def _policy_value(value: Any) -> Any:
+    """A policy option as the plan keeps it: JSON-able, so the plan can travel in a message (positive durations
+    in seconds). Anything else is kept as given, for `Policy.validate` to refuse with its own message."""
+    return value.total_seconds() if isinstance(value, timedelta) and value > timedelta(0) else value
+
+
+@Signature.register_type(name=FAN_IN_GROUP_TYPE)
+class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an untyped dict subclass
     """A group of children and the one successor that runs after every child has reached a terminal outcome.
 
-    A plan, immutable once built: `replace` makes a changed copy (retry rounds and nested batches are made so).
+    A Celery signature (subtask type ``fan_in_group``), so it composes where a chord does: in a chain, a group, a
+    chord, as a link. Its plan is immutable once built (`evolve` makes a changed copy); its execution options
+    change as any signature's do (`set`, `freeze`, `link`).
     """
 
     def __init__(
         self,
-        children: Iterable[Signature],
+        children: Iterable[Signature] = (),
         then: Signature | None = None,
         step: str | None = None,
         app: Celery | None = None,
@@ -244,50 +296,247 @@ class FanInGroup:
         on_failure: Signature | None = None,
         key: str | None = None,
         max_width: int | None = None,
+        args: Iterable[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        immutable: bool = False,
     ) -> None:
-        self.children = children
-        self.then = then
-        self.step = step
-        self._app = app
-        self.key = key
-        self.max_width = max_width
-        # Set through `replace` by `celery_fanin.run_group` for a nested batch: the outer child its successor
-        # completes; by `celery_fanin.ops.rounds` for a retry round: its number, and the batch of round 1 it retries.
-        self.parent_task_id: str | None = None
-        self.round = 1
-        self.retry_of: uuid.UUID | None = None
-        self.options: Mapping[str, Any] = MappingProxyType(
-            {
-                "child_timeout": child_timeout,
-                "on_lost": on_lost,
-                "max_redrives": max_redrives,
-                "deadline": deadline,
-                "on_deadline": on_deadline,
-                "on_expire": on_expire,
-                "max_failures": max_failures,
-                "on_failure": on_failure,
-            }
+        policy: dict[str, Any] = {
+            "on_lost": on_lost,
+            "max_redrives": max_redrives,
+            "deadline": _policy_value(deadline),
+            "on_deadline": on_deadline,
+            "on_expire": on_expire,
+            "max_failures": max_failures,
+            "on_failure": on_failure,
+        }
+        if child_timeout is not _DEFAULT:  # absent: the app's fanin_child_timeout
+            policy["child_timeout"] = _policy_value(child_timeout)
+        listed = isinstance(children, (list, tuple))
+        plan = {
+            "children": list(children) if listed else None,
+            "then": then,
+            "step": step,
+            "key": key,
+            "max_width": max_width,
+            "policy": policy,
+            "parent_task_id": None,
+            "round": 1,
+            "retry_of": None,
+        }
+        super().__init__(
+            RUN_CANVAS_TASK,
+            args=args,
+            kwargs=dict(kwargs or {}),
+            options=dict(options or {}),
+            subtask_type=FAN_IN_GROUP_TYPE,
+            immutable=immutable,
+            app=app,
         )
-        self._built = True
+        dict.__setitem__(self, PLAN_KEY, plan)
+        object.__setattr__(self, "_source", None if listed else children)
+        object.__setattr__(self, "_from_message", False)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_built", False):
-            raise AttributeError(f"a FanInGroup is immutable once built: use .replace({name}=...) for a changed copy")
+        if name in _PLAN_NAMES:
+            raise AttributeError(f"a FanInGroup is immutable once built: use .evolve({name}=...) for a changed copy")
         object.__setattr__(self, name, value)
 
-    # What `replace` may change (the options of `fan_in_group` are set when it is built).
-    _REPLACEABLE = frozenset({"children", "then", "step", "key", "max_width", "parent_task_id", "round", "retry_of"})
+    # --- as a signature ------------------------------------------------------------------------------------------
 
-    def replace(self, **changes: Any) -> FanInGroup:
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], app: Celery | None = None) -> FanInGroup:
+        """The fan-in a message carried (a chain's next step, a link, a chord's body): applying it sends
+        `celery_fanin.run_canvas`, which writes the batch on a worker (see `apply_async`)."""
+        return cls._restore(d, app, from_message=True)
+
+    @classmethod
+    def _restore(cls, d: Mapping[str, Any], app: Celery | None, from_message: bool) -> FanInGroup:
+        plan = dict(d.get(PLAN_KEY) or {})
+        if plan.get("children") is None:
+            raise InvalidFanIn("a fan_in_group in a message needs a list of children, not a generator")
+        plan["children"] = [maybe_signature(c, app=app) for c in plan["children"]]
+        plan["then"] = maybe_signature(plan.get("then"), app=app)
+        policy = dict(plan.get("policy") or {})
+        for name in ("on_expire", "on_failure"):
+            policy[name] = maybe_signature(policy.get(name), app=app)
+        plan["policy"] = policy
+        group = cls.__new__(cls)
+        dict.__init__(group, d)
+        dict.__setitem__(group, PLAN_KEY, plan)
+        dict.__setitem__(group, "args", tuple(d.get("args") or ()))
+        dict.__setitem__(group, "kwargs", dict(d.get("kwargs") or {}))
+        dict.__setitem__(group, "options", dict(d.get("options") or {}))
+        object.__setattr__(group, "_app", app)
+        object.__setattr__(group, "_source", None)
+        object.__setattr__(group, "_from_message", from_message)
+        return group
+
+    def clone(self, args: Any = None, kwargs: Any = None, **opts: Any) -> FanInGroup:
+        """A copy, with partial `args`/`kwargs` for the children and `opts` merged as `Signature.clone` merges
+        them; the plan is shared (it is never changed in place)."""
+        if args or kwargs or opts:
+            args, kwargs, opts = self._merge(args, kwargs, opts)
+        else:
+            args, kwargs, opts = self.args, self.kwargs, self.options
+        group = type(self).__new__(type(self))
+        dict.__init__(group, self)
+        dict.__setitem__(group, PLAN_KEY, dict(self[PLAN_KEY]))
+        dict.__setitem__(group, "args", tuple(args))
+        dict.__setitem__(group, "kwargs", dict(kwargs))
+        dict.__setitem__(group, "options", deepcopy(opts))
+        for name in ("_app", "_source", "_from_message"):
+            object.__setattr__(group, name, getattr(self, name))
+        return group
+
+    partial = clone
+
+    def s(self, *args: Any, **kwargs: Any) -> FanInGroup:
+        """A copy with partial arguments for every child (prepended to theirs, as a chord passes its own)."""
+        return self.clone(args, kwargs)
+
+    def si(self, *args: Any, **kwargs: Any) -> FanInGroup:
+        """An immutable copy: a chain's previous result (or a callback's argument) does not reach the children."""
+        group = self.clone()
+        dict.__setitem__(group, "args", tuple(args) + tuple(group.args))
+        dict.__setitem__(group, "kwargs", {**group.kwargs, **kwargs})
+        dict.__setitem__(group, "immutable", True)
+        return group
+
+    def freeze(
+        self,
+        _id: str | None = None,
+        group_id: str | None = None,
+        chord: Any = None,
+        root_id: str | None = None,
+        parent_id: str | None = None,
+        group_index: int | None = None,
+    ) -> FanInResult:
+        """Fix the successor's task id and the batch id now, before anything is written; returns the handle.
+
+        As `Signature.freeze`: ids already set are kept, and the other arguments place the fan-in in a group or
+        chord (its successor then reports where the fan-in stands)."""
+        opts = self.options
+        if "task_id" not in opts:
+            then = self.then
+            given = then.options.get("task_id") if isinstance(then, Signature) else None
+            opts["task_id"] = _id or given or new_task_id()
+        opts.setdefault(BATCH_ID_OPTION, str(uuid.uuid4()))
+        if root_id:
+            opts["root_id"] = root_id
+        if parent_id:
+            opts["parent_id"] = parent_id
+        if "reply_to" not in opts:
+            opts["reply_to"] = self.app.thread_oid
+        if group_id and "group_id" not in opts:
+            opts["group_id"] = group_id
+        if chord:
+            opts["chord"] = chord
+        if group_index is not None:
+            opts["group_index"] = group_index
+        return FanInResult(self.app, opts[BATCH_ID_OPTION], opts["task_id"])
+
+    _freeze = freeze
+
+    def __call__(self, *args: Any, **kwargs: Any) -> FanInResult:
+        return self.apply_async(args, kwargs)
+
+    def __repr__(self) -> str:
+        children = self.children
+        count = f"{len(children)} children" if isinstance(children, (list, tuple)) else "streamed children"
+        then = self.then
+        name = then.get("task") if isinstance(then, Signature) else None
+        return f"fan_in_group({count}, then={name})"
+
+    # --- the plan ------------------------------------------------------------------------------------------------
+
+    @property
+    def children(self) -> Iterable[Any]:
+        return self._source if self._source is not None else self[PLAN_KEY]["children"]
+
+    @property
+    def then(self) -> Signature | None:
+        return self[PLAN_KEY]["then"]  # type: ignore[no-any-return]
+
+    @property
+    def step(self) -> str | None:
+        return self[PLAN_KEY]["step"]  # type: ignore[no-any-return]
+
+    @property
+    def key(self) -> str | None:
+        return self[PLAN_KEY]["key"]  # type: ignore[no-any-return]
+
+    @property
+    def max_width(self) -> int | None:
+        return self[PLAN_KEY]["max_width"]  # type: ignore[no-any-return]
+
+    @property
+    def parent_task_id(self) -> str | None:
+        """Set through `evolve` by `celery_fanin.run_group` for a nested batch: the outer child its successor
+        completes."""
+        return self[PLAN_KEY]["parent_task_id"]  # type: ignore[no-any-return]
+
+    @property
+    def round(self) -> int:
+        """Set through `evolve` by `celery_fanin.ops.rounds` for a retry round, with `retry_of`."""
+        return int(self[PLAN_KEY]["round"])
+
+    @property
+    def retry_of(self) -> uuid.UUID | None:
+        value = self[PLAN_KEY]["retry_of"]
+        return uuid.UUID(str(value)) if value is not None else None
+
+    @property
+    def policy_options(self) -> Mapping[str, Any]:
+        """The recovery options given to `fan_in_group` (durations in seconds); absent `child_timeout`: the
+        app's default."""
+        return MappingProxyType(self[PLAN_KEY]["policy"])
+
+    # What `evolve` may change (the options of `fan_in_group` are set when it is built).
+    _EVOLVABLE = frozenset({"children", "then", "step", "key", "max_width", "parent_task_id", "round", "retry_of"})
+
+    def evolve(self, **changes: Any) -> FanInGroup:
         """A copy of this plan with `changes` (children, then, step, key, max_width; and the library's own
-        parent_task_id, round and retry_of); this one is left as it was."""
-        unknown = sorted(set(changes) - self._REPLACEABLE)
+        parent_task_id, round and retry_of); this one is left as it was. (Not `replace`: that is
+        `Signature.replace`, which changes args, kwargs or options.)"""
+        unknown = sorted(set(changes) - self._EVOLVABLE)
         if unknown:
-            raise TypeError(f"FanInGroup.replace() cannot change {', '.join(unknown)}")
-        clone = copy.copy(self)
+            raise TypeError(f"FanInGroup.evolve() cannot change {', '.join(unknown)}")
+        group = self.clone()
+        plan = group[PLAN_KEY]
         for name, value in changes.items():
-            object.__setattr__(clone, name, value)
-        return clone
+            if name == "children":
+                listed = isinstance(value, (list, tuple))
+                plan["children"] = list(value) if listed else None
+                object.__setattr__(group, "_source", None if listed else value)
+            elif name == "retry_of":
+                plan["retry_of"] = str(value) if value is not None else None
+            else:
+                plan[name] = value
+        return group
+
+    def _partial_children(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterable[Any]:
+        """The children with the fan-in's partial arguments, as a chord's header tasks get the chord's: prepended
+        to each child's own (a chain child's first task's), unless the child is immutable."""
+        children = self.children
+        if not args and not kwargs:
+            return children
+
+        def merged(child: Any) -> Any:
+            if isinstance(child, FanInGroup) or not isinstance(child, Signature):
+                return child.clone(args, kwargs) if isinstance(child, FanInGroup) else child
+            if publish.is_chain(child):
+                chained = child.clone()
+                tasks = chained.tasks
+                if tasks:
+                    first = maybe_signature(tasks[0], app=self._app)
+                    tasks[0] = merged(first)
+                return chained
+            return child.clone(args, kwargs)
+
+        if isinstance(children, (list, tuple)):
+            return [merged(c) for c in children]
+        return (merged(c) for c in children)
 
     # The options a nested group may carry, all JSON-able once durations are in seconds.
     _NESTED_OPTIONS = (
@@ -304,7 +553,7 @@ class FanInGroup:
 
     def to_spec(self, what: str) -> dict[str, Any]:
         """The group as plain data, to travel nested in a message: its children must be a list."""
-        children = self.children
+        children = self._partial_children(tuple(self.args), self.kwargs)
         if not isinstance(children, (list, tuple)):
             raise InvalidFanIn(f"{what}: a nested fan_in_group needs a list of children, not a generator")
         if self.then is None:
@@ -319,9 +568,10 @@ class FanInGroup:
                 raise InvalidFanIn(f"{what}, child {i} is not a task signature (got {type(child).__name__})")
         then = self.then
         options: dict[str, Any] = {}
+        policy = self.policy_options
         for name in self._NESTED_OPTIONS:
-            value = self.options.get(name) if name != "max_width" else self.max_width
-            if value is None or (name == "child_timeout" and value is _DEFAULT):
+            value = policy.get(name) if name != "max_width" else self.max_width
+            if value is None:
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()
@@ -370,8 +620,8 @@ class FanInGroup:
 
     def _policy(self, fanin: FanIn) -> Policy:
         settings = fanin.settings
-        opts = self.options
-        timeout = settings.child_timeout if opts["child_timeout"] is _DEFAULT else opts["child_timeout"]
+        opts = self.policy_options
+        timeout = opts.get("child_timeout", settings.child_timeout)
         policy = Policy(
             child_timeout=_as_timedelta(timeout, "child_timeout"),
             on_lost=opts["on_lost"] if opts["on_lost"] is not None else settings.on_lost,
@@ -390,31 +640,46 @@ class FanInGroup:
         """The app given, else the one the successor (or a listed child) was made with, else Celery's current."""
         if self._app is not None:
             return self._app
-        if isinstance(self.then, Signature) and self.then._app is not None:
-            return self.then._app
-        if isinstance(self.then, FanInGroup):
-            return self.then.app
-        if isinstance(self.children, (list, tuple)):
-            for child in self.children:
+        then = self.then
+        if isinstance(then, FanInGroup):
+            return then.app
+        if isinstance(then, Signature) and then._app is not None:
+            return then._app
+        children = self.children
+        if isinstance(children, (list, tuple)):
+            for child in children:
                 if isinstance(child, Signature) and child._app is not None:
                     return child._app
         return current_app
 
-    def _validate_head(self) -> tuple[Signature, str]:
-        if self.then is None:
+    def _successor(self, app: Celery) -> tuple[Signature, str]:
+        """The successor's signature and step: `then` itself, a pipeline's next stage, or a chain or group run
+        by `celery_fanin.then_canvas` (which replaces itself with it, so its end is the successor's)."""
+        then = self.then
+        if then is None:
             raise InvalidFanIn("fan_in_group needs then=: the signature of the successor to run after the children")
-        if isinstance(self.then, FanInGroup):  # a pipeline: the next stage starts when this batch finishes
-            then = self.then.as_signature(self.app, "then")
-            step = self.step or "then"
-        else:
-            then = _check_plain_signature(self.then, "then")
-            step = then.task if self.step is None else self.step
+        if isinstance(then, FanInGroup):  # a pipeline: the next stage starts when this batch finishes
+            return then.as_signature(app, "then"), self.step or "then"
+        if isinstance(then, (_chain, _group)):
+            kind = then.get("subtask_type") or type(then).__name__.lstrip("_")
+            if isinstance(then, _chain) and not then.tasks:
+                raise InvalidFanIn("then= is an empty chain")
+            if isinstance(then, _group) and not then.tasks:
+                raise InvalidFanIn("then= is an empty group")
+            wrapped = app.signature(THEN_CANVAS_TASK, kwargs={"canvas": dict(then)})
+            return wrapped, self.step or kind
+        sig = _check_plain_signature(then, "then")
+        return sig, sig.task if self.step is None else self.step
+
+    def _validate_head(self, app: Celery) -> tuple[Signature, str]:
+        then, step = self._successor(app)
         if not isinstance(step, str) or not step.strip():
             raise InvalidFanIn("step must be a non-empty string")
         if len(step) > MAX_STEP_LENGTH:
             raise InvalidFanIn(f"step is {len(step)} characters long; at most {MAX_STEP_LENGTH} are allowed")
         _check_text(step, "step")
-        if isinstance(self.children, (Signature, str, bytes)) or not isinstance(self.children, Iterable):
+        children = self.children
+        if isinstance(children, (Signature, str, bytes)) or not isinstance(children, Iterable):
             raise InvalidFanIn("children must be an iterable of task signatures")
         if self.key is not None and (not isinstance(self.key, str) or not self.key or len(self.key) > 500):
             raise InvalidFanIn("key must be a non-empty string of at most 500 characters")
@@ -426,17 +691,80 @@ class FanInGroup:
             raise InvalidFanIn(f"max_width must be a whole number >= 1, not {self.max_width!r}")
         return then, step
 
-    def apply_async(self) -> FanInResult:
+    # --- running it ----------------------------------------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> FanInResult:
         """Record the batch, then publish the children; returns at once with the handle.
+
+        `args`/`kwargs` are partial arguments for every child and `options` are merged as for any signature:
+        those that place the fan-in in a canvas (`chain`, `link`, `link_error`, `group_id`, `chord`, ...) go to
+        its successor; message options (`queue`, `priority`, `countdown`, ...) to the children and the
+        successor, under their own. A `task_id` is the successor's; a frozen batch id is the batch's, and makes
+        a second call with it return the first batch.
+
+        A fan-in that came out of a message (a chain's next step, a link, a chord's body, applied by a worker)
+        is not written in the worker's trace: it is sent as `celery_fanin.run_canvas`, which writes it.
 
         A list of children is validated and encoded whole before anything is written. Any other iterable is
         consumed in chunks (see `celery_fanin.producer`): if it raises (or yields a bad child, which raises with
         its index), the error propagates; with a `key` the batch stays open with the children written so far, for
         a rerun with the same key to resume, and without one the batch is cancelled (nothing could resume it).
         """
+        transaction = options.pop("transaction", None)
+        options = {k: v for k, v in options.items() if v is not None}
+        args, kwargs, options = self._merge(tuple(args or ()), dict(kwargs or {}), options)
+        if self._from_message:
+            return self._send_to_worker(tuple(args), dict(kwargs), dict(options))
+        return self._write(tuple(args), dict(kwargs), dict(options), transaction)
+
+    def delay(self, *args: Any, **kwargs: Any) -> FanInResult:
+        return self.apply_async(args, kwargs)
+
+    def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> FanInResult:
+        """Run the fan-in eagerly, in this process, as `task_always_eager` would (switched on for the call)."""
+        app = self.app
+        with _eagerly(app):
+            options = {k: v for k, v in options.items() if v is not None}
+            args, kwargs, options = self._merge(tuple(args or ()), dict(kwargs or {}), options)
+            return self._write(tuple(args), dict(kwargs), dict(options))
+
+    def _send_to_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]) -> FanInResult:
+        """Send this fan-in as `celery_fanin.run_canvas`, with its batch id fixed: a worker writes it, and a
+        re-delivered message writes the same batch."""
+        app = self.app
+        batch_id = str(options.setdefault(BATCH_ID_OPTION, str(uuid.uuid4())))
+        then = self.then
+        given = then.options.get("task_id") if isinstance(then, Signature) else None
+        successor_id = str(options.setdefault("task_id", given or new_task_id()))
+        canvas = self.clone()
+        dict.__setitem__(canvas, "args", args)
+        dict.__setitem__(canvas, "kwargs", kwargs)
+        dict.__setitem__(canvas, "immutable", True)  # its arguments are merged already
+        dict.__setitem__(
+            canvas, "options", {k: v for k, v in options.items() if k not in _CALL_OPTIONS or k in _KEPT_IDS}
+        )
+        app.send_task(
+            RUN_CANVAS_TASK,
+            kwargs={"canvas": dict(canvas)},
+            task_id=str(uuid.uuid5(_RUN_CANVAS_IDS, batch_id)),
+            parent_id=options.get("parent_id"),
+            root_id=options.get("root_id"),
+            priority=options.get("priority"),
+            ignore_result=True,
+        )
+        return FanInResult(app, batch_id, successor_id)
+
+    def _write(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any], transaction: Any = None
+    ) -> FanInResult:
         app = self.app
         fanin = FanIn.of(app)
-        then, step = self._validate_head()
+        then, step = self._validate_head(app)
+        tx = None
+        if transaction is not None:
+            if app.conf.task_always_eager:
+                raise InvalidFanIn("transaction= cannot be used with task_always_eager: the children would run first")
+            tx = adopt(fanin, transaction)
         policy = self._policy(fanin)
         depth, lineage = lineage_of_current_task(fanin)
         if depth > fanin.settings.max_depth:
@@ -444,10 +772,21 @@ class FanInGroup:
                 f"this fan-in would be at depth {depth}, past fanin_max_depth={fanin.settings.max_depth} "
                 f"(created from batch {lineage}); nothing was written or published"
             )
+        frozen = options.get(BATCH_ID_OPTION)
+        batch_id = parse_batch_id(frozen) if frozen else uuid.uuid4()
+        key = self.key
+        if key is None and frozen:
+            key = f"frozen:{batch_id}"  # a second call with the frozen id (a re-delivery) finds the first batch
+        message = {k: v for k, v in options.items() if k not in _CALL_OPTIONS and k not in _SUCCESSOR_OPTIONS}
+        placed = {k: v for k, v in options.items() if k in _SUCCESSOR_OPTIONS}
+        successor_id = options.get("task_id") or then.options.get("task_id") or new_task_id()
+        if message or placed:
+            then = then.clone()
+            then.options.update({**message, **then.options, **placed})
         root = batches.NewBatch(
-            id=uuid.uuid4(),
+            id=batch_id,
             step=step,
-            successor_task_id=then.options.get("task_id") or new_task_id(),
+            successor_task_id=str(successor_id),
             successor_name=then.task,
             successor_message=_encode(app, then, "then"),
             child_timeout=policy.child_timeout,
@@ -459,7 +798,7 @@ class FanInGroup:
             on_expire=_encode(app, policy.on_expire, "on_expire") if policy.on_expire is not None else None,
             on_failure=_encode(app, policy.on_failure, "on_failure") if policy.on_failure is not None else None,
             app_name=app.main or "",
-            key=self.key,
+            key=key,
             depth=depth,
             lineage=lineage,
             parent_task_id=self.parent_task_id,
@@ -471,18 +810,26 @@ class FanInGroup:
         ids = random_ids()
         message_times = _MessageTimes(app)
 
+        def with_message_options(sig: Signature) -> Signature:
+            if not message:
+                return sig
+            sig = sig.clone()
+            sig.options.update({**message, **sig.options})
+            return sig
+
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
-                sig = item.as_signature(app, f"child {index}")
+                sig = with_message_options(item.as_signature(app, f"child {index}"))
             elif publish.is_chain(item):  # counted when its last task ends (or any task fails)
                 tail = _check_chain(item, f"child {index}")
+                item = with_message_options(item)
                 task_id = item.options.get("task_id") or tail.options.get("task_id") or next(ids)
                 first = publish.chain_tasks(item)[0]  # its message is the one published now, with the chain's options
                 expires_at, eta_at = message_times(first.task, {**first.options, **item.options}, f"child {index}")
                 encoded = _encode(app, item, f"child {index}", serializer)
                 return batches.NewChild(task_id, tail.task, encoded, expires_at, eta_at), item
             else:
-                sig = _check_plain_signature(item, f"child {index}")
+                sig = with_message_options(_check_plain_signature(item, f"child {index}"))
             expires_at, eta_at = message_times(sig.task, sig.options, f"child {index}")
             child = batches.NewChild(
                 sig.options.get("task_id") or next(ids),
@@ -494,9 +841,12 @@ class FanInGroup:
             return child, sig
 
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
-        written = write.write(
-            fanin, root, self.children, encode, ratio=ratio, max_width=self.max_width or fanin.settings.max_width
-        )
+        width = self.max_width or fanin.settings.max_width
+        children = self._partial_children(args, kwargs)
+        if tx is not None:  # published after the caller's commit, by this process or the relay
+            written = write.write_in_transaction(fanin, tx, root, children, encode, ratio=ratio, max_width=width)
+        else:
+            written = write.write(fanin, root, children, encode, ratio=ratio, max_width=width)
         if app.conf.task_always_eager:  # the children ran inline as they were published; now the successor
             return eager.run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
@@ -518,9 +868,24 @@ class FanInGroup:
                 depth,
                 extra={"batch_id": str(written.batch_id), "step": step},
             )
-        return FanInResult(app, str(written.batch_id))
+        return FanInResult(app, str(written.batch_id), None if written.existing else root.successor_task_id)
 
-    __call__ = apply_async
+
+# `run_canvas` messages derive their task id from the batch id: a re-sent message is the same message.
+_RUN_CANVAS_IDS = uuid.UUID("0f5b7c1e-3d2a-4e8b-9c61-7a4d2e9f1b03")
+# Ids a run_canvas message keeps on the fan-in it carries (the batch's and the successor's).
+_KEPT_IDS = frozenset({"task_id", BATCH_ID_OPTION})
+
+
+@contextlib.contextmanager
+def _eagerly(app: Celery) -> Iterator[None]:
+    """`task_always_eager` on for one call (`FanInGroup.apply`), as it was afterwards."""
+    before = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    try:
+        yield
+    finally:
+        app.conf.task_always_eager = before
 
 
 def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import time
 import uuid
 from collections.abc import Callable
@@ -9,15 +10,17 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from celery import Celery
+from celery import Celery, current_app, states
+from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, EagerResult
+from celery.utils.serialization import create_exception_cls
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..codec import decode_result
 from ..context import FanIn
 from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
-from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL
+from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
 from ..relay import maintenance
 from ..store import batches, queries
 
@@ -133,49 +136,126 @@ def poll_until_finished(
         time.sleep(interval)
 
 
-class FanInResult:
-    """The handle `apply_async` returns. Holds no worker and no connection; every call reads the store."""
+class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is untyped
+    """The handle of a fan-in: a Celery result of its successor, read from the store (no result backend needed).
 
-    def __init__(self, app: Celery, batch_id: str, successor_task_id: str | None = None) -> None:
-        """A handle on an existing batch; `FanInResult(app, batch_id)` rebuilds one from a stored id."""
-        self.app = app
-        self.batch_id = str(parse_batch_id(batch_id))
-        self._successor_task_id = successor_task_id
+    `id` is the successor's task id, and `get`, `ready`, `successful`, `failed` and `state` mean what they mean
+    for that task's `AsyncResult`; `batch_id`, `status()`, `wait()` and `result()` are the batch's. A handle
+    holds no worker and no connection: every call reads PostgreSQL.
+    """
+
+    def __init__(self, app: Celery, batch_id: str | uuid.UUID, successor_task_id: str | None = None) -> None:
+        """A handle on a batch; `FanInResult(app, batch_id)` rebuilds one from a stored id (it reads the
+        successor's id, and raises `BatchNotFound` for an unknown batch). `freeze` gives both ids, before the
+        batch exists."""
+        batch = str(parse_batch_id(batch_id))
+        if successor_task_id is None:
+            successor_task_id = read_status(FanIn.of(app), batch).successor_task_id
+        super().__init__(successor_task_id, app=app)
+        self.batch_id = batch
+
+    @classmethod
+    def restore(cls, batch_id: str | uuid.UUID, app: Celery | None = None) -> FanInResult:
+        """The handle of a stored batch id, as `GroupResult.restore` is of a saved group id."""
+        return cls(app or current_app, batch_id)
 
     @property
     def successor_task_id(self) -> str:
-        if self._successor_task_id is None:
-            self._successor_task_id = self.status().successor_task_id
-        return self._successor_task_id
-
-    @property
-    def id(self) -> str:
-        return self.batch_id
+        return str(self.id)
 
     def __repr__(self) -> str:
-        return f"<FanInResult batch_id={self.batch_id}>"
+        return f"<FanInResult batch_id={self.batch_id} successor={self.id}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore_handle, (self.batch_id, str(self.id))
+
+    def _status_or_none(self) -> BatchStatus | None:
+        """The status, or None while the batch does not exist yet (frozen, its message not yet run)."""
+        try:
+            return self.status()
+        except BatchNotFound:
+            return None
+
+    @property
+    def state(self) -> str:
+        """The successor's state as Celery names it: PENDING until it runs (and while the children do), STARTED,
+        RETRY, SUCCESS, FAILURE, REVOKED (also a batch that ended with nothing to run), IGNORED."""
+        status = self._status_or_none()
+        if status is None:
+            return states.PENDING
+        if status.successor_state is None:
+            return states.REVOKED if status.done else states.PENDING
+        return _CELERY_STATES.get(status.successor_state, states.PENDING)
+
+    def ready(self) -> bool:
+        status = self._status_or_none()
+        return status is not None and status.done
+
+    def successful(self) -> bool:
+        return self.state == states.SUCCESS
+
+    def failed(self) -> bool:
+        return self.state == states.FAILURE
+
+    def get(  # type: ignore[override]
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        interval: float = 0.1,
+        **_: Any,
+    ) -> Any:
+        """The successor's return value once it has finished (as `AsyncResult.get`), read from the store.
+
+        Raises its error if it failed (with `propagate`; else returns it), `TaskRevokedError` if it was revoked or
+        the batch ended with nothing to run, `celery.exceptions.TimeoutError` after `timeout` seconds. A frozen
+        handle whose batch does not exist yet waits for it."""
+        status = self.wait(timeout, interval)
+        fanin = FanIn.of(self.app)
+        bid = parse_batch_id(self.batch_id)
+        with fanin.engine.connect() as conn:
+            succ = queries.successor(conn, bid, status.step)
+            encoded = queries.successor_result(conn, bid, status.step)
+        if succ is None or succ.state == SuccessorState.REVOKED:
+            exc: BaseException = TaskRevokedError(
+                f"batch {self.batch_id} ended {status.state}"
+                + (" with its successor revoked" if succ is not None else " with no successor run")
+            )
+        elif succ.state == SuccessorState.FAILED:
+            exc = _exception(succ.exc_type, succ.exc_message)
+        else:
+            return decode_result(self.app, encoded) if encoded is not None else None
+        if propagate:
+            raise exc
+        return exc
 
     def status(self) -> BatchStatus:
         return read_status(FanIn.of(self.app), self.batch_id)
 
-    def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:
-        """Block until the batch has reached its final state; returns that status.
+    def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:  # type: ignore[override]
+        """Block until the batch has reached its final state; returns that status (`get` returns the value).
 
         Final: the successor (or `on_failure`/`on_expire`) has finished (succeeded, failed or revoked), or the
         batch ended with nothing to run (`expired` or `cancelled` without `on_expire`; `successor_state` is then
         None). Raises `celery.exceptions.TimeoutError` if it has not within `timeout` seconds. Database errors
-        while waiting are retried until then (a restart or failover should not end a wait).
+        while waiting are retried until then (a restart or failover should not end a wait), and a frozen handle
+        whose batch does not exist yet waits for it.
         """
-        return poll_until_finished(
-            self.status,
-            lambda st: st.done,
+        status = poll_until_finished(
+            self._status_or_none,
+            lambda st: st is not None and st.done,
             timeout,
             interval,
             lambda st: (
-                f"batch {self.batch_id} not finished after {timeout}s: state={st.state} "
-                f"remaining={st.remaining} successor={st.successor_state}"
+                f"batch {self.batch_id} not finished after {timeout}s: "
+                + (
+                    "not created yet"
+                    if st is None
+                    else f"state={st.state} remaining={st.remaining} successor={st.successor_state}"
+                )
             ),
         )
+        assert status is not None
+        return status
 
     def result(self, timeout: float | None = None) -> Any:
         """The successor's return value, from the store (no result backend needed); waits for it first.
@@ -226,6 +306,34 @@ class FanInResult:
     def successor(self) -> AsyncResult:
         """The successor's Celery result (needs a result backend; the store has its state without one)."""
         return self.app.AsyncResult(self.successor_task_id)
+
+
+def _restore_handle(batch_id: str, successor_task_id: str) -> FanInResult:
+    return FanInResult(current_app, batch_id, successor_task_id)
+
+
+_CELERY_STATES: dict[str, str] = {
+    SuccessorState.PENDING: states.PENDING,
+    SuccessorState.SENT: states.PENDING,
+    SuccessorState.REQUEUED: states.PENDING,
+    SuccessorState.RUNNING: states.STARTED,
+    SuccessorState.REPLACED: states.STARTED,
+    SuccessorState.RETRYING: states.RETRY,
+    SuccessorState.SUCCEEDED: states.SUCCESS,
+    SuccessorState.FAILED: states.FAILURE,
+    SuccessorState.REVOKED: states.REVOKED,
+    SuccessorState.IGNORED: states.IGNORED,
+}
+
+
+def _exception(exc_type: str | None, exc_message: str | None) -> BaseException:
+    """The successor's error as the store has it (its type's name and its text): a built-in exception type is
+    itself, any other is rebuilt by name, as Celery's result backends rebuild an exception they cannot import."""
+    name = exc_type or "Exception"
+    cls = getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = create_exception_cls(name, "celery_fanin.remote")
+    return cls(exc_message or "")
 
 
 class EagerFanInResult(FanInResult):

@@ -27,6 +27,7 @@ from ..exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summaris
 from ..protocol import BatchState
 from ..relay.outbox import publish_outbox, publish_remaining_children
 from ..store import batches, outbox, recovery
+from .transaction import CallerTransaction, publish_committed, wake_relay
 
 logger = logging.getLogger("celery_fanin.producer")
 
@@ -109,7 +110,51 @@ class Layout:
         return [leaf.id for leaf in self.window if leaf.size < self.max_width]
 
 
-# --- the two paths -----------------------------------------------------------------------------------------------
+# --- the two paths, and the caller's transaction ------------------------------------------------------------------
+
+
+def write_in_transaction(
+    fanin: FanIn,
+    tx: CallerTransaction,
+    root: batches.NewBatch,
+    source: Iterable[Any],
+    encode: Encoder,
+    *,
+    ratio: float | None,
+    max_width: int,
+) -> Written:
+    """Write the batch `root` and every child on the caller's connection, under a savepoint, in the caller's
+    transaction; publish after its commit (see `celery_fanin.producer.transaction`). A list of children only:
+    a stream commits chunk by chunk, which a transaction that is not ours cannot do."""
+    if not isinstance(source, Sequence) or isinstance(source, (str, bytes)):
+        raise InvalidFanIn("transaction= needs a list of children (a generator is written in chunks of its own)")
+    prepared = [encode(i, item) for i, item in enumerate(source)]
+    _check_unique_ids(prepared)
+    digest = EMPTY_DIGEST
+    for child, _ in prepared:
+        digest = digest_step(digest, child)
+    threshold = math.floor(ratio * len(prepared)) if ratio is not None else root.max_failures
+    leaves = math.ceil(len(prepared) / max_width) if len(prepared) > max_width else 0
+    root = replace(root, digest=digest, max_failures=threshold)
+    children = [c for c, _ in prepared]
+    conn = tx.conn
+    try:
+        with conn.begin_nested():
+            try:
+                outbox_id = batches.create_batch(conn, root, children, leaves=leaves, chunk=fanin.settings.chunk_size)
+            except batches.KeyTaken:
+                found = batches.find_by_key(conn, root.app_name or "", root.key or "")
+                if found is None or found[2] != len(children) or found[3] != digest:
+                    raise InvalidFanIn(
+                        f"key {root.key!r} is taken by batch {found[0] if found else '?'} with a different child list"
+                    ) from None
+                return Written(found[0], 0, existing=True)
+            wake_relay(conn, root.id)
+    except SQLAlchemyError as exc:
+        raise FanInDatabaseError(f"could not record the batch in the caller's transaction: {summarise(exc)}") from exc
+    if tx.after_commit is not None:
+        tx.after_commit(lambda: publish_committed(fanin, root.id, outbox_id))
+    return Written(root.id, len(children), successor_outbox_id=None)
 
 
 def write(

@@ -231,7 +231,9 @@ INVALID: list[Any] = [
     ),
     pytest.param(lambda t: fan_in_group([t.add.s(1, 1)]), r"fan_in_group needs then=", id="then-missing"),
     pytest.param(
-        lambda t: fan_in_group([t.add.s(1, 1)], then=group(t.collect.s())), r"then is a group", id="then-group"
+        lambda t: fan_in_group([t.add.s(1, 1)], then=chord([t.add.s(1, 1)], t.collect.s())),
+        r"then is a chord",
+        id="then-chord",
     ),
     pytest.param(
         lambda t: fan_in_group([t.add.s(1, 1)], then=t.collect), r"then is not a task signature", id="then-task"
