@@ -241,8 +241,15 @@ def expire_batch(
                   FROM fanin_children
                  WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
             ), leaves AS (
-                UPDATE fanin_batches SET state = :state, remaining = 0, completed_at = now()
-                 WHERE parent_id = :id AND state IN ('open', 'running')
+                -- each leaf counts its own children too, the abandoned ones included (a leaf's counters always
+                -- agree with its child rows: status, reconciliation and the root's sums read them)
+                UPDATE fanin_batches b
+                   SET state = :state, remaining = 0, completed_at = now(),
+                       succeeded = (SELECT count(*) FROM fanin_children c
+                                     WHERE c.batch_id = b.id AND c.state = 'succeeded'),
+                       failed = (SELECT count(*) FROM fanin_children c
+                                  WHERE c.batch_id = b.id AND c.state NOT IN ('pending', 'started', 'succeeded'))
+                 WHERE b.parent_id = :id AND b.state IN ('open', 'running')
             )
             UPDATE fanin_batches b
                SET state = :state, remaining = 0, succeeded = totals.s, failed = totals.f, completed_at = now()
