@@ -62,6 +62,8 @@ class Node:
 
 
 # The one shape every node query returns; only the WHERE / ORDER BY / LIMIT tails below differ (fixed strings).
+# An unfinished leaf's counts are added to its root's, but for failures under a threshold (`fail_up`): those
+# are in the root's `failed` already (migration 0012), as the dashboard's queries (store/sql/dashboard.sql) count.
 _NODE_COLUMNS = """
            b.id, b.step, b.state, b.planned,
            b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
@@ -70,7 +72,8 @@ _NODE_COLUMNS = """
 """
 _NODE_JOINS = """
       FROM fanin_batches b
-      LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) AS f FROM fanin_batches x
+      LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f
+                           FROM fanin_batches x
                           WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
       LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
       LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id

@@ -590,7 +590,13 @@ BEGIN
           FROM fanin_children c
          WHERE c.batch_id IN (SELECT t.id FROM fanin_batches t WHERE t.id = p_batch OR t.parent_id = p_batch)
     ), leaves AS (
-        UPDATE fanin_batches l SET state = v_state, remaining = 0, completed_at = now()
+        -- Each leaf counts its own children too, the abandoned ones included: a leaf's counters always agree
+        -- with its child rows (status, reconciliation and the root's sums read them).
+        UPDATE fanin_batches l
+           SET state = v_state, remaining = 0, completed_at = now(),
+               succeeded = (SELECT count(*) FROM fanin_children c WHERE c.batch_id = l.id AND c.state = 'succeeded'),
+               failed = (SELECT count(*) FROM fanin_children c
+                          WHERE c.batch_id = l.id AND c.state NOT IN ('pending', 'started', 'succeeded'))
          WHERE l.parent_id = p_batch AND l.state IN ('open', 'running')
     )
     UPDATE fanin_batches b

@@ -1,0 +1,45 @@
+"""The counting protocol checked as a model against the real database (issue 26): see machine.py for what runs.
+
+The default budget fits CI (a few minutes on a shared 2-core machine); `pytest tests/model --model-examples N
+--model-steps M` runs longer (RELIABILITY.md records the last long run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.internal.conjecture import engine
+from hypothesis.stateful import run_state_machine_as_test
+
+from .conftest import model_budget
+from .machine import STATS, ProtocolMachine
+
+CI_EXAMPLES = 40
+CI_STEPS = 40
+
+
+@pytest.mark.timeout(1800)
+def test_protocol_model(
+    scratch_db: Callable[[], str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hypothesis shrinks a failure for up to 5 minutes; each step here is a few round trips, so keep it to 2.
+    monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", 120)
+    examples, steps = model_budget(request.config, CI_EXAMPLES, CI_STEPS)
+    url = scratch_db()
+    machine = type("Protocol", (ProtocolMachine,), {"url": url})
+    STATS.clear()
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.generate, Phase.target, Phase.shrink, Phase.explain],
+            database=None,
+            print_blob=True,
+        ),
+    )
+    print("protocol model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
