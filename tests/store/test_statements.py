@@ -32,7 +32,7 @@ def test_every_statement_is_named_described_and_used_and_every_name_exists() -> 
             continue  # the migrator's own bookkeeping runs before any schema; the loader holds no SQL
         source = path.read_text(encoding="utf-8")
         assert not re.search(r"\btext\(\s*f?[\"']", source), f"{path.name} runs SQL that is not in queries.sql"
-        assert "exec_driver_sql(\"" not in source, path.name
+        assert 'exec_driver_sql("' not in source, path.name
 
 
 def test_one_text_serves_sqlalchemy_and_psycopg() -> None:
