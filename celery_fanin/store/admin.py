@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 from .statements import q
 
@@ -61,24 +61,9 @@ class Node:
         }  # fmt: skip
 
 
-# The one shape every node query returns; only the WHERE / ORDER BY / LIMIT tails below differ (fixed strings).
-# An unfinished leaf's counts are added to its root's, but for failures under a threshold (`fail_up`): those
-# are in the root's `failed` already (migration 0012), as the dashboard's queries (store/sql/dashboard.sql) count.
-_NODE_COLUMNS = """
-           b.id, b.step, b.state, b.planned,
-           b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
-           b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
-           b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
-"""
-_NODE_JOINS = """
-      FROM fanin_batches b
-      LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f
-                           FROM fanin_batches x
-                          WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
-      LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-      LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
-"""
-_NODE_SELECT = "SELECT" + _NODE_COLUMNS + _NODE_JOINS
+# Every node statement (`node`, `node_leaves`, `node_descendants`, `node_rounds` in sql/queries.sql) returns
+# the one shape `_node` reads. An unfinished leaf's counts are added to its root's, but for failures under a
+# threshold (`fail_up`): those are in the root's `failed` already (migration 0012), as the dashboard counts.
 
 
 def _node(r: Any) -> Node:
@@ -90,14 +75,14 @@ def _node(r: Any) -> Node:
 
 
 def node(conn: Connection, batch_id: uuid.UUID) -> Node | None:
-    r = conn.execute(text(_NODE_SELECT + " WHERE b.id = :id"), {"id": batch_id}).first()
+    r = conn.execute(q("node").text, {"id": batch_id}).first()
     return None if r is None else _node(r)
 
 
 def leaves(conn: Connection, root_id: uuid.UUID, limit: int) -> list[Node]:
     """A tree root's leaf counters, oldest first."""
     rows = conn.execute(
-        text(_NODE_SELECT + " WHERE b.parent_id = :id ORDER BY b.created_at, b.id LIMIT :n"),
+        q("node_leaves").text,
         {"id": root_id, "n": limit},
     )
     return [_node(r) for r in rows]
@@ -108,8 +93,7 @@ def descendants(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[Node]
     its children), the next stage of a pipeline (`then=fan_in_group(...)`), and any other fan-in a child or the
     successor started. Leaves are not included (see `leaves`)."""
     rows = conn.execute(
-        text(_NODE_SELECT + " WHERE b.lineage = :id AND b.parent_id IS NULL ORDER BY c.idx NULLS LAST, "
-             "b.created_at, b.id LIMIT :n"),
+        q("node_descendants").text,
         {"id": batch_id, "n": limit},
     )  # fmt: skip
     return [_node(r) for r in rows]
@@ -118,8 +102,7 @@ def descendants(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[Node]
 def rounds(conn: Connection, original_id: uuid.UUID) -> list[Node]:
     """Round 1 (the original batch, if it still exists) and every retry round of it, in round order."""
     rows = conn.execute(
-        text(_NODE_SELECT + " WHERE (b.id = :id AND b.retry_of IS NULL) OR b.retry_of = :id "
-             "ORDER BY b.round, b.created_at"),
+        q("node_rounds").text,
         {"id": original_id},
     )  # fmt: skip
     return [_node(r) for r in rows]
@@ -209,30 +192,7 @@ def list_batches(
     seconds, nor was the batch created in them. Ages are seconds since creation; `step` matches exactly.
     """
     rows = conn.execute(
-        text(
-            "SELECT p.last_progress, now() AS now,"
-            + _NODE_COLUMNS
-            + _NODE_JOINS
-            + """
-      LEFT JOIN LATERAL (
-            SELECT max(ch.finished_at) AS last_progress FROM fanin_children ch
-             WHERE b.state IN ('open', 'running')
-               AND ch.batch_id IN (SELECT y.id FROM fanin_batches y WHERE y.id = b.id OR y.parent_id = b.id)
-      ) p ON true
-     WHERE b.parent_id IS NULL
-       AND (CAST(:any_state AS boolean)
-            OR b.state = ANY(CAST(:states AS text[]))
-            OR (CAST(:stuck AS boolean) AND b.state IN ('open', 'running')
-                AND greatest(b.created_at, p.last_progress) < now() - make_interval(secs => :threshold)))
-       AND (CAST(:older AS double precision) IS NULL
-            OR b.created_at < now() - make_interval(secs => CAST(:older AS double precision)))
-       AND (CAST(:newer AS double precision) IS NULL
-            OR b.created_at > now() - make_interval(secs => CAST(:newer AS double precision)))
-       AND (CAST(:step AS text) IS NULL OR b.step = CAST(:step AS text))
-     ORDER BY b.created_at DESC, b.id
-     LIMIT :n
-            """
-        ),
+        q("list_batches").text,
         {
             "any_state": not states and not stuck,
             "states": list(states),
@@ -275,36 +235,12 @@ def highest_round(conn: Connection, original_id: uuid.UUID) -> int:
 
 # --- retention --------------------------------------------------------------------------------------------------
 
-# A root batch retention may delete: finished, with its successor finished too (an expired or cancelled batch may
-# have none),
-# finished before the cut-off, with no retry round still running, and not a step or compensation of a saga that
-# may still roll back (its rollback reads which of the batch's children succeeded). `created_at < cut-off` is
-# implied by the completion time and lets the planner walk the creation index instead of the whole table.
-_PRUNABLE = """
-      FROM fanin_batches b
-     WHERE b.parent_id IS NULL
-       AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired', 'cancelled')
-       AND b.created_at < now() - make_interval(secs => :age)
-       AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
-       AND (EXISTS (SELECT 1 FROM fanin_successors s
-                     WHERE s.batch_id = b.id AND s.step = b.step
-                       AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
-            OR (b.state IN ('expired', 'cancelled')
-                AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
-       AND NOT EXISTS (SELECT 1 FROM fanin_batches r
-                        WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
-       AND NOT EXISTS (SELECT 1 FROM fanin_saga_steps st JOIN fanin_sagas g ON g.id = st.saga_id
-                        WHERE st.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
-       AND NOT EXISTS (SELECT 1 FROM fanin_saga_compensations c JOIN fanin_sagas g ON g.id = c.saga_id
-                        WHERE c.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
-"""
+# Which root batches retention may delete: `prunable_totals` and `lock_prunable` in sql/queries.sql.
 
 
 def prunable_totals(conn: Connection, age_seconds: float) -> tuple[int, int]:
     """(root batches, children) retention would delete now."""
-    r = conn.execute(
-        text("SELECT count(*) AS n, coalesce(sum(b.planned), 0) AS children" + _PRUNABLE), {"age": age_seconds}
-    ).one()
+    r = conn.execute(q("prunable_totals").text, {"age": age_seconds}).one()
     return int(r.n), int(r.children)
 
 
@@ -319,11 +255,7 @@ def lock_prunable(conn: Connection, age_seconds: float, limit: int) -> list[Prun
     """Lock up to `limit` prunable roots, oldest first, skipping rows another session holds (a late report that
     is settling a failed_threshold batch, another prune). Call inside the transaction that deletes them."""
     rows = conn.execute(
-        text(
-            "SELECT b.id, b.planned, (SELECT count(*) FROM fanin_batches x WHERE x.parent_id = b.id) AS leaves"
-            + _PRUNABLE
-            + " ORDER BY b.created_at, b.id LIMIT :n FOR UPDATE OF b SKIP LOCKED"
-        ),
+        q("lock_prunable").text,
         {"age": age_seconds, "n": limit},
     )
     return [Prunable(r.id, int(r.planned), int(r.leaves)) for r in rows]
@@ -343,17 +275,12 @@ def child_rows(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
     return int(conn.execute(q("child_rows").text, {"ids": list(ids)}).scalar_one())
 
 
-# A saga retention may delete: finished for good (succeeded, or compensated with every manual action acknowledged)
-# before the cut-off. Its steps and compensations go with it (ON DELETE CASCADE); its batches are batches like any
-# other (no foreign key), pruned by the rules above. A saga waiting for an operator (`manual_action_required`,
-# `compensation_failed`) is never deleted, whatever its age.
-_SAGA_PRUNABLE = "state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age)"
-_PRUNABLE_SAGAS = f" FROM fanin_sagas WHERE {_SAGA_PRUNABLE}"  # a constant: no input in the SQL
+# Which sagas retention may delete: `prunable_sagas` and `delete_sagas` in sql/queries.sql.
 
 
 def prunable_sagas(conn: Connection, age_seconds: float) -> int:
     """Sagas retention would delete now."""
-    return int(conn.execute(text("SELECT count(*)" + _PRUNABLE_SAGAS), {"age": age_seconds}).scalar_one())
+    return int(conn.execute(q("prunable_sagas").text, {"age": age_seconds}).scalar_one())
 
 
 def delete_sagas(conn: Connection, age_seconds: float, limit: int) -> int:
@@ -361,10 +288,7 @@ def delete_sagas(conn: Connection, age_seconds: float, limit: int) -> int:
     session changed meanwhile (READ COMMITTED), so a saga that stopped being finished is not deleted; a row
     another prune deleted first is simply not counted."""
     result = conn.execute(
-        text(
-            f"DELETE FROM fanin_sagas WHERE id IN (SELECT id{_PRUNABLE_SAGAS} ORDER BY finished_at, id LIMIT :n)"
-            f" AND {_SAGA_PRUNABLE}"
-        ),
+        q("delete_sagas").text,
         {"age": age_seconds, "n": limit},
     )
     return int(result.rowcount)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
 from ..protocol import SagaStepState
 from .batches import Encoded
@@ -185,18 +185,7 @@ def find_saga(conn: Connection, app_name: str, key: str) -> uuid.UUID | None:
 
 def get_saga(conn: Connection, saga_id: uuid.UUID, *, lock: bool = False) -> SagaRow | None:
     """The saga; with `lock`, its row stays locked until the transaction ends (every transition takes it)."""
-    row = conn.execute(
-        text(
-            """
-            SELECT id, app_name, key, state, steps, current_step, failed_step, exc_type, exc_message, current_stage,
-                   resumes, failed_compensation, compensation_timeout, compensation_redrives, created_at, state_at,
-                   finished_at
-              FROM fanin_sagas WHERE id = :id
-            """
-            + (" FOR UPDATE" if lock else "")
-        ),
-        {"id": saga_id},
-    ).first()
+    row = conn.execute(q("get_saga_locked" if lock else "get_saga").text, {"id": saga_id}).first()
     return None if row is None else SagaRow(*row)
 
 
@@ -295,19 +284,11 @@ def start_rollback(
 
 # --- compensations -----------------------------------------------------------------------------------------------
 
-_COMPENSATION_COLUMNS = """
-    undo_of, position, stage, ordinal, kind, unit, task_name, message, content_type, content_encoding, manual_text,
-    state, attempt, task_id, batch_id, exc_type, exc_message, acked_at, acked_by, finished_at
-"""
-
 
 def get_compensations(conn: Connection, saga_id: uuid.UUID, stage: int | None = None) -> list[CompensationRow]:
     """A saga's compensations in the order they run (one stage, or all of them)."""
     rows = conn.execute(
-        text(
-            f"SELECT {_COMPENSATION_COLUMNS} FROM fanin_saga_compensations"  # noqa: S608  a constant column list
-            " WHERE saga_id = :id AND (CAST(:stage AS integer) IS NULL OR stage = :stage) ORDER BY stage, ordinal"
-        ),
+        q("get_compensations").text,
         {"id": saga_id, "stage": stage},
     )
     return [
@@ -415,7 +396,7 @@ def batch_state(conn: Connection, batch_id: uuid.UUID) -> str | None:
 
 def first_child(conn: Connection, batch_id: uuid.UUID) -> ChildRow | None:
     """A step batch's one child (a task step's task, or the nested child standing for a group step)."""
-    rows = _children(conn, "c.batch_id = :b AND c.idx = 0", {"b": batch_id})
+    rows = _children(conn, "first_child", {"b": batch_id})
     return rows[0] if rows else None
 
 
@@ -435,12 +416,7 @@ def leaves(conn: Connection, batch_id: uuid.UUID) -> list[uuid.UUID]:
 def succeeded_children_marked(conn: Connection, batch_ids: Sequence[uuid.UUID], marker: bytes) -> list[ChildRow]:
     """Children of these batches that succeeded and whose stored message contains `marker` (a cheap filter for the
     ones carrying a compensation; the caller decodes them to be sure), in child order."""
-    return _children(
-        conn,
-        "c.batch_id = ANY(CAST(:bs AS uuid[])) AND c.state = 'succeeded'"
-        " AND position(CAST(:m AS bytea) IN c.message) > 0",
-        {"bs": list(batch_ids), "m": marker},
-    )
+    return _children(conn, "succeeded_children_marked", {"bs": list(batch_ids), "m": marker})
 
 
 def nested_batches(conn: Connection, batch_ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
@@ -453,14 +429,8 @@ def nested_batches(conn: Connection, batch_ids: Sequence[uuid.UUID]) -> list[uui
     return [r[0] for r in rows]
 
 
-def _children(conn: Connection, where: str, params: dict[str, object]) -> list[ChildRow]:
-    rows = conn.execute(
-        text(
-            "SELECT c.task_id, c.batch_id, c.idx, c.task_name, c.state, c.exc_type, c.exc_message, c.message,"
-            " c.content_type, c.content_encoding FROM fanin_children c WHERE " + where + " ORDER BY c.idx, c.batch_id"
-        ),
-        params,
-    )
+def _children(conn: Connection, statement: str, params: dict[str, object]) -> list[ChildRow]:
+    rows = conn.execute(q(statement).text, params)
     return [
         ChildRow(r.task_id, r.batch_id, r.idx, r.task_name, r.state, r.exc_type, r.exc_message,
                  Encoded(r.content_type, r.content_encoding, bytes(r.message)))

@@ -348,6 +348,151 @@ SELECT state, parent_id FROM fanin_batches WHERE id = :id;
 
 -- --- store/admin.py -----------------------------------------------------------------------------------------------
 
+-- name: node
+-- One batch as a node of the batch graph (`status`, `ls`, the tree views)
+SELECT b.id, b.step, b.state, b.planned,
+       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
+       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
+  FROM fanin_batches b
+  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
+                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
+  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+ WHERE b.id = :id;
+
+-- name: node_leaves
+-- A tree root's leaf counters as nodes, oldest first
+SELECT b.id, b.step, b.state, b.planned,
+       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
+       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
+  FROM fanin_batches b
+  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
+                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
+  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+ WHERE b.parent_id = :id ORDER BY b.created_at, b.id LIMIT :n;
+
+-- name: node_descendants
+-- The batches this batch's children or successor created, as nodes
+SELECT b.id, b.step, b.state, b.planned,
+       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
+       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
+  FROM fanin_batches b
+  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
+                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
+  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+ WHERE b.lineage = :id AND b.parent_id IS NULL
+ ORDER BY c.idx NULLS LAST, b.created_at, b.id LIMIT :n;
+
+-- name: node_rounds
+-- Round 1 of a batch and every retry round of it, as nodes, in round order
+SELECT b.id, b.step, b.state, b.planned,
+       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
+       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
+  FROM fanin_batches b
+  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
+                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
+  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+ WHERE (b.id = :id AND b.retry_of IS NULL) OR b.retry_of = :id
+ ORDER BY b.round, b.created_at;
+
+-- name: list_batches
+-- Root batches newest first, filtered by state, stuck-ness, age and step
+SELECT p.last_progress, now() AS now, b.id, b.step, b.state, b.planned,
+       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
+       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
+  FROM fanin_batches b
+  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
+                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
+  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+  LEFT JOIN LATERAL (
+        SELECT max(ch.finished_at) AS last_progress FROM fanin_children ch
+         WHERE b.state IN ('open', 'running')
+           AND ch.batch_id IN (SELECT y.id FROM fanin_batches y WHERE y.id = b.id OR y.parent_id = b.id)
+  ) p ON true
+ WHERE b.parent_id IS NULL
+   AND (CAST(:any_state AS boolean)
+        OR b.state = ANY(CAST(:states AS text[]))
+        OR (CAST(:stuck AS boolean) AND b.state IN ('open', 'running')
+            AND greatest(b.created_at, p.last_progress) < now() - make_interval(secs => :threshold)))
+   AND (CAST(:older AS double precision) IS NULL
+        OR b.created_at < now() - make_interval(secs => CAST(:older AS double precision)))
+   AND (CAST(:newer AS double precision) IS NULL
+        OR b.created_at > now() - make_interval(secs => CAST(:newer AS double precision)))
+   AND (CAST(:step AS text) IS NULL OR b.step = CAST(:step AS text))
+ ORDER BY b.created_at DESC, b.id
+ LIMIT :n;
+
+-- A root batch retention may delete: finished, with its successor finished too (an expired or cancelled batch may
+-- have none), finished before the cut-off, with no retry round still running, and not a step or compensation of a saga that
+-- may still roll back (its rollback reads which of the batch's children succeeded). `created_at < cut-off` is
+-- implied by the completion time and lets the planner walk the creation index instead of the whole table.
+-- name: prunable_totals
+-- How many root batches (and children) retention would delete now
+SELECT count(*) AS n, coalesce(sum(b.planned), 0) AS children
+  FROM fanin_batches b
+ WHERE b.parent_id IS NULL
+   AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired', 'cancelled')
+   AND b.created_at < now() - make_interval(secs => :age)
+   AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
+   AND (EXISTS (SELECT 1 FROM fanin_successors s
+                 WHERE s.batch_id = b.id AND s.step = b.step
+                   AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
+        OR (b.state IN ('expired', 'cancelled')
+            AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
+   AND NOT EXISTS (SELECT 1 FROM fanin_batches r
+                    WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
+   AND NOT EXISTS (SELECT 1 FROM fanin_saga_steps st JOIN fanin_sagas g ON g.id = st.saga_id
+                    WHERE st.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
+   AND NOT EXISTS (SELECT 1 FROM fanin_saga_compensations c JOIN fanin_sagas g ON g.id = c.saga_id
+                    WHERE c.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'));
+
+-- name: lock_prunable
+-- Lock up to `n` prunable roots, oldest first, skipping rows another session holds
+SELECT b.id, b.planned, (SELECT count(*) FROM fanin_batches x WHERE x.parent_id = b.id) AS leaves
+  FROM fanin_batches b
+ WHERE b.parent_id IS NULL
+   AND b.state IN ('complete', 'partial', 'failed_threshold', 'expired', 'cancelled')
+   AND b.created_at < now() - make_interval(secs => :age)
+   AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
+   AND (EXISTS (SELECT 1 FROM fanin_successors s
+                 WHERE s.batch_id = b.id AND s.step = b.step
+                   AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
+        OR (b.state IN ('expired', 'cancelled')
+            AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
+   AND NOT EXISTS (SELECT 1 FROM fanin_batches r
+                    WHERE r.retry_of = b.id AND r.state IN ('open', 'running'))
+   AND NOT EXISTS (SELECT 1 FROM fanin_saga_steps st JOIN fanin_sagas g ON g.id = st.saga_id
+                    WHERE st.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
+   AND NOT EXISTS (SELECT 1 FROM fanin_saga_compensations c JOIN fanin_sagas g ON g.id = c.saga_id
+                    WHERE c.batch_id = b.id AND g.state IN ('running', 'compensating', 'compensation_failed'))
+ ORDER BY b.created_at, b.id LIMIT :n FOR UPDATE OF b SKIP LOCKED;
+
+-- A saga retention may delete: finished for good (succeeded, or compensated with every manual action acknowledged)
+-- before the cut-off. Its steps and compensations go with it (ON DELETE CASCADE); its batches are batches like any
+-- other (no foreign key), pruned by the rules above. A saga waiting for an operator (`manual_action_required`,
+-- `compensation_failed`) is never deleted, whatever its age.
+-- name: prunable_sagas
+-- How many sagas retention would delete now
+SELECT count(*) FROM fanin_sagas
+ WHERE state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age);
+
+-- name: delete_sagas
+-- Delete up to `n` prunable sagas, oldest first, checked again on rows changed meanwhile
+DELETE FROM fanin_sagas
+ WHERE id IN (SELECT id FROM fanin_sagas
+               WHERE state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age)
+               ORDER BY finished_at, id LIMIT :n)
+   AND state IN ('succeeded', 'compensated') AND finished_at < now() - make_interval(secs => :age);
+
 -- name: open_children
 -- (pending, started) children of a batch and its leaves
 SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
@@ -436,6 +581,43 @@ SELECT state, count(*) FROM fanin_successors
  GROUP BY state;
 
 -- --- store/sagas.py -----------------------------------------------------------------------------------------------
+
+-- name: get_saga
+-- A saga's row.
+SELECT id, app_name, key, state, steps, current_step, failed_step, exc_type, exc_message, current_stage,
+       resumes, failed_compensation, compensation_timeout, compensation_redrives, created_at, state_at,
+       finished_at
+  FROM fanin_sagas WHERE id = :id;
+
+-- name: get_saga_locked
+-- A saga's row, locked until the transaction ends (every transition of the saga takes this lock).
+SELECT id, app_name, key, state, steps, current_step, failed_step, exc_type, exc_message, current_stage,
+       resumes, failed_compensation, compensation_timeout, compensation_redrives, created_at, state_at,
+       finished_at
+  FROM fanin_sagas WHERE id = :id
+   FOR UPDATE;
+
+-- name: first_child
+-- A step batch's one child (a task step's task, or the nested child standing for a group step).
+SELECT c.task_id, c.batch_id, c.idx, c.task_name, c.state, c.exc_type, c.exc_message, c.message,
+       c.content_type, c.content_encoding
+  FROM fanin_children c WHERE c.batch_id = :b AND c.idx = 0 ORDER BY c.idx, c.batch_id;
+
+-- name: succeeded_children_marked
+-- Children of these batches that succeeded and whose stored message contains the marker, in child order.
+SELECT c.task_id, c.batch_id, c.idx, c.task_name, c.state, c.exc_type, c.exc_message, c.message,
+       c.content_type, c.content_encoding
+  FROM fanin_children c
+ WHERE c.batch_id = ANY(CAST(:bs AS uuid[])) AND c.state = 'succeeded'
+   AND position(CAST(:m AS bytea) IN c.message) > 0
+ ORDER BY c.idx, c.batch_id;
+
+-- name: get_compensations
+-- A saga's compensations in the order they run (one stage, or all of them)
+SELECT
+   undo_of, position, stage, ordinal, kind, unit, task_name, message, content_type, content_encoding, manual_text,
+   state, attempt, task_id, batch_id, exc_type, exc_message, acked_at, acked_by, finished_at
+FROM fanin_saga_compensations WHERE saga_id = :id AND (CAST(:stage AS integer) IS NULL OR stage = :stage) ORDER BY stage, ordinal;
 
 -- name: create_saga_1
 -- Write the saga and every step in one transaction

@@ -1,0 +1,60 @@
+"""`store/sql/queries.sql`: every statement the store runs is named there, read by the one loader for both
+transports, and every named statement is run by the library (or, for one, by a test that checks a relay's view)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from celery_fanin.store import statements
+
+PACKAGE = Path(statements.__file__).resolve().parent.parent
+# A name the code asks the loader for, by a call of `q` with a literal (the store's modules and the tests).
+_ASKED = re.compile(r"""\bq\(\s*["']([a-z_0-9]+)["']\s*\)""")
+# The store's statements chosen by name at runtime (sagas._children is given one of these).
+_BY_VARIABLE = {"first_child", "succeeded_children_marked", "get_saga", "get_saga_locked"}
+
+
+def test_every_statement_is_named_described_and_used_and_every_name_exists() -> None:
+    found = statements.statements("queries")
+    asked: set[str] = set()
+    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tests").rglob("*.py")]:
+        asked |= set(_ASKED.findall(path.read_text(encoding="utf-8")))
+    assert asked - set(found) == set(), "the code asks for statements queries.sql does not have"
+    assert set(found) - asked - _BY_VARIABLE == set(), "queries.sql has statements nothing runs"
+    for name, st in found.items():
+        assert st.description and not st.description.startswith(("name:", "store/")), name
+    store_modules = (PACKAGE / "store").glob("*.py")
+    for path in store_modules:
+        if path.name in ("migrate.py", "statements.py"):
+            continue  # the migrator's own bookkeeping runs before any schema; the loader holds no SQL
+        source = path.read_text(encoding="utf-8")
+        assert not re.search(r"\btext\(\s*f?[\"']", source), f"{path.name} runs SQL that is not in queries.sql"
+        assert 'exec_driver_sql("' not in source, path.name
+
+
+def test_one_text_serves_sqlalchemy_and_psycopg() -> None:
+    parsed = statements.parse(
+        "-- notes\n\n-- name: one\n-- The first.\nSELECT x::text, CAST(:id AS uuid), '50%' LIKE y\n"
+        "  FROM t WHERE a = :a_b;\n"
+    )["one"]
+    assert parsed.psycopg == "SELECT x::text, CAST(%(id)s AS uuid), '50%%' LIKE y\n  FROM t WHERE a = %(a_b)s"
+    assert set(parsed.text.compile().params) == {"id", "a_b"}
+    report = statements.q("report_terminal").psycopg
+    assert "%(task_id)s" in report and ":task_id" not in report, "the worker's report runs on plain psycopg"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("SELECT 1;", "outside a named statement"),
+        ("-- name: a\nSELECT 1;", "no description"),
+        ("-- name: a\n-- d\nSELECT 1", "does not end"),
+        ("-- name: a\n-- d\nSELECT 1;\n-- name: a\n-- d\nSELECT 2;", "defined twice"),
+    ],
+)
+def test_a_file_out_of_form_is_refused_with_its_line(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        statements.parse(text, "x.sql")
