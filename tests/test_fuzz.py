@@ -25,6 +25,7 @@ from psycopg import sql
 
 from celery_fanin import BatchOutcome, InvalidFanIn, fan_in_group
 from celery_fanin.cli import fanin as fanin_cli
+from tests.clitools import leaf_commands
 from tests.workers import ROOT, wait_for
 
 FIXTURES = settings(
@@ -151,18 +152,7 @@ def test_from_message_returns_an_outcome_or_raises_value_error(outcome: Any) -> 
     assert isinstance(found, BatchOutcome)
 
 
-def _leaf_commands(group: click.Group, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], click.Command]:
-    """Every command under `group` by its path (`("saga", "ack")`): what a user can type after `celery fanin`."""
-    found: dict[tuple[str, ...], click.Command] = {}
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            found.update(_leaf_commands(command, (*prefix, name)))
-        else:
-            found[(*prefix, name)] = command
-    return found
-
-
-COMMANDS = _leaf_commands(fanin_cli)
+COMMANDS = leaf_commands()
 # Run in a subprocess (`test_dashboard_arguments_...`): given good arguments it serves until stopped.
 SERVING = {("dashboard",)}
 # Options left out of the in-process fuzz, with the values tried instead: a good --metrics-port would start a
