@@ -4,19 +4,29 @@ outcome, a nonzero exit with one line for the CLI), and a refused batch writes n
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
 from datetime import timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import click
 import psycopg
+import pytest
 from celery import Celery
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from psycopg import sql
 
 from celery_fanin import BatchOutcome, InvalidFanIn, fan_in_group
 from celery_fanin.cli import fanin as fanin_cli
+from tests.clitools import leaf_commands
+from tests.workers import ROOT, wait_for
 
 FIXTURES = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -142,27 +152,169 @@ def test_from_message_returns_an_outcome_or_raises_value_error(outcome: Any) -> 
     assert isinstance(found, BatchOutcome)
 
 
-_COMMANDS = ("status", "watch", "failures", "retry-failed", "seal", "cancel", "ls", "prune")
-_arg = st.one_of(
+COMMANDS = leaf_commands()
+# Run in a subprocess (`test_dashboard_arguments_...`): given good arguments it serves until stopped.
+SERVING = {("dashboard",)}
+# Options left out of the in-process fuzz, with the values tried instead: a good --metrics-port would start a
+# metrics server in the test process for every example.
+_ONLY_BAD = {"--metrics-port": ["-1", "65536", "port", "nan"]}
+_values = st.one_of(
     st.text(max_size=40),
-    st.sampled_from(["--json", "--limit", "-1", "--tree-limit", "nan", "--timeout", "--interval", "0", "1e309"]),
+    st.sampled_from(
+        ["-1", "0", "1", "2", "0.01", "nan", "inf", "-inf", "1e309", str(2**70), "", "\x00", "30d", "-5s", "1h30m"]
+    ),
+    st.sampled_from(["DEBUG", "bogus", "json", "text", "xml", "running", "stuck", "/nonexistent/dir/x.log"]),
     st.uuids().map(str),
 )
 
 
+def _tokens(command: click.Command, batch_ids: list[str]) -> st.SearchStrategy[str]:
+    """Tokens for one command: its own options (and their edge values), anything, the batches that exist."""
+    options = [o for p in command.params if isinstance(p, click.Option) for o in p.opts if o not in _ONLY_BAD]
+    bad = [v for p in command.params for o in getattr(p, "opts", []) if o in _ONLY_BAD for v in (o, *_ONLY_BAD[o])]
+    choices: list[st.SearchStrategy[str]] = [_values, st.sampled_from(batch_ids)]
+    if options:
+        choices.append(st.sampled_from(options))
+    if bad:
+        choices.append(st.sampled_from(bad))
+    return st.one_of(*choices)
+
+
+def _database(url: str) -> dict[str, str]:
+    """A digest of every celery-fanin table's rows (for "nothing was written")."""
+    with psycopg.connect(url) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'fanin%%'"
+            )
+        ]
+        digests = {}
+        for table in tables:
+            query = sql.SQL("SELECT md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM {} t")
+            row = conn.execute(query.format(sql.Identifier(table))).fetchone()
+            digests[table] = row[0] if row else ""
+    return digests
+
+
+@pytest.fixture
+def batches_present(app: Celery) -> list[str]:
+    """A running batch (children pending, nothing consumes them) and an empty one, for commands to act on."""
+    running = fan_in_group(
+        [app.signature("t.child", args=(i,)) for i in range(3)], then=app.signature("t.then"), app=app
+    )
+    empty = fan_in_group([], then=app.signature("t.then"), app=app)
+    return [running.apply_async().batch_id, empty.apply_async().batch_id]
+
+
+def test_the_fuzz_covers_every_command() -> None:
+    """A command added to `celery fanin` is fuzzed without anyone listing it here."""
+    assert {("status",), ("relay",), ("migrate",), ("saga", "ack"), ("dashboard",)} <= set(COMMANDS)
+    assert set(COMMANDS) >= SERVING
+
+
+def _invoke(app: Celery, path: tuple[str, ...], args: list[str], bounded: bool = True) -> Any:
+    if path == ("watch",) and bounded:
+        args = [*args, "--timeout", "0.1"]  # a good watch waits for the batch to finish (the last --timeout wins)
+    if path == ("relay",):
+        args = [*args, "--once"]  # a good relay runs until stopped
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # where a good --logfile is written
+        return CliRunner().invoke(fanin_cli, [*path, *args], obj=SimpleNamespace(app=app))
+
+
+def _check_refusal(result: Any, what: str) -> None:
+    assert result.exception is None or isinstance(result.exception, SystemExit), f"{what}: {result.exception!r}"
+    lines = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1, f"{what}: {result.output}"
+    assert result.exit_code in (1, 2), f"{what}: {result.output}"
+
+
 @FIXTURES
-@given(command=st.sampled_from(_COMMANDS), args=st.lists(_arg, max_size=4))
-def test_cli_arguments_work_or_exit_nonzero_with_one_line(app: Celery, command: str, args: list[str]) -> None:
-    if command == "watch":
-        args = [*args, "--timeout", "0.1"]
-    if command == "prune":
-        args = [*args, "--dry-run"]
-    result = CliRunner().invoke(fanin_cli, [command, *args], obj=SimpleNamespace(app=app))
+@given(data=st.data(), path=st.sampled_from(sorted(set(COMMANDS) - SERVING)))
+def test_cli_arguments_work_or_exit_nonzero_with_one_line_and_write_nothing(
+    app: Celery, clean_db: str, batches_present: list[str], data: st.DataObject, path: tuple[str, ...]
+) -> None:
+    args = data.draw(st.lists(_tokens(COMMANDS[path], batches_present), max_size=5), label="args")
+    before = _database(clean_db)
+    result = _invoke(app, path, args)
     if result.exit_code == 0:
         return
-    assert result.exception is None or isinstance(result.exception, SystemExit), (
-        f"{command} {args}: {result.exception!r}"
-    )
-    lines = [line for line in result.output.splitlines() if line.startswith("Error")]
-    assert len(lines) == 1, result.output
-    assert not math.isnan(result.exit_code) and result.exit_code in (1, 2), result.output
+    _check_refusal(result, f"{' '.join(path)} {args}")
+    assert _database(clean_db) == before, f"{' '.join(path)} {args} wrote to the database"
+
+
+@pytest.mark.parametrize(
+    ("path", "args"),
+    [
+        pytest.param(("relay",), ["--poll-interval", "nan"], id="relay-nan-poll"),
+        pytest.param(("relay",), ["--poll-interval", "-1"], id="relay-negative-poll"),
+        pytest.param(("relay",), ["--poll-interval", "inf"], id="relay-infinite-poll"),
+        pytest.param(("watch",), ["{batch}", "--interval", "nan"], id="watch-nan-interval"),
+        pytest.param(("watch",), ["{batch}", "--interval", "inf"], id="watch-infinite-interval"),
+        pytest.param(("watch",), ["{batch}", "--timeout", "nan"], id="watch-nan-timeout"),  # looped forever
+        pytest.param(("ls",), ["--older-than", "nan"], id="ls-nan-duration"),
+        pytest.param(("ls",), ["--older-than", "inf"], id="ls-infinite-duration"),
+        pytest.param(("ls",), ["--limit", str(2**70)], id="ls-huge-limit"),
+        pytest.param(("prune",), ["--older-than", "1e309"], id="prune-infinite-duration"),
+        pytest.param(("prune",), ["--older-than", "nan"], id="prune-nan-duration"),
+        pytest.param(("prune",), ["--older-than", "1d", "--chunk", str(2**40)], id="prune-huge-chunk"),
+        pytest.param(("failures",), ["{batch}", "--limit", str(2**70)], id="failures-huge-limit"),
+        pytest.param(("status",), ["{batch}", "--tree-limit", str(2**70)], id="status-huge-tree-limit"),
+    ],
+)
+def test_found_by_the_fuzz_is_refused_before_the_command_runs(
+    app: Celery, clean_db: str, batches_present: list[str], path: tuple[str, ...], args: list[str]
+) -> None:
+    """Arguments the fuzz found taken as given and then failing in PostgreSQL (out of range), looping (a nan
+    timeout) or running with a nan poll interval: now each is a usage error (exit 2) before anything runs."""
+    args = [a.replace("{batch}", batches_present[0]) for a in args]
+    before = _database(clean_db)
+    result = _invoke(app, path, args, bounded="--timeout" not in args)
+    _check_refusal(result, f"{' '.join(path)} {args}")
+    assert result.exit_code == 2 and "Invalid value" in result.output, result.output
+    assert _database(clean_db) == before
+
+
+def test_dashboard_arguments_work_or_exit_nonzero_with_one_line(e2e_env: dict[str, str], tmp_path: Path) -> None:
+    """The dashboard serves until stopped when its arguments are good, so each set runs as a real `celery fanin
+    dashboard` process: it either exits nonzero with one `Error` line before serving, or serves (and is stopped)."""
+    bad = [
+        ["--port", "-1"],
+        ["--port", "65536"],
+        ["--port", "http"],
+        ["--refresh", "nan"],
+        ["--refresh", "inf"],
+        ["--refresh", "0.1"],
+        ["--host", "0.0.0.0"],  # not loopback, no token
+        ["--host", "no such host \x01"],
+        ["--bogus"],
+    ]
+    env = {**os.environ, **e2e_env, "PYTHONPATH": str(ROOT), "FANIN_DASHBOARD_TOKEN": ""}
+    for args in [*bad, ["--port", "0", "--refresh", "0.5"]]:
+        log = tmp_path / "dashboard.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.app", "fanin", "dashboard", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+            def started(proc: subprocess.Popen[bytes] = proc, log: Path = log) -> bool:
+                return proc.poll() is not None or "dashboard at" in log.read_text()
+
+            try:
+                wait_for(started, 60, message=str(args))
+            finally:
+                serving = proc.poll() is None
+                if serving:
+                    proc.terminate()
+                    proc.wait(30)
+        output = log.read_text()
+        if args in bad:
+            assert not serving and proc.returncode in (1, 2), f"{args}: {output}"
+            assert len([line for line in output.splitlines() if line.startswith("Error")]) == 1, f"{args}: {output}"
+        else:
+            assert serving, f"{args}: {output}"

@@ -27,7 +27,7 @@ from rich.tree import Tree
 
 from ..exceptions import FanInDatabaseError
 from ..ops import schema
-from ..ops.inspection import describe, list_batches, parse_duration
+from ..ops.inspection import MAX_COUNT, describe, list_batches, parse_duration
 from ..ops.inspection import failures as read_failures
 from ..ops.retention import prune as run_prune
 from ..ops.rounds import retry_failed as start_round
@@ -38,7 +38,7 @@ from ..relay.loop import Relay
 from ..relay.metrics import serve
 from ..web.cli import command as dashboard_command
 from .saga import saga
-from .support import _errors_as_exit, _fanin
+from .support import Seconds, _errors_as_exit, _fanin
 
 
 @click.group(name="fanin")
@@ -113,7 +113,10 @@ def load_like_a_worker(app: Celery) -> None:
 
 @fanin.command()
 @click.option(
-    "--poll-interval", type=float, default=None, help="Seconds between polls (default fanin_relay_poll_interval)."
+    "--poll-interval",
+    type=Seconds(0.01),
+    default=None,
+    help="Seconds between polls (default fanin_relay_poll_interval).",
 )
 @click.option("--once", is_flag=True, help="Run one round and exit.")
 @click.option(
@@ -296,7 +299,7 @@ def _render(data: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status (tree and rounds included) as JSON.")
 @click.option(
     "--tree-limit",
-    type=click.IntRange(0),
+    type=click.IntRange(0, MAX_COUNT),
     default=200,
     show_default=True,
     help="Most leaves, nested batches and stages shown.",
@@ -320,10 +323,8 @@ def _finished(st: BatchStatus) -> bool:
 
 @fanin.command()
 @click.argument("batch_id")
-@click.option(
-    "--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, help="Seconds between reads."
-)
-@click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Give up after this many seconds.")
+@click.option("--interval", type=Seconds(0.05), default=1.0, show_default=True, help="Seconds between reads.")
+@click.option("--timeout", type=Seconds(0), default=None, help="Give up after this many seconds.")
 @click.pass_context
 @_errors_as_exit
 def watch(ctx: click.Context, batch_id: str, interval: float, timeout: float | None) -> None:
@@ -416,7 +417,7 @@ LS_STATES = (*(s.value for s in BatchState), "stuck")
 @click.option("--older-than", type=Duration(), default=None, help="Only batches created longer ago (2h, 7d, ...).")
 @click.option("--newer-than", type=Duration(), default=None, help="Only batches created more recently.")
 @click.option("--step", default=None, help="Only batches of this step.")
-@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_COUNT), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the batches as JSON.")
 @click.pass_context
 @_errors_as_exit
@@ -464,7 +465,9 @@ def ls(
 
 @fanin.command()
 @click.argument("batch_id")
-@click.option("--limit", type=click.IntRange(1), default=100, show_default=True, help="Most failures listed.")
+@click.option(
+    "--limit", type=click.IntRange(1, MAX_COUNT), default=100, show_default=True, help="Most failures listed."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the failures as JSON.")
 @click.pass_context
 @_errors_as_exit
@@ -525,16 +528,20 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
 @fanin.command()
 @click.option("--older-than", type=Duration(), required=True, help="Age of the batches to delete (30d, 12h, ...).")
 @click.option(
-    "--chunk", type=click.IntRange(1), default=500, show_default=True, help="Root batches locked per transaction."
+    "--chunk",
+    type=click.IntRange(1, MAX_COUNT),
+    default=500,
+    show_default=True,
+    help="Root batches locked per transaction.",
 )
 @click.option(
     "--max-children",
-    type=click.IntRange(1),
+    type=click.IntRange(1, MAX_COUNT),
     default=20_000,
     show_default=True,
     help="Children deleted per transaction (a larger batch goes alone, a tree leaf by leaf).",
 )
-@click.option("--limit", type=click.IntRange(1), default=None, help="Delete at most this many batches.")
+@click.option("--limit", type=click.IntRange(1, MAX_COUNT), default=None, help="Delete at most this many batches.")
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context

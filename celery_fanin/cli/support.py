@@ -12,6 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..exceptions import FanInError, summarise
 from ..extension import FanIn
+from ..ops.inspection import parse_seconds
 from ..redact import redact
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,3 +39,18 @@ def _errors_as_exit(fn: F) -> F:
             raise click.ClickException(f"database error: {summarise(exc)}") from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds, at least `minimum` (click's FloatRange takes nan and inf)."""
+
+    name = "seconds"
+
+    def __init__(self, minimum: float) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            return parse_seconds(value, self.minimum)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)

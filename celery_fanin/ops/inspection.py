@@ -6,6 +6,7 @@ Plain data (dicts of JSON-able values), read in one connection per call, so `sta
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,11 @@ from ..producer.result import parse_batch_id, read_status
 from ..protocol import BatchState
 from ..relay.payload import failure_entry
 from ..store import admin, queries
+
+# The longest duration and the largest count an operator command takes: beyond them an argument is a mistake, and
+# PostgreSQL would refuse it with an out-of-range error only after the command had started.
+MAX_SECONDS = 100 * 365 * 24 * 3600.0  # a century, as fan_in_group's timeouts and deadlines
+MAX_COUNT = 2**31 - 1  # PostgreSQL's integer
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _PART = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -40,6 +46,20 @@ def parse_duration(value: str | float | int) -> float:
             seconds = sum(float(n) * _UNITS[unit] for n, unit in parts)
     if seconds < 0:
         raise ValueError(f"a duration must not be negative, not {value!r}")
+    if not math.isfinite(seconds) or seconds > MAX_SECONDS:
+        raise ValueError(f"a duration must be finite and at most {MAX_SECONDS:.0f} seconds (a century), not {value!r}")
+    return seconds
+
+
+def parse_seconds(value: str | float, minimum: float = 0.0) -> float:
+    """A finite number of seconds, at least `minimum` and at most a century; ValueError otherwise (a plain float
+    option takes nan, which compares false with every bound, and inf)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or not minimum <= seconds <= MAX_SECONDS:
+        raise ValueError(f"{value!r} is not a finite number of seconds from {minimum:g} to {MAX_SECONDS:.0f}")
     return seconds
 
 

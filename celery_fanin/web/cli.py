@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from ..extension import FanIn
+from ..ops.inspection import parse_seconds
 
 
 def is_loopback(host: str) -> bool:
@@ -42,6 +43,16 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """--refresh as a finite number of seconds (click's FloatRange takes nan and inf)."""
+    if value is None:
+        return None
+    try:
+        return parse_seconds(value, 0.2)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:
@@ -72,6 +83,7 @@ def command(
     @click.option(
         "--refresh",
         type=click.FloatRange(min=0.2),
+        callback=_finite,
         default=None,
         help="Seconds between live updates (default fanin_dashboard_refresh, else 2).",
     )
