@@ -705,6 +705,10 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         A fan-in that came out of a message (a chain's next step, a link, a chord's body, applied by a worker)
         is not written in the worker's trace: it is sent as `celery_fanin.run_canvas`, which writes it.
 
+        `transaction=` (a SQLAlchemy `Session` or `Connection`, or a Django connection in `atomic()`) writes the
+        batch in the caller's own transaction on the same database, and publishes its children only after that
+        commits (see `celery_fanin.producer.transaction`).
+
         A list of children is validated and encoded whole before anything is written. Any other iterable is
         consumed in chunks (see `celery_fanin.producer`): if it raises (or yields a bad child, which raises with
         its index), the error propagates; with a `key` the batch stays open with the children written so far, for
@@ -868,7 +872,8 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
                 depth,
                 extra={"batch_id": str(written.batch_id), "step": step},
             )
-        return FanInResult(app, str(written.batch_id), None if written.existing else root.successor_task_id)
+        successor_id = written.successor_task_id or (None if written.existing else root.successor_task_id)
+        return FanInResult(app, str(written.batch_id), successor_id)
 
 
 # `run_canvas` messages derive their task id from the batch id: a re-sent message is the same message.

@@ -44,7 +44,7 @@ class CallerTransaction:
 def adopt(fanin: FanIn, transaction: Any) -> CallerTransaction | None:
     """The caller's transaction, or None where there is none to join (a Django connection outside `atomic()`
     commits each statement: the batch is then written as without `transaction=`)."""
-    if type(transaction).__module__.startswith("django.db"):
+    if type(transaction).__module__.startswith("django."):  # a connection, or django.db.connection (a proxy)
         adopted = _django(transaction)
         if adopted is None:
             return None
@@ -96,32 +96,17 @@ def _django(connection: Any) -> CallerTransaction | None:
         "psycopg" if type(raw).__module__.startswith("psycopg.") or type(raw).__module__ == "psycopg" else "psycopg2"
     )
     engine = create_engine(
-        f"postgresql+{driver}://",
-        creator=lambda: _Borrowed(raw),
-        poolclass=StaticPool,
-        pool_reset_on_return=None,
+        f"postgresql+{driver}://", creator=lambda: raw, poolclass=StaticPool, pool_reset_on_return=None
     )
+    # The transaction and the connection are Django's: SQLAlchemy must never commit, roll back or close them.
+    for name in ("do_commit", "do_rollback", "do_close", "do_terminate"):
+        setattr(engine.dialect, name, _leave_alone)
     alias = connection.alias
     return CallerTransaction(engine.connect(), lambda fn: django_transaction.on_commit(fn, using=alias))
 
 
-class _Borrowed:
-    """The caller's DB-API connection as SQLAlchemy sees it: its commit, rollback and close are the caller's."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-
-    def commit(self) -> None:
-        pass
-
-    def rollback(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
+def _leave_alone(dbapi_connection: Any) -> None:
+    """What SQLAlchemy's commit, rollback and close do to a connection it borrowed from Django: nothing."""
 
 
 def _check_same_database(fanin: FanIn, conn: Connection) -> None:

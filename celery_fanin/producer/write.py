@@ -43,6 +43,7 @@ class Written:
     created: int  # children this call created (0 when it returned an existing batch)
     existing: bool = False  # the key was taken: the handle is the existing batch's
     successor_outbox_id: int | None = None
+    successor_task_id: str | None = None  # the existing batch's, where the handle cannot read it yet
 
 
 def digest_step(digest: bytes, child: batches.NewChild) -> bytes:
@@ -148,7 +149,8 @@ def write_in_transaction(
                     raise InvalidFanIn(
                         f"key {root.key!r} is taken by batch {found[0] if found else '?'} with a different child list"
                     ) from None
-                return Written(found[0], 0, existing=True)
+                successor = batches.successor_task_id(conn, found[0])  # perhaps not committed yet: read it here
+                return Written(found[0], 0, existing=True, successor_task_id=successor)
             wake_relay(conn, root.id)
     except SQLAlchemyError as exc:
         raise FanInDatabaseError(f"could not record the batch in the caller's transaction: {summarise(exc)}") from exc

@@ -295,6 +295,11 @@ def find_by_key(conn: Connection, app_name: str, key: str) -> tuple[uuid.UUID, s
     return None if row is None else (row.id, row.state, row.planned, bytes(row.digest) if row.digest else None)
 
 
+def successor_task_id(conn: Connection, batch_id: uuid.UUID) -> str | None:
+    row = conn.execute(text("SELECT successor_task_id FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    return None if row is None else str(row[0])
+
+
 def direct_children(conn: Connection, batch_id: uuid.UUID) -> int:
     """Children written to the batch row itself (not to its leaves)."""
     return int(conn.execute(q("direct_children").text, {"id": batch_id}).scalar_one())

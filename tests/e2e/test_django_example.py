@@ -1,0 +1,30 @@
+"""docs/how-to/django.md's example (examples/django_orders), run with pytest-django in a pytest of its own (its
+Django settings are the process's), against this session's database and broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_django_example_passes_its_own_tests(e2e_env: dict[str, str]) -> None:
+    env = {
+        **os.environ,
+        "FANIN_DATABASE_URL": e2e_env["FANIN_DATABASE_URL"],
+        "FANIN_BROKER_URL": e2e_env["FANIN_TEST_BROKER"],
+        "FANIN_EXAMPLE_QUEUE": f"django-orders-{uuid.uuid4().hex[:8]}",
+        "DJANGO_SETTINGS_MODULE": "examples.django_orders.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "examples/django_orders/tests", "-q", "-p", "no:randomly", "-p",
+         "no:cacheprovider", "--timeout", "60"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "3 passed" in done.stdout
