@@ -78,10 +78,15 @@ def claim_redrive(conn: Connection, child: OverdueChild) -> bool:
 
 
 def fail_lost(conn: Connection, child: OverdueChild) -> bool:
-    """Count an overdue child as a terminal failure with state `lost`; True if this call counted it."""
+    """Count an overdue child as a terminal failure with state `lost`; True if this call counted it.
+
+    The child was read in an earlier transaction: its batch may have finished and been pruned since (then there
+    is nothing left to count)."""
     timeout = conn.execute(
         text("SELECT child_timeout::text FROM fanin_batches WHERE id = :id"), {"id": child.batch_id}
-    ).scalar_one()
+    ).scalar()
+    if timeout is None:
+        return False
     rec = record_terminal(
         conn, child.task_id, "lost", exc_type="ChildLost",
         exc_message=f"no terminal outcome within child_timeout ({timeout}); redrives: {child.redrives}",

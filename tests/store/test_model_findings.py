@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from datetime import timedelta
 
 from sqlalchemy import Engine, text
 
@@ -74,3 +75,23 @@ def test_status_counts_a_threshold_trees_failures_once(store_engine: Engine) -> 
     assert node is not None
     assert (node.succeeded, node.failed, node.remaining) == (1, 1, 2)
     assert [(n.succeeded, n.failed) for n in listed] == [(1, 1)]
+
+
+def test_the_reaper_skips_a_lost_child_whose_batch_was_pruned_since_it_looked(store_engine: Engine) -> None:
+    """Model counterexample: relay_scan (a child past its child_timeout); the batch ended and prune deleted it;
+    relay_act(lost). fail_lost read the batch's child_timeout with scalar_one() and raised NoResultFound, so the
+    relay's whole reaper round failed on a batch that no longer existed."""
+    batch, children = new_batch(1)
+    batch = dataclasses.replace(batch, child_timeout=timedelta(0))
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children)
+    with store_engine.begin() as conn:
+        (overdue,) = recovery.overdue_children(conn)
+    with store_engine.begin() as conn:
+        assert recovery.expire_batch(conn, batch.id, reason="cancel") is not None
+    with store_engine.begin() as conn:
+        assert [p.id for p in admin.lock_prunable(conn, 0.0, 10)] == [batch.id]
+        admin.delete_batches(conn, [batch.id])
+    with store_engine.begin() as conn:
+        assert recovery.fail_lost(conn, overdue) is False
+        assert recovery.claim_redrive(conn, overdue) is False
