@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .batches import PUBLISH_LOCK_OF, Encoded, insert_successor, record_terminal
+from .batches import PUBLISH_LOCK_OF, Encoded, insert_successor, lock_membership, record_terminal
 
 # --- lost children -------------------------------------------------------------------------------------------
 
@@ -198,6 +198,7 @@ def expire_batch(
     this never deadlocks with live reports; counters are then set from the child rows, under those locks.
     """
     exc_type, exc_message = _ENDINGS[reason]
+    lock_membership(conn, batch_id)  # a producer's chunk in flight commits first, or waits and then finds it ended
     head = conn.execute(
         text(
             """
@@ -212,6 +213,10 @@ def expire_batch(
         return None
     if proceed is None:
         proceed = reason == "deadline" and head.on_deadline == "proceed"
+    # The children are abandoned before the root is locked (the order every report takes), so a report that held
+    # one of them may have finished the batch meanwhile (its last child, or past its threshold): then the batch is
+    # no longer this call's to end, and the children it abandoned go back as they were (a savepoint).
+    ending = conn.begin_nested()
     abandoned = [
         r[0]
         for r in conn.execute(
@@ -235,7 +240,9 @@ def expire_batch(
         {"id": batch_id},
     ).first()
     if still is None:
+        ending.rollback()
         return None
+    ending.commit()
     new_state = "partial" if proceed else "cancelled" if reason == "cancel" else "expired"
     conn.execute(
         text(
@@ -534,6 +541,7 @@ def seal_open_batch(conn: Connection, batch_id: uuid.UUID, *, lapsed_grace: floa
     longer ago than that (checked under the row lock, so a resumer that wrote a chunk since is not sealed under).
     Returns None if the batch is not an open root (or has not lapsed).
     """
+    lock_membership(conn, batch_id)  # after a producer's chunk in flight: its new leaves are sealed too
     leaves = [
         r[0]
         for r in conn.execute(
