@@ -307,12 +307,8 @@ def _fill(
             ]
             try:
                 with conn.begin():
-                    for leaf_id in opened:
-                        batches.add_leaf(conn, root, leaf_id)
-                    if not batches.add_children(conn, root.id, placed, digest, opened=len(opened)):
+                    if not batches.write_chunk(conn, root, placed, digest, opened=opened, full=full):
                         raise _NotOpen
-                    for leaf_id in full:
-                        batches.seal(conn, leaf_id)
             except _NotOpen:
                 if batches.state_of(conn, root.id) != BatchState.FAILED_THRESHOLD:
                     raise BatchClosed(

@@ -265,6 +265,47 @@ def add_children(
     )
 
 
+def lock_membership(conn: Connection, batch_id: uuid.UUID) -> None:
+    """Take the transaction-level lock that serialises what an open batch holds: a producer's chunk (its new
+    leaves and children) against the transactions that end or seal the batch (`recovery.expire_batch`,
+    `recovery.seal_open_batch`).
+
+    Without it, a cancel, a deadline or a seal that read the batch's children (or leaves) before a chunk committed
+    went on once it could lock the root, finishing the batch with the chunk's children pending and uncounted (or
+    sealing the root and leaving the chunk's new leaves open for ever). Taken first by both sides, before any row
+    lock (a child's insert takes a key-share lock on its batch row); terminal reports never take it, so it adds
+    no lock to their path and cannot deadlock with them. Keyed by the batch id's second 64 bits, so it is not the
+    publish lock (`hold_publish_lock`, the first 64), which a live producer holds for as long as it writes.
+    """
+    key = batch_id.bytes
+    conn.execute(
+        q("lock_membership").text,
+        {"k1": int.from_bytes(key[8:12], "big", signed=True), "k2": int.from_bytes(key[12:16], "big", signed=True)},
+    )
+
+
+def write_chunk(
+    conn: Connection,
+    root: NewBatch,
+    placed: Sequence[tuple[uuid.UUID, NewChild, int]],
+    digest: bytes,
+    *,
+    opened: Sequence[uuid.UUID] = (),
+    full: Sequence[uuid.UUID] = (),
+) -> bool:
+    """One chunk of an open batch, in the caller's transaction: the leaves it opens, its children and counters
+    (`add_children`), and the leaves it fills, sealed. Returns False if the batch is no longer open: the caller
+    must roll the chunk back and stop."""
+    lock_membership(conn, root.id)
+    for leaf_id in opened:
+        add_leaf(conn, root, leaf_id)
+    if not add_children(conn, root.id, placed, digest, opened=len(opened)):
+        return False
+    for leaf_id in full:
+        seal(conn, leaf_id)
+    return True
+
+
 def state_of(conn: Connection, batch_id: uuid.UUID) -> str | None:
     """A batch's state now (None if there is no such batch)."""
     state = conn.execute(q("state_of").text, {"id": batch_id}).scalar()
@@ -296,7 +337,7 @@ def find_by_key(conn: Connection, app_name: str, key: str) -> tuple[uuid.UUID, s
 
 
 def successor_task_id(conn: Connection, batch_id: uuid.UUID) -> str | None:
-    row = conn.execute(text("SELECT successor_task_id FROM fanin_batches WHERE id = :id"), {"id": batch_id}).first()
+    row = conn.execute(q("successor_task_id").text, {"id": batch_id}).first()
     return None if row is None else str(row[0])
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from .batches import Encoded
+from .batches import Encoded, lock_membership
 from .statements import q
 
 # --- lost children -------------------------------------------------------------------------------------------
@@ -130,6 +130,7 @@ def expire_batch(
     """
     if reason not in _ENDINGS:
         raise ValueError(f"not a reason to end a batch: {reason!r}")
+    lock_membership(conn, batch_id)  # a producer's chunk in flight commits first, or waits and then finds it ended
     row = conn.execute(
         q("expire_batch").text,
         {"id": batch_id, "reason": reason, "proceed": proceed},
@@ -140,6 +141,7 @@ def expire_batch(
 def cancel_open_batch(conn: Connection, batch_id: uuid.UUID) -> Expiry | None:
     """`expire_batch(reason="cancel", proceed=False)` for a batch that is still open (its producer's input raised):
     the producer's cancel, which ends no batch that was sealed. None if it is not an open root."""
+    lock_membership(conn, batch_id)
     row = conn.execute(q("cancel_open_batch").text, {"id": batch_id}).first()
     return _expiry(batch_id, row)
 
@@ -243,6 +245,7 @@ def seal_open_batch(conn: Connection, batch_id: uuid.UUID, *, lapsed_grace: floa
     longer ago than that (checked under the row lock, so a resumer that wrote a chunk since is not sealed under).
     Returns None if the batch is not an open root (or has not lapsed).
     """
+    lock_membership(conn, batch_id)  # after a producer's chunk in flight: its new leaves are sealed too
     row = conn.execute(
         q("seal_open_batch").text,
         {"id": batch_id, "grace": lapsed_grace},

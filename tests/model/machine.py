@@ -328,8 +328,8 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(which=PICK, n=st.integers(1, 3), expires=st.booleans(), pick=PICK, hold=HOLD)
     @_when(has_stream)
     def stream_chunk(self, which: int, n: int, expires: bool, pick: int, hold: bool) -> None:
-        """One chunk of an open batch, as the producer writes it (`write._fill`): new leaves, the children and the
-        counters (`add_leaf`, `add_children`), full leaves sealed; rolled back if the batch is no longer open."""
+        """One chunk of an open batch, as the producer writes it (`write._fill` calls `batches.write_chunk`): new
+        leaves, the children and the counters, full leaves sealed; rolled back if the batch is no longer open."""
         root: Root = self._pick(self._streams(), which)
         stream = root.stream
         assert stream is not None
@@ -342,12 +342,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         stream.busy = True
 
         def fn(conn: Connection) -> None:
-            for leaf_id in opened:
-                batches.add_leaf(conn, root.batch, leaf_id)
-            if not batches.add_children(conn, root.batch.id, placed, digest, opened=len(opened)):
+            if not batches.write_chunk(conn, root.batch, placed, digest, opened=opened, full=full):
                 raise Rollback("the batch is no longer open")
-            for leaf_id in full:
-                batches.seal(conn, leaf_id)
 
         def committed(_: Any) -> None:
             stream.busy = False
@@ -785,6 +781,7 @@ def check_database(conn: Connection, m: Model) -> None:
             "(SELECT 1 FROM fanin_successors s WHERE s.batch_id = o.batch_id AND s.step = o.step)"
         )
     ).all()
+    states = {b["id"]: b["state"] for b in rows}
     by_batch: dict[uuid.UUID, list[Any]] = {}
     for s in succ_rows:
         by_batch.setdefault(s.batch_id, []).append(s)
@@ -811,6 +808,8 @@ def check_database(conn: Connection, m: Model) -> None:
                 f"{where}: succeeded {b['succeeded']} + failed {b['failed']} + remaining {b['remaining']} "
                 f"!= planned {b['planned']}" + (" + its producer's token" if token else "")
             )
+        if b["parent_id"] is not None and state == "open" and states.get(b["parent_id"]) != "open":
+            problems.append(f"{where}: left open under a {states.get(b['parent_id'])} root (it can never finish)")
         if state == "running" and b["remaining"] == 0:
             problems.append(f"{where}: running with nothing left to wait for")
         if state in ("complete", "partial", "expired", "cancelled") and b["remaining"] != 0:

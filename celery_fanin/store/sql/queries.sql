@@ -129,6 +129,14 @@ SELECT state FROM fanin_batches WHERE id = :id;
 -- Release an open batch's token
 SELECT * FROM fanin_seal(:id);
 
+-- name: lock_membership
+-- Serialise a chunk of an open batch against its cancel, deadline or seal (the batch id's second 64 bits)
+SELECT pg_advisory_xact_lock(:k1, :k2);
+
+-- name: successor_task_id
+-- The task id a batch assigned its successor when it was created
+SELECT successor_task_id FROM fanin_batches WHERE id = :id;
+
 -- name: find_by_key
 -- The batch holding an idempotency key
 SELECT id, state, planned, digest FROM fanin_batches WHERE app_name = :a AND key = :k;

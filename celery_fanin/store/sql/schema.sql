@@ -570,19 +570,26 @@ BEGIN
         RETURN;
     END IF;
     v_proceed := coalesce(p_proceed, p_reason = 'deadline' AND h.on_deadline = 'proceed');
-    WITH a AS (
-        UPDATE fanin_children c
-           SET state = 'abandoned', finished_at = now(), exc_type = v_exc_type, exc_message = v_exc_message
-         WHERE c.batch_id IN (SELECT t.id FROM fanin_batches t WHERE t.id = p_batch OR t.parent_id = p_batch)
-           AND c.state IN ('pending', 'started')
-     RETURNING c.task_id
-    )
-    SELECT coalesce(array_agg(a.task_id), '{}') INTO v_abandoned FROM a;
-    PERFORM 1 FROM fanin_batches t WHERE t.parent_id = p_batch ORDER BY t.id FOR UPDATE;
-    PERFORM 1 FROM fanin_batches t WHERE t.id = p_batch AND t.state IN ('open', 'running') FOR UPDATE;
-    IF NOT FOUND THEN
+    -- The children are abandoned before the root is locked (the order every report takes), so a report that held
+    -- one of them may have finished the batch meanwhile (its last child, or past its threshold): then the batch is
+    -- no longer this call's to end, and the children abandoned go back as they were (the block's subtransaction).
+    BEGIN
+        WITH a AS (
+            UPDATE fanin_children c
+               SET state = 'abandoned', finished_at = now(), exc_type = v_exc_type, exc_message = v_exc_message
+             WHERE c.batch_id IN (SELECT t.id FROM fanin_batches t WHERE t.id = p_batch OR t.parent_id = p_batch)
+               AND c.state IN ('pending', 'started')
+         RETURNING c.task_id
+        )
+        SELECT coalesce(array_agg(a.task_id), '{}') INTO v_abandoned FROM a;
+        PERFORM 1 FROM fanin_batches t WHERE t.parent_id = p_batch ORDER BY t.id FOR UPDATE;
+        PERFORM 1 FROM fanin_batches t WHERE t.id = p_batch AND t.state IN ('open', 'running') FOR UPDATE;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'batch % finished meanwhile', p_batch USING ERRCODE = 'FNI01';
+        END IF;
+    EXCEPTION WHEN SQLSTATE 'FNI01' THEN
         RETURN;
-    END IF;
+    END;
     v_state := CASE WHEN v_proceed THEN 'partial' WHEN p_reason = 'cancel' THEN 'cancelled' ELSE 'expired' END;
     WITH totals AS (
         SELECT count(*) FILTER (WHERE c.state = 'succeeded') AS s,

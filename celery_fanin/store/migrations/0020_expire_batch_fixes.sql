@@ -1,6 +1,9 @@
--- celery-fanin schema, version 20: a tree whose deadline passes (or that is cancelled) leaves each leaf's counters
--- agreeing with its child rows. fanin_expire_batch set the root's totals from the children but only closed the
--- leaves, so a leaf kept the counts it had before its children were abandoned (found by tests/model).
+-- celery-fanin schema, version 20: fanin_expire_batch, as the protocol model (tests/model) found it wanting.
+-- - A tree whose deadline passes (or that is cancelled) leaves each leaf's counters agreeing with its child rows:
+--   the root's totals were set from the children, but the leaves were only closed and kept their old counts.
+-- - A deadline or cancel that abandoned children and then found the batch finished by a report meanwhile (its last
+--   child, or past its threshold) gives those children back: they were left abandoned under a finished batch.
+-- (Its callers also take the batch's membership lock first, so a producer's chunk cannot slip in between.)
 
 CREATE OR REPLACE FUNCTION fanin_expire_batch(p_batch uuid, p_reason text, p_proceed boolean)
 RETURNS TABLE (on_deadline text, abandoned text[], successor_created boolean, state text)
@@ -31,19 +34,26 @@ BEGIN
         RETURN;
     END IF;
     v_proceed := coalesce(p_proceed, p_reason = 'deadline' AND h.on_deadline = 'proceed');
-    WITH a AS (
-        UPDATE fanin_children c
-           SET state = 'abandoned', finished_at = now(), exc_type = v_exc_type, exc_message = v_exc_message
-         WHERE c.batch_id IN (SELECT t.id FROM fanin_batches t WHERE t.id = p_batch OR t.parent_id = p_batch)
-           AND c.state IN ('pending', 'started')
-     RETURNING c.task_id
-    )
-    SELECT coalesce(array_agg(a.task_id), '{}') INTO v_abandoned FROM a;
-    PERFORM 1 FROM fanin_batches t WHERE t.parent_id = p_batch ORDER BY t.id FOR UPDATE;
-    PERFORM 1 FROM fanin_batches t WHERE t.id = p_batch AND t.state IN ('open', 'running') FOR UPDATE;
-    IF NOT FOUND THEN
+    -- The children are abandoned before the root is locked (the order every report takes), so a report that held
+    -- one of them may have finished the batch meanwhile (its last child, or past its threshold): then the batch is
+    -- no longer this call's to end, and the children abandoned go back as they were (the block's subtransaction).
+    BEGIN
+        WITH a AS (
+            UPDATE fanin_children c
+               SET state = 'abandoned', finished_at = now(), exc_type = v_exc_type, exc_message = v_exc_message
+             WHERE c.batch_id IN (SELECT t.id FROM fanin_batches t WHERE t.id = p_batch OR t.parent_id = p_batch)
+               AND c.state IN ('pending', 'started')
+         RETURNING c.task_id
+        )
+        SELECT coalesce(array_agg(a.task_id), '{}') INTO v_abandoned FROM a;
+        PERFORM 1 FROM fanin_batches t WHERE t.parent_id = p_batch ORDER BY t.id FOR UPDATE;
+        PERFORM 1 FROM fanin_batches t WHERE t.id = p_batch AND t.state IN ('open', 'running') FOR UPDATE;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'batch % finished meanwhile', p_batch USING ERRCODE = 'FNI01';
+        END IF;
+    EXCEPTION WHEN SQLSTATE 'FNI01' THEN
         RETURN;
-    END IF;
+    END;
     v_state := CASE WHEN v_proceed THEN 'partial' WHEN p_reason = 'cancel' THEN 'cancelled' ELSE 'expired' END;
     WITH totals AS (
         SELECT count(*) FILTER (WHERE c.state = 'succeeded') AS s,

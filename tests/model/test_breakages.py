@@ -1,0 +1,162 @@
+"""The protocol model can fail: each deliberate breakage of the protocol, applied to a scratch database of its own,
+is found by the state machine, and its shrunk counterexample is printed (issue 26, item 3).
+
+A breakage of a SQL function is made from the function as the database has it (`pg_get_functiondef`), with one
+textual replacement whose pattern must be found, then `CREATE OR REPLACE`d. A breakage of a statement the library
+sends from Python (the successor's run guard, the relay's mark-sent, the successor's insert) rewrites that
+statement's text on its way to the scratch database only (an engine event), the pattern checked the same way
+against the library's source.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import Flaky
+from hypothesis.internal.conjecture import engine as conjecture_engine
+from hypothesis.stateful import run_state_machine_as_test
+from sqlalchemy import event, text
+
+from celery_fanin.store import batches, outbox, successors
+
+from .conftest import model_budget
+from .machine import ProtocolMachine, Violation, engine_for
+
+REPORT = (
+    "fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer, text)"
+)
+SETTLE = "fanin_settle(uuid, integer, integer)"
+
+
+@dataclass(frozen=True)
+class Breakage:
+    name: str
+    old: str
+    new: str
+    function: str | None = None  # a SQL function's signature, or:
+    module: ModuleType | None = None  # the module whose statement is rewritten
+
+
+BREAKAGES = [
+    Breakage(
+        "a report counts a child that is already terminal (no `state IN ('pending', 'started')`)",
+        "WHERE task_id = p_task_id AND state IN ('pending', 'started')",
+        "WHERE task_id = p_task_id",
+        function=REPORT,
+    ),
+    Breakage(
+        "a report counts whatever index its message names (no `idx = p_index`)",
+        "AND idx = p_index AND",
+        "AND",
+        function=REPORT,
+    ),
+    Breakage(
+        "a leaf that finishes does not settle its root",
+        "SELECT * INTO r FROM fanin_settle(b.parent_id,",
+        "SELECT NULL::integer AS remaining, false AS successor_created INTO r FROM fanin_settle(NULL,",
+        function=SETTLE,
+    ),
+    Breakage(
+        "a seal releases the token of a batch that is no longer open (no `state = 'open'`)",
+        "WHERE id = p_batch AND state = 'open'",
+        "WHERE id = p_batch",
+        function="fanin_seal(uuid)",
+    ),
+    Breakage(
+        "a start written after the terminal report reopens the child",
+        "SET state = CASE WHEN c.state IN ('pending', 'started') THEN 'started' ELSE c.state END",
+        "SET state = 'started'",
+        function="fanin_record_starts(text[], integer[], text[], timestamptz[])",
+    ),
+    Breakage(
+        "the successor is inserted without ON CONFLICT (reconciliation's and the deadline's insert)",
+        "ON CONFLICT (batch_id, step) DO NOTHING",
+        "",
+        module=batches,
+    ),
+    Breakage(
+        "a successor run is admitted without the guard (whatever the successor's state)",
+        "AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
+        "AND (true",
+        module=successors,
+    ),
+    Breakage(
+        "mark-sent moves a running successor back to sent (no `s.state = 'pending'`)",
+        "AND s.step = sent.step AND s.state = 'pending'",
+        "AND s.step = sent.step",
+        module=outbox,
+    ),
+]
+
+
+def _break_function(url: str, breakage: Breakage) -> None:
+    engine = engine_for(url)
+    with engine.begin() as conn:
+        body = conn.execute(
+            text("SELECT pg_get_functiondef(CAST(:f AS regprocedure))"), {"f": breakage.function}
+        ).scalar_one()
+        assert breakage.old in body, f"{breakage.function} no longer contains {breakage.old!r}: update the breakage"
+        # Straight to the driver without parameters, so that `%` in PL/pgSQL is not a placeholder.
+        with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
+            cursor.execute(body.replace(breakage.old, breakage.new))
+
+
+def _break_statement(url: str, breakage: Breakage) -> list[int]:
+    """Rewrite the statement on the scratch engine; returns a one-item list counting the rewrites made."""
+    assert breakage.module is not None
+    assert breakage.old in inspect.getsource(breakage.module), f"{breakage.module.__name__} lost {breakage.old!r}"
+    rewrites = [0]
+
+    def rewrite(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> Any:
+        if breakage.old in statement:
+            rewrites[0] += 1
+            statement = statement.replace(breakage.old, breakage.new)
+        return statement, params
+
+    event.listen(engine_for(url), "before_cursor_execute", rewrite, retval=True)
+    return rewrites
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda b: b.name)
+def test_the_model_finds_a_broken_protocol(
+    breakage: Breakage,
+    scratch_db: Callable[[], str],
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = scratch_db()
+    rewrites = None
+    if breakage.function is not None:
+        _break_function(url, breakage)
+    else:
+        rewrites = _break_statement(url, breakage)
+    monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", 15)
+    examples, steps = model_budget(request.config, 300, 40)
+    machine = type("Broken", (ProtocolMachine,), {"url": url})
+    with pytest.raises((Violation, Flaky)) as found:
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=steps,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                phases=[Phase.generate, Phase.shrink],
+                database=None,
+                derandomize=True,
+            ),
+        )
+    if rewrites is not None:
+        assert rewrites[0] > 0, "the broken statement never ran"
+    exc = found.value
+    notes = "\n".join(getattr(exc, "__notes__", []))
+    with capsys.disabled():
+        print(f"\n--- breakage: {breakage.name}\n{type(exc).__name__}: {str(exc)[:2000]}\n{notes}")
