@@ -44,7 +44,8 @@ class BatchStatus:
     successor_state: str | None  # None until the last child's terminal outcome creates the successor
     successor_runs: int
     successor_duplicates: int
-    # Terminal reports refused because their message's batch, index or task name disagreed with the child's row.
+    # Reports refused because their message's batch, index or task name disagreed with the child's row, or its
+    # headers with the fan-in claim in its body (docs/concepts/trust.md).
     refused_reports: int = 0
 
     @property

@@ -39,7 +39,9 @@ logger = logging.getLogger("celery_fanin.hooks")
 
 # Reports refused: the message's batch, index or task name disagree with the child's row (the store's check), or its
 # headers disagree with the claim in its body (the worker's, for children and successors).
-_REFUSED = Counter("fanin_worker_reports_refused", "Terminal reports refused: headers do not match the child.")
+_REFUSED = Counter(
+    "fanin_worker_reports_refused", "Reports refused: headers that do not match the child or the body's fan-in claim."
+)
 # The claim `refuse` sends for a child: no child has index -1, so the store's report statement moves nothing and
 # counts the refusal on the child the task id names (its batch's `refused_reports`), as for any refused report.
 _NO_CHILD = batches.Claim("00000000-0000-0000-0000-000000000000", -1, None)
