@@ -114,13 +114,12 @@ class Layout:
 # --- the two paths, and the caller's transaction ------------------------------------------------------------------
 
 
-def write_in_transaction(
+def _in_transaction(
     fanin: FanIn,
     tx: CallerTransaction,
     root: batches.NewBatch,
     source: Iterable[Any],
     encode: Encoder,
-    *,
     ratio: float | None,
     max_width: int,
 ) -> Written:
@@ -161,8 +160,12 @@ def write(
     *,
     ratio: float | None,
     max_width: int,
+    tx: CallerTransaction | None = None,
 ) -> Written:
-    """Write (or find, or resume) the batch `root` with the children `source` yields, publishing them."""
+    """Write (or find, or resume) the batch `root` with the children `source` yields, publishing them; with `tx`,
+    in the caller's transaction, published after it commits."""
+    if tx is not None:
+        return _in_transaction(fanin, tx, root, source, encode, ratio, max_width)
     settings = fanin.settings
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         # Everything is in memory already: validate and encode it all, then write it in one transaction.
