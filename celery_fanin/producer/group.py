@@ -847,10 +847,8 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
         width = self.max_width or fanin.settings.max_width
         children = self._partial_children(args, kwargs)
-        if tx is not None:  # published after the caller's commit, by this process or the relay
-            written = write.write_in_transaction(fanin, tx, root, children, encode, ratio=ratio, max_width=width)
-        else:
-            written = write.write(fanin, root, children, encode, ratio=ratio, max_width=width)
+        # With the caller's transaction, published after its commit (by this process or the relay).
+        written = write.write(fanin, root, children, encode, ratio=ratio, max_width=width, tx=tx)
         if app.conf.task_always_eager:  # the children ran inline as they were published; now the successor
             return eager.run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY

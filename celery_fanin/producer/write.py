@@ -114,13 +114,12 @@ class Layout:
 # --- the two paths, and the caller's transaction ------------------------------------------------------------------
 
 
-def write_in_transaction(
+def _in_transaction(
     fanin: FanIn,
     tx: CallerTransaction,
     root: batches.NewBatch,
     source: Iterable[Any],
     encode: Encoder,
-    *,
     ratio: float | None,
     max_width: int,
 ) -> Written:
@@ -129,14 +128,8 @@ def write_in_transaction(
     a stream commits chunk by chunk, which a transaction that is not ours cannot do."""
     if not isinstance(source, Sequence) or isinstance(source, (str, bytes)):
         raise InvalidFanIn("transaction= needs a list of children (a generator is written in chunks of its own)")
-    prepared = [encode(i, item) for i, item in enumerate(source)]
-    _check_unique_ids(prepared)
-    digest = EMPTY_DIGEST
-    for child, _ in prepared:
-        digest = digest_step(digest, child)
-    threshold = math.floor(ratio * len(prepared)) if ratio is not None else root.max_failures
-    leaves = math.ceil(len(prepared) / max_width) if len(prepared) > max_width else 0
-    root = replace(root, digest=digest, max_failures=threshold)
+    root, prepared, leaves = _prepare_list(root, source, encode, ratio, max_width)
+    digest = root.digest
     children = [c for c, _ in prepared]
     conn = tx.conn
     try:
@@ -167,21 +160,33 @@ def write(
     *,
     ratio: float | None,
     max_width: int,
+    tx: CallerTransaction | None = None,
 ) -> Written:
-    """Write (or find, or resume) the batch `root` with the children `source` yields, publishing them."""
+    """Write (or find, or resume) the batch `root` with the children `source` yields, publishing them; with `tx`,
+    in the caller's transaction, published after it commits."""
+    if tx is not None:
+        return _in_transaction(fanin, tx, root, source, encode, ratio, max_width)
     settings = fanin.settings
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         # Everything is in memory already: validate and encode it all, then write it in one transaction.
-        prepared = [encode(i, item) for i, item in enumerate(source)]
-        _check_unique_ids(prepared)
-        digest = EMPTY_DIGEST
-        for child, _ in prepared:
-            digest = digest_step(digest, child)
-        threshold = math.floor(ratio * len(prepared)) if ratio is not None else root.max_failures
-        leaves = math.ceil(len(prepared) / max_width) if len(prepared) > max_width else 0
-        return _write_at_once(fanin, replace(root, digest=digest, max_failures=threshold), prepared, leaves)
+        return _write_at_once(fanin, *_prepare_list(root, source, encode, ratio, max_width))
     layout = Layout(max_width, settings.tree_fanout, max_width)
     return _stream(fanin, replace(root, max_failures_ratio=ratio), _encoded(source, encode), layout)
+
+
+def _prepare_list(
+    root: batches.NewBatch, source: Sequence[Any], encode: Encoder, ratio: float | None, max_width: int
+) -> tuple[batches.NewBatch, list[tuple[batches.NewChild, Signature]], int]:
+    """A list of children encoded and checked whole: the batch with its digest and failure threshold, the
+    children, and the number of leaves (0: flat)."""
+    prepared = [encode(i, item) for i, item in enumerate(source)]
+    _check_unique_ids(prepared)
+    digest = EMPTY_DIGEST
+    for child, _ in prepared:
+        digest = digest_step(digest, child)
+    threshold = math.floor(ratio * len(prepared)) if ratio is not None else root.max_failures
+    leaves = math.ceil(len(prepared) / max_width) if len(prepared) > max_width else 0
+    return replace(root, digest=digest, max_failures=threshold), prepared, leaves
 
 
 def _encoded(source: Iterable[Any], encode: Encoder) -> Iterator[tuple[batches.NewChild, Signature]]:

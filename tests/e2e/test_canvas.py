@@ -8,6 +8,7 @@ the producer have one (Redis, the broker's database); the fan-in's own handle re
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from celery import chain, chord, group
 
 from celery_fanin import FanInGroup, FanInResult, fan_in_group
+from celery_fanin.producer.group import _RUN_CANVAS_IDS
 from tests.app import NOTES_TABLE_DDL, add, fail, identity, note, ok, raise_value_error, record_run, sum_values, tsum
 from tests.app import values as collect
 from tests.workers import wait_for
@@ -71,14 +73,18 @@ def test_a_fan_in_in_a_chain_first_middle_and_last(canvas: dict[str, str], produ
     assert immutable.apply_async().get(timeout=TIMEOUT) == [10]
 
 
-def test_a_fan_in_sent_twice_with_its_frozen_id_is_one_batch(canvas: dict[str, str], producer: Any) -> None:
+def test_a_fan_in_sent_twice_with_its_frozen_id_is_one_batch(
+    canvas: dict[str, str], producer: Any, processes: Any
+) -> None:
     """A fan-in reached from a message is written by `celery_fanin.run_canvas`; a second delivery of it (the
-    task before redelivered, the message sent again) carries the same frozen batch id and writes nothing new."""
+    task before redelivered, the message sent again) carries the same frozen batch id and finds the first one's
+    batch: both runs succeed (neither fails on the taken id, nor retries), one batch, one successor run."""
     plan = fan_in_group([ok.s(1), ok.s(2)], then=record_run.s("once"), app=producer)
     frozen = plan.freeze()
     from_message = FanInGroup.from_dict(json.loads(json.dumps(plan)), app=producer)
     first = from_message.apply_async()
     second = from_message.apply_async()
+    sent = uuid.uuid5(_RUN_CANVAS_IDS, frozen.batch_id)  # the message's task id: the same for both
     assert first.batch_id == second.batch_id == frozen.batch_id and first.id == frozen.id
     frozen.wait(timeout=TIMEOUT)
     wait_for(lambda: len(_batches(canvas)) == 1, TIMEOUT, message="the batch")
@@ -86,6 +92,10 @@ def test_a_fan_in_sent_twice_with_its_frozen_id_is_one_batch(canvas: dict[str, s
     with psycopg.connect(canvas["FANIN_DATABASE_URL"], autocommit=True) as conn:
         runs = conn.execute("SELECT count(*) FROM e2e_successor_runs WHERE label = 'once'").fetchone()
     assert runs is not None and runs[0] == 1
+    worker = processes.started[0]
+    wait_for(lambda: worker.output().count(f"celery_fanin.run_canvas[{sent}] succeeded") == 2, TIMEOUT,
+             message="both run_canvas runs succeeded")  # fmt: skip
+    assert "run_canvas" not in "".join(line for line in worker.output().splitlines() if "ERROR" in line)
 
 
 def test_fan_ins_and_a_chain_in_a_chord_header(canvas: dict[str, str], producer: Any) -> None:
