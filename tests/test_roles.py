@@ -499,9 +499,9 @@ def _one(url: str, statement: str) -> tuple[object, ...] | None:
 
 @pytest.mark.timeout(120)
 def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
-    """Least privilege by construction (migration 0017): no runtime role has a direct write to a counter, a batch's
-    state, a child's outcome, a successor or the outbox; each may EXECUTE exactly its functions, and each function
-    refuses the moves its path does not make."""
+    """Least privilege by construction (the definer_writes migration): no runtime role has a direct write to a
+    counter, a batch's state, a child's outcome, a successor or the outbox; each may EXECUTE exactly its functions,
+    and each function refuses the moves its path does not make."""
     _migrate(cluster)
     producer = _app(cluster, "producer")
     try:

@@ -249,7 +249,7 @@ def add_children(
     for batch_id, _, _ in placed:
         if batch_id != root_id:
             per_leaf[batch_id] = per_leaf.get(batch_id, 0) + 1
-    # One statement (fanin_add_children, migration 0017): leaves locked in id order, then the root.
+    # One statement (fanin_add_children, sql/schema.sql): leaves locked in id order, then the root.
     return bool(
         conn.execute(
             q("add_children").text,
@@ -358,7 +358,7 @@ def open_leaves(conn: Connection, root_id: uuid.UUID) -> list[tuple[uuid.UUID, i
 def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | None:
     """Create the batch's one successor (`kind` says which signature it runs) and its outbox row, once.
 
-    `fanin_ensure_successor` (migration 0017) does it from the batch's own row, only for a finished root; a second
+    `fanin_ensure_successor` (sql/schema.sql) does it from the batch's own row, only for a finished root; a second
     call is a no-op. Returns the new outbox row's id, or None.
     """
     row = conn.execute(q("insert_successor").text, {"id": batch_id, "kind": kind}).scalar()

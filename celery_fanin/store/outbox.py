@@ -1,6 +1,6 @@
 """The outbox: successors waiting to be published, claimed by one relay at a time.
 
-Claiming is `SELECT ... FOR UPDATE SKIP LOCKED` (`fanin_claim_outbox`, migration 0017) inside the transaction
+Claiming is `SELECT ... FOR UPDATE SKIP LOCKED` (`fanin_claim_outbox`, sql/schema.sql) inside the transaction
 that also marks the rows sent: the relay holds the row locks while it publishes, so a second relay skips those
 rows, and a relay that dies mid-publish releases them at once (its rows were never marked sent, and go out again:
 at-least-once publishing, made exactly-once in effect by the successor's start guard).

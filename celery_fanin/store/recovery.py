@@ -49,7 +49,7 @@ def claim_redrive(conn: Connection, child: OverdueChild) -> bool:
     """Take the right to re-publish an overdue child once: moves it back to pending and restarts its timer.
 
     Conditional on the redrive count the caller saw, so two relays never redrive the same child twice; the store
-    checks again that it is overdue and may be redriven (`fanin_claim_redrive`, migration 0017).
+    checks again that it is overdue and may be redriven (`fanin_claim_redrive`, sql/schema.sql).
     """
     found = conn.execute(q("claim_redrive").text, {"task_id": child.task_id, "seen": child.redrives}).scalar_one()
     return bool(found)

@@ -3,7 +3,7 @@
 -- written once by producers and never updated, so no role but the owner can rewrite what a worker will run.
 
 -- Every write to a counter, a batch's state, a child's outcome, a successor or the outbox is made by a function
--- that runs with its owner's rights (SECURITY DEFINER, search path pinned: migrations 0014 and 0017), each with
+-- that runs with its owner's rights (SECURITY DEFINER, search path pinned: the checked_reports and definer_writes migrations), each with
 -- the checks of its own path. EXECUTE on one of them is the right to make that move, on its terms; no runtime
 -- role may UPDATE fanin_batches, fanin_children, fanin_successors or fanin_outbox, or INSERT into the last two.
 -- The migrations revoke PUBLIC's EXECUTE on them already; this repeats it for a database migrated before.
@@ -40,7 +40,7 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_renew_leases(uuid[], text[], integer[], double precision),
                            fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text)
     FROM PUBLIC;
--- Direct writes a database migrated (and granted) before version 17 still has: revoked, so that re-running this
+-- Direct writes a database migrated (and granted) before definer_writes still has: revoked, so that re-running this
 -- file after the upgrade leaves only the functions. (Revoking what was never granted is a no-op.)
 REVOKE UPDATE, INSERT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox
     FROM fanin_producer, fanin_worker, fanin_relay;

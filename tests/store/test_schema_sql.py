@@ -48,4 +48,4 @@ def test_functions_are_versioned_by_name_not_overloaded(fresh_db: Callable[[], s
         ).fetchall()
         unused = conn.execute("SELECT to_regproc('fanin_record_start'), to_regproc('fanin_record_terminal')").fetchone()
     assert overloaded == [], "a changed signature gets a new name (`_v2`), never a second overload"
-    assert unused == (None, None), "the unused and the superseded functions are dropped (migration 0018)"
+    assert unused == (None, None), "the unused and superseded functions are dropped (versioned_functions)"

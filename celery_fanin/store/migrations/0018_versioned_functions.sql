@@ -7,9 +7,9 @@
 --   fanin_record_start (version 3): unused since version 6 (starts are written by fanin_record_starts); dropped.
 --   fanin_record_terminal, 7 arguments (version 3): forwarded to the 10-argument form; dropped.
 --   fanin_record_terminal, 10 arguments (version 6): renamed fanin_record_terminal_v2. Its callers are all
---   functions (the recovery paths of version 17, and a successor's hand-over to its outer child); they are
---   created again below, calling it by its new name, and given back their owner's rights and pinned search path
---   (CREATE OR REPLACE resets both).
+--   functions (the recovery paths of the definer_writes migration, and a successor's hand-over to its outer
+--   child); they are created again below, calling it by its new name, and given back their owner's rights and
+--   pinned search path (CREATE OR REPLACE resets both).
 
 DROP FUNCTION fanin_record_start(text, integer, text);
 DROP FUNCTION fanin_record_terminal(text, text, bytea, text, text, text, text);
