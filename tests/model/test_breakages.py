@@ -143,7 +143,7 @@ def test_the_model_finds_a_broken_protocol(
         _break_function(url, breakage)
     else:
         rewrites = _break_statement(url, breakage)
-    monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", 15)
+    monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", 10)
     examples, steps = model_budget(request.config, 300, 40)
     machine = type("Broken", (ProtocolMachine,), {"url": url})
     with pytest.raises((Violation, FlakyFailure)) as found:
