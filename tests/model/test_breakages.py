@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase
 from hypothesis.errors import FlakyFailure
 from hypothesis.internal.conjecture import engine as conjecture_engine
 from hypothesis.stateful import run_state_machine_as_test
@@ -30,7 +30,7 @@ from sqlalchemy import event, text
 
 from celery_fanin.store import batches, outbox, successors
 
-from .conftest import model_budget
+from .conftest import model_budget, model_settings
 from .machine import ProtocolMachine, Violation, engine_for
 
 REPORT = (
@@ -148,16 +148,7 @@ def test_the_model_finds_a_broken_protocol(
     machine = type("Broken", (ProtocolMachine,), {"url": url})
     with pytest.raises((Violation, FlakyFailure)) as found:
         run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=examples,
-                stateful_step_count=steps,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                phases=[Phase.generate, Phase.shrink],
-                database=None,
-                derandomize=True,
-            ),
+            machine, settings=model_settings(examples, steps, phases=[Phase.generate, Phase.shrink], derandomize=True)
         )
     if rewrites is not None:
         assert rewrites[0] > 0, "the broken statement never ran"
