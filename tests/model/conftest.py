@@ -1,7 +1,8 @@
-"""The protocol model's options and its database: `--model-examples N` (and `--model-steps N`) for a long run.
+"""The protocol model's databases and settings; its options (`--model-examples N`, `--model-steps N`, for a long
+run) are registered in tests/conftest.py.
 
-A database of its own, migrated once per session and dropped at the end: the breakage tests alter its functions
-in scratch databases of their own (see test_breakages.py), never in this one.
+Scratch databases, each migrated when made and dropped at the end of the session: the model runs in one, and
+each breakage (test_breakages.py) alters the functions of one of its own.
 """
 
 from __future__ import annotations
@@ -17,14 +18,6 @@ from celery_fanin.store import migrate
 from tests.conftest import ADMIN_URL, _admin
 
 from .machine import dispose_engines, engine_for
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("model")
-    group.addoption(
-        "--model-examples", type=int, default=None, help="protocol model: examples to run (default: the CI budget)"
-    )
-    group.addoption("--model-steps", type=int, default=None, help="protocol model: steps per example")
 
 
 @pytest.fixture(scope="session")
