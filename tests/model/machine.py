@@ -606,6 +606,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             if got.number != runs.admitted + 1:
                 raise Violation(f"run {got.number} admitted after run {runs.admitted}")
             runs.admitted, runs.live, runs.dead = got.number, got.number, False
+            STATS["runs admitted"] += 1
 
         self.run(Op("claim_run", fn, done), pick, hold)
 
