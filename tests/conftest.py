@@ -167,3 +167,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("chaos")
     group.addoption("--chaos-scale", type=float, default=1.0, help="chaos suite size and duration multiplier")
     group.addoption("--chaos-seed", type=int, default=None, help="chaos suite random seed (default: new, printed)")
+    # Here rather than in tests/model/conftest.py, so that they are known however pytest is called.
+    model = parser.getgroup("model")
+    model.addoption("--model-examples", type=int, default=None, help="protocol model: cases to run (default: CI's)")
+    model.addoption("--model-steps", type=int, default=None, help="protocol model: steps per case")

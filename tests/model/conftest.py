@@ -1,34 +1,23 @@
-"""The protocol model's options and its database: `--model-examples N` (and `--model-steps N`) for a long run.
+"""The protocol model's databases and settings; its options (`--model-examples N`, `--model-steps N`, for a long
+run) are registered in tests/conftest.py.
 
-A database of its own, migrated once per session and dropped at the end: the breakage tests alter its functions
-in scratch databases of their own (see test_breakages.py), never in this one.
+Scratch databases, each migrated when made and dropped at the end of the session: the model runs in one, and
+each breakage (test_breakages.py) alters the functions of one of its own.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
-import psycopg
 import pytest
-from celery import Celery
+from hypothesis import HealthCheck, settings
 
-from celery_fanin import FanIn
-from tests.conftest import ADMIN_URL
+from celery_fanin.store import migrate
+from tests.conftest import ADMIN_URL, _admin
 
-from .machine import dispose_engines
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("model")
-    group.addoption(
-        "--model-examples", type=int, default=None, help="protocol model: examples to run (default: the CI budget)"
-    )
-    group.addoption("--model-steps", type=int, default=None, help="protocol model: steps per example")
-
-
-def _admin() -> psycopg.Connection:
-    return psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=5)
+from .machine import dispose_engines, engine_for
 
 
 @pytest.fixture(scope="session")
@@ -37,16 +26,11 @@ def scratch_db() -> Iterator[Callable[[], str]]:
     names: list[str] = []
 
     def create() -> str:
-        name = f"fanin_model_{uuid.uuid4().hex[:10]}"
+        names.append(f"fanin_model_{uuid.uuid4().hex[:10]}")
         with _admin() as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
-        names.append(name)
-        url = f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
-        app = Celery("fanin-model-migrate")
-        app.conf.fanin_database_url = url
-        fanin = FanIn(app)
-        fanin.migrate()
-        fanin.dispose()
+            admin.execute(f'CREATE DATABASE "{names[-1]}"')  # a generated identifier, not input
+        url = f"{ADMIN_URL.rsplit('/', 1)[0]}/{names[-1]}"
+        migrate.migrate(engine_for(url))
         return url
 
     try:
@@ -56,6 +40,19 @@ def scratch_db() -> Iterator[Callable[[], str]]:
         with _admin() as admin:
             for name in names:
                 admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def model_settings(examples: int, steps: int, **extra: Any) -> settings:
+    """The hypothesis settings of a model run: no deadline (a step waits on locks), no example database (a
+    case replays against a database that no longer exists), every health check off (steps are slow by design)."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        **extra,
+    )
 
 
 def model_budget(config: pytest.Config, examples: int, steps: int) -> tuple[int, int]:

@@ -6,6 +6,11 @@ textual replacement whose pattern must be found, then `CREATE OR REPLACE`d. A br
 sends from Python (the successor's run guard, the relay's mark-sent, the successor's insert) rewrites that
 statement's text on its way to the scratch database only (an engine event), the pattern checked the same way
 against the library's source.
+
+Not in the list: dropping `remaining > 0` from `fanin_settle`. With the defects the model found fixed, no
+interleaving it generates reaches a settle of a counter at zero (every path that zeroes a counter first makes its
+children terminal, under the locks their reports take), so the guard is defence in depth: 300 examples of 40
+steps found nothing (run on 2026-12-01).
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.errors import Flaky
+from hypothesis import Phase
+from hypothesis.errors import FlakyFailure
 from hypothesis.internal.conjecture import engine as conjecture_engine
 from hypothesis.stateful import run_state_machine_as_test
 from sqlalchemy import event, text
 
 from celery_fanin.store import batches, outbox, successors
 
-from .conftest import model_budget
+from .conftest import model_budget, model_settings
 from .machine import ProtocolMachine, Violation, engine_for
 
 REPORT = (
@@ -138,25 +143,20 @@ def test_the_model_finds_a_broken_protocol(
         _break_function(url, breakage)
     else:
         rewrites = _break_statement(url, breakage)
-    monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", 15)
+    monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", 10)
     examples, steps = model_budget(request.config, 300, 40)
     machine = type("Broken", (ProtocolMachine,), {"url": url})
-    with pytest.raises((Violation, Flaky)) as found:
+    with pytest.raises((Violation, FlakyFailure)) as found:
         run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=examples,
-                stateful_step_count=steps,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                phases=[Phase.generate, Phase.shrink],
-                database=None,
-                derandomize=True,
-            ),
+            machine, settings=model_settings(examples, steps, phases=[Phase.generate, Phase.shrink], derandomize=True)
         )
     if rewrites is not None:
         assert rewrites[0] > 0, "the broken statement never ran"
     exc = found.value
+    if isinstance(exc, FlakyFailure):
+        # Found, but a replay of the shrunk case went another way (which session a lock went to first): still a
+        # violation, as long as one is among the failures it saw.
+        assert any(isinstance(e, Violation) for e in exc.exceptions), exc.exceptions
     notes = "\n".join(getattr(exc, "__notes__", []))
     with capsys.disabled():
         print(f"\n--- breakage: {breakage.name}\n{type(exc).__name__}: {str(exc)[:2000]}\n{notes}")

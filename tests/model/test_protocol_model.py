@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase
 from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import run_state_machine_as_test
 
-from .conftest import model_budget
+from .conftest import model_budget, model_settings
 from .machine import STATS, ProtocolMachine
 
 CI_EXAMPLES = 40
@@ -32,14 +32,8 @@ def test_protocol_model(
     STATS.clear()
     run_state_machine_as_test(
         machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            phases=[Phase.generate, Phase.target, Phase.shrink, Phase.explain],
-            database=None,
-            print_blob=True,
+        settings=model_settings(
+            examples, steps, phases=[Phase.generate, Phase.target, Phase.shrink, Phase.explain], print_blob=True
         ),
     )
     print("protocol model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
