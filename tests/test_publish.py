@@ -448,8 +448,12 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
         handle = fan_in_group([echo.s(i) for i in range(5)], then=echo.s(), app=app).apply_async()
         assert handle.status().published == 5, "every child confirmed by the broker"
         with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-            ids = [r[0] for r in conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx",
-                                              (handle.batch_id,))]  # fmt: skip
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,)
+                )
+            ]
         with FanIn.of(app).engine.begin() as conn:
             for task_id in ids:
                 assert batches.record_terminal(conn, task_id, "succeeded").counted

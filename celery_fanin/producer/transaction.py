@@ -51,8 +51,10 @@ def adopt(fanin: FanIn, transaction: Any) -> CallerTransaction | None:
     elif isinstance(transaction, Session) or hasattr(transaction, "registry"):  # a Session, or a scoped_session
         session = transaction() if not isinstance(transaction, Session) else transaction
         if not isinstance(session, Session):
-            raise InvalidFanIn(f"transaction= must be a SQLAlchemy Session or Connection, or a Django connection, "
-                               f"not {type(transaction).__name__}")  # fmt: skip
+            raise InvalidFanIn(
+                f"transaction= must be a SQLAlchemy Session or Connection, or a Django connection, "
+                f"not {type(transaction).__name__}"
+            )
         adopted = CallerTransaction(session.connection(), lambda fn: _after_session_commit(session, fn))
     elif isinstance(transaction, Connection):
         adopted = CallerTransaction(transaction, None)

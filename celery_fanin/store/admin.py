@@ -51,14 +51,21 @@ class Node:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "batch_id": str(self.id), "step": self.step, "state": self.state, "planned": self.planned,
-            "succeeded": self.succeeded, "failed": self.failed, "remaining": self.remaining,
+            "batch_id": str(self.id),
+            "step": self.step,
+            "state": self.state,
+            "planned": self.planned,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "remaining": self.remaining,
             "created_at": self.created_at.isoformat(),
             "completed_at": self.completed_at.isoformat() if self.completed_at else None,
             "deadline_at": self.deadline_at.isoformat() if self.deadline_at else None,
-            "successor_name": self.successor_name, "successor_state": self.successor_state,
-            "round": self.round, "retry_of": str(self.retry_of) if self.retry_of else None,
-        }  # fmt: skip
+            "successor_name": self.successor_name,
+            "successor_state": self.successor_state,
+            "round": self.round,
+            "retry_of": str(self.retry_of) if self.retry_of else None,
+        }
 
 
 # Every node statement (`node`, `node_leaves`, `node_descendants`, `node_rounds` in sql/queries.sql) returns
@@ -68,10 +75,26 @@ class Node:
 
 def _node(r: Any) -> Node:
     return Node(
-        r.id, r.step, r.state, int(r.planned), int(r.succeeded), int(r.failed), r.created_at, r.completed_at,
-        r.deadline_at, r.successor_name, r.successor_state, r.key, r.parent_id, r.parent_task_id, r.lineage,
-        int(r.depth), int(r.round), r.retry_of, r.child_index,
-    )  # fmt: skip
+        r.id,
+        r.step,
+        r.state,
+        int(r.planned),
+        int(r.succeeded),
+        int(r.failed),
+        r.created_at,
+        r.completed_at,
+        r.deadline_at,
+        r.successor_name,
+        r.successor_state,
+        r.key,
+        r.parent_id,
+        r.parent_task_id,
+        r.lineage,
+        int(r.depth),
+        int(r.round),
+        r.retry_of,
+        r.child_index,
+    )
 
 
 def node(conn: Connection, batch_id: uuid.UUID) -> Node | None:
@@ -95,7 +118,7 @@ def descendants(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[Node]
     rows = conn.execute(
         q("node_descendants").text,
         {"id": batch_id, "n": limit},
-    )  # fmt: skip
+    )
     return [_node(r) for r in rows]
 
 
@@ -104,7 +127,7 @@ def rounds(conn: Connection, original_id: uuid.UUID) -> list[Node]:
     rows = conn.execute(
         q("node_rounds").text,
         {"id": original_id},
-    )  # fmt: skip
+    )
     return [_node(r) for r in rows]
 
 

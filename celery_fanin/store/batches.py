@@ -129,10 +129,18 @@ def leaf_of(root: NewBatch, leaf_id: uuid.UUID) -> NewBatch:
     root. Under a root with a threshold the leaf hands each failure up at once, so one leaf's failures can
     finish the whole tree early."""
     leaf = NewBatch(
-        id=leaf_id, step=root.step, successor_task_id="", successor_name="", successor_message=root.successor_message,
-        child_timeout=root.child_timeout, on_lost=root.on_lost, max_redrives=root.max_redrives,
-        app_name=root.app_name, depth=root.depth, lineage=root.lineage,
-    )  # fmt: skip
+        id=leaf_id,
+        step=root.step,
+        successor_task_id="",
+        successor_name="",
+        successor_message=root.successor_message,
+        child_timeout=root.child_timeout,
+        on_lost=root.on_lost,
+        max_redrives=root.max_redrives,
+        app_name=root.app_name,
+        depth=root.depth,
+        lineage=root.lineage,
+    )
     return replace(leaf, fail_up=root.max_failures is not None or root.max_failures_ratio is not None)
 
 
@@ -218,8 +226,19 @@ def insert_placed(conn: Connection, placed: Sequence[tuple[uuid.UUID, NewChild, 
             write = copy.write_row
             for batch_id, child, idx in placed:
                 message = child.message
-                write((child.task_id, batch_id, idx, child.task_name, message.body, message.content_type,
-                       message.content_encoding, child.expires_at, child.eta_at))  # fmt: skip
+                write(
+                    (
+                        child.task_id,
+                        batch_id,
+                        idx,
+                        child.task_name,
+                        message.body,
+                        message.content_type,
+                        message.content_encoding,
+                        child.expires_at,
+                        child.eta_at,
+                    )
+                )
     except psycopg.Error as exc:
         raise DBAPIError.instance(_COPY_CHILDREN, None, exc, psycopg.Error) from exc
 

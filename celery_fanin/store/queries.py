@@ -39,8 +39,11 @@ class BatchRow:
 
     def message_for(self, kind: str) -> Encoded:
         """The stored signature a successor of `kind` runs: `then`, or `on_expire` / `on_failure` instead of it."""
-        found = {"then": self.successor_message, "on_expire": self.on_expire_message,
-                 "on_failure": self.on_failure_message}.get(kind)  # fmt: skip
+        found = {
+            "then": self.successor_message,
+            "on_expire": self.on_expire_message,
+            "on_failure": self.on_failure_message,
+        }.get(kind)
         if found is None:
             raise LookupError(f"batch {self.id} has no {kind} signature")
         return found
@@ -70,23 +73,44 @@ def batch_row(r: Any) -> BatchRow | None:
     if r is None or r.id is None:
         return None
     return BatchRow(
-        r.id, r.step, r.state, r.planned, r.remaining, r.succeeded, r.failed, r.published_upto,
-        r.successor_task_id, r.successor_name,
+        r.id,
+        r.step,
+        r.state,
+        r.planned,
+        r.remaining,
+        r.succeeded,
+        r.failed,
+        r.published_upto,
+        r.successor_task_id,
+        r.successor_name,
         Encoded(r.successor_content_type, r.successor_content_encoding, bytes(r.successor_message)),
-        r.created_at, r.completed_at, r.deadline_at,
+        r.created_at,
+        r.completed_at,
+        r.deadline_at,
         _encoded(r.on_expire_message, r.on_expire_content_type, r.on_expire_content_encoding),
         _encoded(r.on_failure_message, r.on_failure_content_type, r.on_failure_content_encoding),
-        float(r.child_timeout_seconds) if r.child_timeout_seconds is not None else None, r.round, r.retry_of,
+        float(r.child_timeout_seconds) if r.child_timeout_seconds is not None else None,
+        r.round,
+        r.retry_of,
         r.refused_reports,
-    )  # fmt: skip
+    )
 
 
 def successor_row(r: Any) -> SuccessorRow | None:
     """The `SuccessorRow` of a row with the `successor` statement's columns (None where an outer join found none)."""
     if r is None or r.s_task_id is None:
         return None
-    return SuccessorRow(r.s_task_id, r.s_state, r.s_runs, r.s_duplicates, r.s_exc_type, r.s_exc_message,
-                        r.s_started_at, r.s_finished_at, r.s_kind)  # fmt: skip
+    return SuccessorRow(
+        r.s_task_id,
+        r.s_state,
+        r.s_runs,
+        r.s_duplicates,
+        r.s_exc_type,
+        r.s_exc_message,
+        r.s_started_at,
+        r.s_finished_at,
+        r.s_kind,
+    )
 
 
 def batch(conn: Connection, batch_id: uuid.UUID) -> BatchRow | None:
@@ -154,10 +178,19 @@ def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) ->
         {"id": batch_id, "n": limit},
     )
     return [
-        FailureRow(r.idx, r.task_id, r.task_name, r.state, r.exc_type, r.exc_message, r.starts, r.late_state,
-                   Encoded(r.content_type, r.content_encoding, bytes(r.message)))
+        FailureRow(
+            r.idx,
+            r.task_id,
+            r.task_name,
+            r.state,
+            r.exc_type,
+            r.exc_message,
+            r.starts,
+            r.late_state,
+            Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def stream_failures(

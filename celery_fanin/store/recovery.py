@@ -39,10 +39,18 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
         {"n": limit},
     )
     return [
-        OverdueChild(r.task_id, r.batch_id, r.idx, r.state, r.on_lost, r.redrives, r.max_redrives,
-                     Encoded(r.content_type, r.content_encoding, bytes(r.message)))
+        OverdueChild(
+            r.task_id,
+            r.batch_id,
+            r.idx,
+            r.state,
+            r.on_lost,
+            r.redrives,
+            r.max_redrives,
+            Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def claim_redrive(conn: Connection, child: OverdueChild) -> bool:

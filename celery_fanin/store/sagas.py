@@ -160,21 +160,36 @@ def create_saga(conn: Connection, saga: NewSaga, steps: Sequence[NewStep]) -> bo
     """Write the saga and every step in one transaction; False (nothing written) if its key is already taken."""
     row = conn.execute(
         q("create_saga_1").text,
-        {"id": saga.id, "app_name": saga.app_name, "key": saga.key, "steps": saga.steps,
-         "timeout": saga.compensation_timeout, "redrives": saga.compensation_redrives},
-    ).first()  # fmt: skip
+        {
+            "id": saga.id,
+            "app_name": saga.app_name,
+            "key": saga.key,
+            "steps": saga.steps,
+            "timeout": saga.compensation_timeout,
+            "redrives": saga.compensation_redrives,
+        },
+    ).first()
     if row is None:
         return False
     conn.execute(
         q("create_saga_2").text,
         [
-            {"saga_id": saga.id, "position": s.position, "kind": s.kind, "name": s.name,
-             "manual_text": s.manual_text, "definition": s.definition.body, "ct": s.definition.content_type,
-             "ce": s.definition.content_encoding, "undo": s.undo.body if s.undo else None,
-             "uct": s.undo.content_type if s.undo else None, "uce": s.undo.content_encoding if s.undo else None}
+            {
+                "saga_id": saga.id,
+                "position": s.position,
+                "kind": s.kind,
+                "name": s.name,
+                "manual_text": s.manual_text,
+                "definition": s.definition.body,
+                "ct": s.definition.content_type,
+                "ce": s.definition.content_encoding,
+                "undo": s.undo.body if s.undo else None,
+                "uct": s.undo.content_type if s.undo else None,
+                "uce": s.undo.content_encoding if s.undo else None,
+            }
             for s in steps
         ],
-    )  # fmt: skip
+    )
     return True
 
 
@@ -195,11 +210,22 @@ def get_steps(conn: Connection, saga_id: uuid.UUID) -> list[StepRow]:
         {"id": saga_id},
     )
     return [
-        StepRow(r.position, r.kind, r.name, r.manual_text, Encoded(r.content_type, r.content_encoding,
-                bytes(r.definition)), _encoded(r.undo_message, r.undo_content_type, r.undo_content_encoding),
-                r.state, r.batch_id, r.exc_type, r.exc_message, r.started_at, r.finished_at)
+        StepRow(
+            r.position,
+            r.kind,
+            r.name,
+            r.manual_text,
+            Encoded(r.content_type, r.content_encoding, bytes(r.definition)),
+            _encoded(r.undo_message, r.undo_content_type, r.undo_content_encoding),
+            r.state,
+            r.batch_id,
+            r.exc_type,
+            r.exc_message,
+            r.started_at,
+            r.finished_at,
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def start_step(conn: Connection, saga_id: uuid.UUID, position: int, batch_id: uuid.UUID) -> None:
@@ -211,17 +237,22 @@ def start_step(conn: Connection, saga_id: uuid.UUID, position: int, batch_id: uu
 
 
 def finish_step(
-    conn: Connection, saga_id: uuid.UUID, position: int, state: str, exc_type: str | None = None,
+    conn: Connection,
+    saga_id: uuid.UUID,
+    position: int,
+    state: str,
+    exc_type: str | None = None,
     exc_message: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     conn.execute(
         q("finish_step").text,
         {"id": saga_id, "p": position, "state": state, "et": exc_type, "em": exc_message},
     )
 
 
-def set_step_states(conn: Connection, saga_id: uuid.UUID, positions: Iterable[int], state: str,
-                    only_from: Sequence[str]) -> None:  # fmt: skip
+def set_step_states(
+    conn: Connection, saga_id: uuid.UUID, positions: Iterable[int], state: str, only_from: Sequence[str]
+) -> None:
     """Move the given steps to `state`, those still in one of `only_from`."""
     conn.execute(
         q("set_step_states").text,
@@ -236,8 +267,9 @@ def advance(conn: Connection, saga_id: uuid.UUID, next_step: int) -> None:
     )
 
 
-def set_state(conn: Connection, saga_id: uuid.UUID, state: str, *, finished: bool,
-              failed_compensation: str | None = None) -> None:  # fmt: skip
+def set_state(
+    conn: Connection, saga_id: uuid.UUID, state: str, *, finished: bool, failed_compensation: str | None = None
+) -> None:
     conn.execute(
         q("set_state").text,
         {"id": saga_id, "state": state, "finished": finished, "fc": failed_compensation},
@@ -259,15 +291,24 @@ def start_rollback(
         conn.execute(
             q("start_rollback_1").text,
             [
-                {"saga_id": saga_id, "undo_of": c.undo_of, "position": c.position, "stage": c.stage,
-                 "ordinal": c.ordinal, "kind": c.kind, "unit": c.unit, "task_name": c.task_name,
-                 "message": c.message.body if c.message else None,
-                 "ct": c.message.content_type if c.message else None,
-                 "ce": c.message.content_encoding if c.message else None,
-                 "manual_text": c.manual_text, "task_id": c.task_id}
+                {
+                    "saga_id": saga_id,
+                    "undo_of": c.undo_of,
+                    "position": c.position,
+                    "stage": c.stage,
+                    "ordinal": c.ordinal,
+                    "kind": c.kind,
+                    "unit": c.unit,
+                    "task_name": c.task_name,
+                    "message": c.message.body if c.message else None,
+                    "ct": c.message.content_type if c.message else None,
+                    "ce": c.message.content_encoding if c.message else None,
+                    "manual_text": c.manual_text,
+                    "task_id": c.task_id,
+                }
                 for c in compensations
             ],
-        )  # fmt: skip
+        )
     conn.execute(
         q("start_rollback_2").text,
         {"id": saga_id, "p": failed_step, "et": exc_type, "em": exc_message},
@@ -292,11 +333,28 @@ def get_compensations(conn: Connection, saga_id: uuid.UUID, stage: int | None = 
         {"id": saga_id, "stage": stage},
     )
     return [
-        CompensationRow(r.undo_of, r.position, r.stage, r.ordinal, r.kind, r.unit, r.task_name,
-                        _encoded(r.message, r.content_type, r.content_encoding), r.manual_text, r.state, r.attempt,
-                        r.task_id, r.batch_id, r.exc_type, r.exc_message, r.acked_at, r.acked_by, r.finished_at)
+        CompensationRow(
+            r.undo_of,
+            r.position,
+            r.stage,
+            r.ordinal,
+            r.kind,
+            r.unit,
+            r.task_name,
+            _encoded(r.message, r.content_type, r.content_encoding),
+            r.manual_text,
+            r.state,
+            r.attempt,
+            r.task_id,
+            r.batch_id,
+            r.exc_type,
+            r.exc_message,
+            r.acked_at,
+            r.acked_by,
+            r.finished_at,
+        )
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def set_stage(conn: Connection, saga_id: uuid.UUID, stage: int) -> None:
@@ -333,23 +391,37 @@ def stage_outcomes(conn: Connection, saga_id: uuid.UUID, stage: int) -> list[Sta
     return [StageOutcome(*r) for r in rows]
 
 
-def finish_compensation(conn: Connection, saga_id: uuid.UUID, undo_of: str, state: str,
-                        exc_type: str | None = None, exc_message: str | None = None) -> None:  # fmt: skip
+def finish_compensation(
+    conn: Connection,
+    saga_id: uuid.UUID,
+    undo_of: str,
+    state: str,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> None:
     conn.execute(
         q("finish_compensation").text,
         {"id": saga_id, "u": undo_of, "state": state, "et": exc_type, "em": exc_message},
     )
 
 
-def retry_compensation(conn: Connection, saga_id: uuid.UUID, undo_of: str, attempt: int, task_id: str,
-                       message: Encoded) -> None:  # fmt: skip
+def retry_compensation(
+    conn: Connection, saga_id: uuid.UUID, undo_of: str, attempt: int, task_id: str, message: Encoded
+) -> None:
     """A new attempt of a compensation that did not succeed: its own task id (the undo's identity, the original's,
     is unchanged), no batch yet."""
     conn.execute(
         q("retry_compensation").text,
-        {"id": saga_id, "u": undo_of, "a": attempt, "t": task_id, "m": message.body, "ct": message.content_type,
-         "ce": message.content_encoding},
-    )  # fmt: skip
+        {
+            "id": saga_id,
+            "u": undo_of,
+            "a": attempt,
+            "t": task_id,
+            "m": message.body,
+            "ct": message.content_type,
+            "ce": message.content_encoding,
+        },
+    )
 
 
 def mark_resumed(conn: Connection, saga_id: uuid.UUID) -> None:
@@ -432,7 +504,15 @@ def nested_batches(conn: Connection, batch_ids: Sequence[uuid.UUID]) -> list[uui
 def _children(conn: Connection, statement: str, params: dict[str, object]) -> list[ChildRow]:
     rows = conn.execute(q(statement).text, params)
     return [
-        ChildRow(r.task_id, r.batch_id, r.idx, r.task_name, r.state, r.exc_type, r.exc_message,
-                 Encoded(r.content_type, r.content_encoding, bytes(r.message)))
+        ChildRow(
+            r.task_id,
+            r.batch_id,
+            r.idx,
+            r.task_name,
+            r.state,
+            r.exc_type,
+            r.exc_message,
+            Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+        )
         for r in rows
-    ]  # fmt: skip
+    ]

@@ -17,12 +17,21 @@ EVERY = 2.0  # seconds: the entry's interval, so that a test sees several slots
 
 def _beat(env: dict[str, str], tmp_path: Path, n: int) -> CeleryProcess:
     beat = CeleryProcess(
-        ["beat", "-l", "INFO", "--max-interval", "1", "-s", str(tmp_path / f"schedule{n}"),
-         "--pidfile", str(tmp_path / f"beat{n}.pid")],
+        [
+            "beat",
+            "-l",
+            "INFO",
+            "--max-interval",
+            "1",
+            "-s",
+            str(tmp_path / f"schedule{n}"),
+            "--pidfile",
+            str(tmp_path / f"beat{n}.pid"),
+        ],
         env,
         tmp_path / f"beat{n}.log",
         ready_marker="beat: Starting",
-    )  # fmt: skip
+    )
     beat.wait_ready()
     return beat
 
@@ -58,8 +67,12 @@ def test_two_beats_ticking_one_entry_make_one_batch_per_slot(
         return batches if received and batches and _runs(e2e_env) == len(batches) else None
 
     # Every message sent was run by the worker (a second message for a slot finds the slot's batch)...
-    wait_for(lambda: processes.started[0].output().count("celery_fanin.run_canvas[") >= 2 * sends, 60, 0.2,
-             "every beat message run")  # fmt: skip
+    wait_for(
+        lambda: processes.started[0].output().count("celery_fanin.run_canvas[") >= 2 * sends,
+        60,
+        0.2,
+        "every beat message run",
+    )
     batches = wait_for(settled, 60, 0.2, "every batch's successor")
     keys = [key for key, _ in batches]
     assert all(key.startswith("beat:fan-in-every:") for key in keys)

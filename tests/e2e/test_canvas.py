@@ -93,8 +93,11 @@ def test_a_fan_in_sent_twice_with_its_frozen_id_is_one_batch(
         runs = conn.execute("SELECT count(*) FROM e2e_successor_runs WHERE label = 'once'").fetchone()
     assert runs is not None and runs[0] == 1
     worker = processes.started[0]
-    wait_for(lambda: worker.output().count(f"celery_fanin.run_canvas[{sent}] succeeded") == 2, TIMEOUT,
-             message="both run_canvas runs succeeded")  # fmt: skip
+    wait_for(
+        lambda: worker.output().count(f"celery_fanin.run_canvas[{sent}] succeeded") == 2,
+        TIMEOUT,
+        message="both run_canvas runs succeeded",
+    )
     assert "run_canvas" not in "".join(line for line in worker.output().splitlines() if "ERROR" in line)
 
 

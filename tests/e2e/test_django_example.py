@@ -22,9 +22,24 @@ def test_the_django_example_passes_its_own_tests(e2e_env: dict[str, str]) -> Non
         "PYTHONPATH": str(ROOT),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "examples/django_orders/tests", "-q", "-p", "no:randomly", "-p",
-         "no:cacheprovider", "--timeout", "60"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "examples/django_orders/tests",
+            "-q",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            "--timeout",
+            "60",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "3 passed" in done.stdout

@@ -45,10 +45,24 @@ def test_relay_with_a_json_logfile_metrics_and_probes(
 ) -> None:
     logfile, port = tmp_path / "relay.jsonl", _free_port()
     relay = CeleryProcess(
-        ["fanin", "relay", "--poll-interval", "0.2", "--metrics-port", str(port), "--logfile", str(logfile),
-         "--log-format", "json", "-l", "info"],
-        e2e_env, tmp_path / "relay.out", ready_marker=None,
-    )  # fmt: skip
+        [
+            "fanin",
+            "relay",
+            "--poll-interval",
+            "0.2",
+            "--metrics-port",
+            str(port),
+            "--logfile",
+            str(logfile),
+            "--log-format",
+            "json",
+            "-l",
+            "info",
+        ],
+        e2e_env,
+        tmp_path / "relay.out",
+        ready_marker=None,
+    )
     try:
         wait_for(lambda: _get(port, "/readyz")[0] == 200, 30, 0.1, "the relay's /readyz")
         status, body = _get(port, "/healthz")
@@ -60,8 +74,12 @@ def test_relay_with_a_json_logfile_metrics_and_probes(
         processes.worker()
         handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("ops")).apply_async()
         assert handle.wait(timeout=60).successor_state == "succeeded"
-        wait_for(lambda: "fanin_relay_successors_published_total 1.0" in _get(port, "/metrics")[1], 30, 0.1,
-                 "the relay's counter of published successors")  # fmt: skip
+        wait_for(
+            lambda: "fanin_relay_successors_published_total 1.0" in _get(port, "/metrics")[1],
+            30,
+            0.1,
+            "the relay's counter of published successors",
+        )
     finally:
         code = relay.stop()
     assert code == 0, relay.output()[-3000:]

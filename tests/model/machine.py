@@ -277,10 +277,14 @@ class ProtocolMachine(RuleBasedStateMachine):
     def _new_children(self, batch: batches.NewBatch, start: int, n: int, expires: bool) -> list[batches.NewChild]:
         past = datetime.now(timezone.utc) - timedelta(hours=1)
         return [
-            batches.NewChild(f"c-{batch.id.hex[:12]}-{start + i}", "t.child", _signature("t.child"),
-                             expires_at=past if expires else None)
+            batches.NewChild(
+                f"c-{batch.id.hex[:12]}-{start + i}",
+                "t.child",
+                _signature("t.child"),
+                expires_at=past if expires else None,
+            )
             for i in range(n)
-        ]  # fmt: skip
+        ]
 
     def _created(self, root: Root, placed: list[tuple[uuid.UUID, batches.NewChild, int]]) -> None:
         self.m.roots[root.batch.id] = root
@@ -519,14 +523,25 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         self.run(Op(f"relay_act({kind})", fn, done), pick, hold)
 
-    @rule(which=PICK, reason=st.sampled_from(["deadline", "cancel"]), proceed=st.sampled_from([None, True, False]),
-          pick=PICK, hold=HOLD)  # fmt: skip
+    @rule(
+        which=PICK,
+        reason=st.sampled_from(["deadline", "cancel"]),
+        proceed=st.sampled_from([None, True, False]),
+        pick=PICK,
+        hold=HOLD,
+    )
     @_when(has_root)
     def expire(self, which: int, reason: str, proceed: bool | None, pick: int, hold: bool) -> None:
         """A passed deadline (`on_deadline` proceed or abandon) or `fanin cancel [--proceed]` (`expire_batch`)."""
         root: Root = self._pick(list(self.m.roots.values()), which)
-        self.run(Op(f"expire({reason})", lambda conn: recovery.expire_batch(conn, root.batch.id, reason=reason,
-                                                                           proceed=proceed)), pick, hold)  # fmt: skip
+        self.run(
+            Op(
+                f"expire({reason})",
+                lambda conn: recovery.expire_batch(conn, root.batch.id, reason=reason, proceed=proceed),
+            ),
+            pick,
+            hold,
+        )
 
     @rule(which=PICK, pick=PICK, hold=HOLD)
     @_when(has_root)
@@ -539,9 +554,11 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         def fn(conn: Connection) -> list[recovery.Repair]:
             ids = [root.batch.id] + [
-                r[0] for r in conn.execute(text("SELECT id FROM fanin_batches WHERE parent_id = :id ORDER BY id"),
-                                           {"id": root.batch.id})
-            ]  # fmt: skip
+                r[0]
+                for r in conn.execute(
+                    text("SELECT id FROM fanin_batches WHERE parent_id = :id ORDER BY id"), {"id": root.batch.id}
+                )
+            ]
             repairs = [recovery.reconcile_batch(conn, i) for i in reversed(ids)]  # leaves first, as the relay
             return [r for r in repairs if r is not None]
 
@@ -576,8 +593,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         finished = [r for r in self.m.roots.values() if r.batch.id in self.m.final_batches]
         return finished or list(self.m.roots.values())
 
-    @rule(which=PICK, wrong_id=st.sampled_from([False, False, False, True]), dead_owner=st.booleans(), pick=PICK,
-          hold=HOLD)  # fmt: skip
+    @rule(
+        which=PICK,
+        wrong_id=st.sampled_from([False, False, False, True]),
+        dead_owner=st.booleans(),
+        pick=PICK,
+        hold=HOLD,
+    )
     @_when(has_root)
     def claim_run(self, which: int, wrong_id: bool, dead_owner: bool, pick: int, hold: bool) -> None:
         """A delivery of the successor (first, duplicate, redelivered, republished): the run guard (`claim_run`),
@@ -588,9 +610,16 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         def fn(conn: Connection) -> successors.Run | successors.Refusal:
             got = successors.claim_run(
-                conn, batch.id, batch.step, "s-wrong" if wrong_id else batch.successor_task_id, 0,
-                lease=LEASE, grace=GRACE, owner=owner, dead_owner="gone-owner" if dead_owner else None,
-            )  # fmt: skip
+                conn,
+                batch.id,
+                batch.step,
+                "s-wrong" if wrong_id else batch.successor_task_id,
+                0,
+                lease=LEASE,
+                grace=GRACE,
+                owner=owner,
+                dead_owner="gone-owner" if dead_owner else None,
+            )
             if isinstance(got, successors.Refusal) and got.state is not None:
                 successors.count_duplicate(conn, batch.id, batch.step)
             return got
@@ -618,12 +647,25 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @rule(
         which=PICK,
-        how=st.sampled_from(["retrying", "requeued", "replaced", "take_back", "renew", "succeeded", "failed",
-                             "revoked", "ignored", "main:failed", "main:revoked"]),
+        how=st.sampled_from(
+            [
+                "retrying",
+                "requeued",
+                "replaced",
+                "take_back",
+                "renew",
+                "succeeded",
+                "failed",
+                "revoked",
+                "ignored",
+                "main:failed",
+                "main:revoked",
+            ]
+        ),
         stale=st.sampled_from([False, False, False, True]),
         pick=PICK,
         hold=HOLD,
-    )  # fmt: skip
+    )
     @_when(has_run)
     def end_run(self, which: int, how: str, stale: bool, pick: int, hold: bool) -> None:
         """A run's later writes, fenced by its number: a retry / requeue / replacement hands it over (`hand_over`,

@@ -135,8 +135,9 @@ def _stream(engine: Engine, direct: int) -> tuple[batches.NewBatch, Layout, list
 
     def chunk(n: int) -> Callable[[Connection], bool]:
         start = state["index"]
-        part = [batches.NewChild(f"c-{batch.id.hex[:8]}-{start + i}", "t.child", batch.successor_message)
-                for i in range(n)]  # fmt: skip
+        part = [
+            batches.NewChild(f"c-{batch.id.hex[:8]}-{start + i}", "t.child", batch.successor_message) for i in range(n)
+        ]
         digest = state["digest"]
         for child in part:
             digest = digest_step(digest, child)  # type: ignore[arg-type]
@@ -181,10 +182,17 @@ def test_a_cancel_waits_for_the_producers_chunk_in_flight(store_engine: Engine, 
     expiry = _race(store_engine, clean_db, second, lambda c: recovery.expire_batch(c, batch.id, reason="cancel"))
     assert expiry is not None and len(expiry.abandoned) == 3  # the chunk's two children too
     with store_engine.connect() as conn:
-        states = conn.execute(
-            text("SELECT c.state FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id"
-                 " WHERE b.id = :id OR b.parent_id = :id"), {"id": batch.id}
-        ).scalars().all()  # fmt: skip
+        states = (
+            conn.execute(
+                text(
+                    "SELECT c.state FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id"
+                    " WHERE b.id = :id OR b.parent_id = :id"
+                ),
+                {"id": batch.id},
+            )
+            .scalars()
+            .all()
+        )
     assert sorted(states) == ["abandoned"] * 3
     _consistent(store_engine, batch.id)
 
