@@ -174,27 +174,28 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     browser.get(f"{dashboard}/batches")
     row = f'tr[data-batch="{handle.batch_id}"]'
     _until(browser, "the batch at 3 of 5", lambda d: _done(d, f"{row} svg.bar") == (3, 5))
-    cells = browser.find_element(By.CSS_SELECTOR, row).text
+    # The live region is replaced as rows update, so every read after a wait goes through _until (staleness-safe).
+    cells = _until(browser, "the batch's row", lambda d: d.find_element(By.CSS_SELECTOR, row).text)
     assert "running" in cells and "nightly-import" in cells and "3 / 5" in cells, cells
-    assert "live" in browser.find_element(By.ID, "live-status").text
+    assert "live" in _until(browser, "the live status", lambda d: d.find_element(By.ID, "live-status").text)
     _shot(browser, tmp_path, "dashboard-batches")
 
     # --- one batch, reached by its link: the failure's message and arguments, the bar moving as gates open --------
-    browser.find_element(By.CSS_SELECTOR, f"{row} a").click()
+    _until(browser, "the batch's link clicked", lambda d: d.find_element(By.CSS_SELECTOR, f"{row} a").click() or True)
     _until(browser, "the batch's page", lambda d: d.current_url.endswith(f"/batches/{handle.batch_id}"))
     failures = _until(browser, "the failure", lambda d: d.find_element(By.CSS_SELECTOR, "table.failures").text)
     assert "ValueError: child 0 failed on purpose" in failures and "tests.app.fail" in failures, failures
     assert "[0]" in failures, "the failed child's arguments"
-    assert _done(browser, "svg.bar.big") == (3, 5)
+    assert _until(browser, "the batch's bar", lambda d: _done(d, "svg.bar.big")) == (3, 5)
     assert "not created yet" in _visible(browser), "no successor while children run"
     browser.execute_script("window.fanInMarker = 'not reloaded'")
-    updated = browser.find_element(By.ID, "live").get_attribute("data-updated")
+    updated = _until(browser, "the live stamp", lambda d: d.find_element(By.ID, "live").get_attribute("data-updated"))
 
     _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[0]}:open")
     _until(browser, "the bar at 4 of 5", lambda d: _done(d, "svg.bar.big") == (4, 5))
     assert browser.execute_script("return window.fanInMarker") == "not reloaded", "updated in place"
-    assert browser.find_element(By.ID, "live").get_attribute("data-updated") != updated
-    cards = browser.find_element(By.CSS_SELECTOR, ".cards").text
+    _until(browser, "a new live stamp", lambda d: d.find_element(By.ID, "live").get_attribute("data-updated") != updated)
+    cards = _until(browser, "the cards", lambda d: d.find_element(By.CSS_SELECTOR, ".cards").text)
     assert re.search(r"3\s+succeeded", cards) and re.search(r"1\s+failed", cards), cards
     _until(browser, "a starts chart", lambda d: d.find_elements(By.CSS_SELECTOR, "svg.chart rect.chart-bar"))
     _shot(browser, tmp_path, "dashboard-batch")
@@ -215,14 +216,18 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     status = rollback.wait(timeout=120)
     assert status.state == "manual_action_required", status
     browser.get(f"{dashboard}/sagas/{rollback.saga_id}")
-    steps = _until(browser, "the saga's steps", lambda d: d.find_elements(By.CSS_SELECTOR, "table.steps tbody tr"))
-    shown = [[c.text for c in r.find_elements(By.TAG_NAME, "td")[:4]] for r in steps]
+
+    def steps_shown(d: Any) -> list[list[str]]:
+        rows = d.find_elements(By.CSS_SELECTOR, "table.steps tbody tr")
+        return [[c.text for c in r.find_elements(By.TAG_NAME, "td")[:4]] for r in rows]
+
+    shown = _until(browser, "the saga's steps", steps_shown)
     assert shown == [
         ["1", "tests.app.saga_do", "task", "compensated"],
         ["2", "tests.app.saga_do", "task", "manual_action_required"],
         ["3", "tests.app.saga_ship_fails", "task", "failed"],
     ], shown
-    callout = browser.find_element(By.CSS_SELECTOR, ".callout.to-ack").text
+    callout = _until(browser, "the callout", lambda d: d.find_element(By.CSS_SELECTOR, ".callout.to-ack").text)
     assert asked in callout and f"saga ack {rollback.saga_id} 2" in callout, callout
     assert "ConnectionError: the carrier is down" in _visible(browser)
     _shot(browser, tmp_path, "dashboard-saga")

@@ -51,6 +51,9 @@ TABLES = "fanin_outbox, fanin_successors, fanin_children, fanin_batches"
 _ENGINES: dict[str, Engine] = {}
 # What the runs of this process did, for the test's summary: operations committed / aborted, lock waits seen.
 STATS: Counter[str] = Counter()
+# The first error of every example, as text: the steps run against a real database, so a replay can diverge
+# from the run that failed (hypothesis then reports only that it could not replay); the test shows this instead.
+FAILURES: list[str] = []
 
 
 def engine_for(url: str) -> Engine:
@@ -783,9 +786,12 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @invariant()
     def protocol_holds(self) -> None:
-        self._drain()
         try:
+            self._drain()
             check_database(self.checker, self.m)
+        except BaseException:
+            _record_failure("invariant protocol_holds")
+            raise
         finally:
             self.checker.rollback()
 
@@ -914,3 +920,27 @@ def check_database(conn: Connection, m: Model) -> None:
             problems.append(f"child {task_id} counted {n} times")
     if problems:
         raise Violation("; ".join(problems))
+
+
+def _record_failure(where: str) -> None:
+    """Keep the error being handled (with the step it came from) in FAILURES, once per example."""
+    import traceback
+
+    FAILURES.append(f"in {where}:\n{traceback.format_exc()}")
+
+
+def _recorded(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def step(self: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, **kwargs)
+        except BaseException:
+            _record_failure(f"rule {fn.__name__}({kwargs})")
+            raise
+
+    return step
+
+
+# Every rule records its error (hypothesis's Rule objects are shared by the subclasses the tests make).
+for _rule in (*ProtocolMachine.setup_state().rules, *ProtocolMachine.setup_state().initializers):
+    _rule.function = _recorded(_rule.function)

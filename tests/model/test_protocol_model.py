@@ -14,7 +14,7 @@ from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import run_state_machine_as_test
 
 from .conftest import model_budget, model_settings
-from .machine import STATS, ProtocolMachine
+from .machine import FAILURES, STATS, ProtocolMachine
 
 CI_EXAMPLES = 40
 CI_STEPS = 40
@@ -30,10 +30,16 @@ def test_protocol_model(
     url = scratch_db()
     machine = type("Protocol", (ProtocolMachine,), {"url": url})
     STATS.clear()
-    run_state_machine_as_test(
-        machine,
-        settings=model_settings(
-            examples, steps, phases=[Phase.generate, Phase.target, Phase.shrink, Phase.explain], print_blob=True
-        ),
-    )
+    FAILURES.clear()
+    try:
+        run_state_machine_as_test(
+            machine,
+            settings=model_settings(
+                examples, steps, phases=[Phase.generate, Phase.target, Phase.shrink, Phase.explain], print_blob=True
+            ),
+        )
+    except Exception as exc:
+        if FAILURES:  # what failed first, which a replay that diverged does not show
+            raise AssertionError(f"{type(exc).__name__}: {exc}\n\nthe first error:\n{FAILURES[0]}") from exc
+        raise
     print("protocol model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
