@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test chaos lint install bench
+.PHONY: demo test chaos breakages lint install bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: install
 
 ## Run the test suite against the local PostgreSQL, Redis and RabbitMQ (it never restarts or stops them).
 test: install
-	$(BIN)/python -m pytest -m "not chaos"
+	$(BIN)/python -m pytest -m "not chaos and not breakages"
+
+## Evidence that the protocol model can fail: it must find each deliberate breakage of the SQL functions (CI runs it).
+breakages: install
+	$(BIN)/python -m pytest tests/model/test_breakages.py -m breakages
 
 ## The fault-injection suite: it RESTARTS this machine's PostgreSQL, Redis and RabbitMQ (opt-in; CI runs it).
 chaos: install

@@ -165,8 +165,9 @@ def test_the_readme_commands_are_the_makefile_targets() -> None:
     makefile = (ROOT / "Makefile").read_text()
     recipes = dict(re.findall(r"^([a-z]+):[^\n]*\n\t([^\n]+)", makefile, re.M))
     assert "example_app.demo" in recipes["demo"]
-    assert '-m "not chaos"' in recipes["test"]
+    assert '-m "not chaos and not breakages"' in recipes["test"]
     assert "-m chaos" in recipes["chaos"]
+    assert "-m breakages" in recipes["breakages"] and "make breakages" in (ROOT / ".ci" / "run").read_text()
     for module in (ROOT / "tests" / "chaos").glob("test_*.py"):
         tree = ast.parse(module.read_text())
         marks = [

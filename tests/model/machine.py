@@ -51,9 +51,18 @@ TABLES = "fanin_outbox, fanin_successors, fanin_children, fanin_batches"
 _ENGINES: dict[str, Engine] = {}
 # What the runs of this process did, for the test's summary: operations committed / aborted, lock waits seen.
 STATS: Counter[str] = Counter()
-# The first error of every example, as text: the steps run against a real database, so a replay can diverge
-# from the run that failed (hypothesis then reports only that it could not replay); the test shows this instead.
-FAILURES: list[str] = []
+
+
+@dataclass(frozen=True)
+class Failure:
+    where: str
+    error: BaseException
+    traceback: str
+
+
+# The error of every failing example, in order: the steps run against a real database, so a replay can diverge
+# from the run that failed (hypothesis then reports only that it could not replay); the tests show these instead.
+FAILURES: list[Failure] = []
 
 
 def engine_for(url: str) -> Engine:
@@ -923,10 +932,13 @@ def check_database(conn: Connection, m: Model) -> None:
 
 
 def _record_failure(where: str) -> None:
-    """Keep the error being handled (with the step it came from) in FAILURES, once per example."""
+    """Keep the error being handled (with the step it came from) in FAILURES."""
+    import sys
     import traceback
 
-    FAILURES.append(f"in {where}:\n{traceback.format_exc()}")
+    error = sys.exc_info()[1]
+    assert error is not None
+    FAILURES.append(Failure(where, error, traceback.format_exc()))
 
 
 def _recorded(fn: Any) -> Any:

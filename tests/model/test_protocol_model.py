@@ -40,6 +40,9 @@ def test_protocol_model(
         )
     except Exception as exc:
         if FAILURES:  # what failed first, which a replay that diverged does not show
-            raise AssertionError(f"{type(exc).__name__}: {exc}\n\nthe first error:\n{FAILURES[0]}") from exc
+            first = FAILURES[0]
+            raise AssertionError(
+                f"{type(exc).__name__}: {exc}\n\nthe first error, in {first.where}:\n{first.traceback}"
+            ) from exc
         raise
     print("protocol model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
