@@ -518,3 +518,33 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
         FanIn.of(app).dispose()
         with Connection(RABBITMQ_URL) as conn:
             conn.default_channel.queue_delete(queue)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["default", "stored-in-backend"])
+def test_eager_children_store_their_results_in_the_backend_only_if_asked(app: Celery, stored: bool) -> None:
+    """Under `task_always_eager` with `task_store_eager_result` the children run inline through Celery's path: by
+    default only the one that asked stores its result (a chain's tasks neither); with the setting, all of them."""
+    app.conf.update(
+        task_always_eager=True,
+        task_store_eager_result=True,
+        result_backend="cache+memory://",
+        fanin_store_child_results_in_backend=stored,
+    )
+
+    @app.task(name="tests.eager.triple", shared=False)
+    def triple(i: int) -> int:
+        return 3 * i
+
+    @app.task(name="tests.eager.done", shared=False)
+    def done(outcome: dict[str, Any]) -> int:
+        return int(outcome["succeeded"])
+
+    children = [triple.s(1), triple.s(2).set(ignore_result=False), chain(triple.s(3), triple.s())]
+    handle = fan_in_group(children, then=done.s(), app=app).apply_async()
+    assert handle.status().succeeded == 3 and handle.get() == 3
+    with psycopg.connect(app.conf.fanin_database_url, autocommit=True) as conn:
+        rows = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,))
+        ids = [r[0] for r in rows]
+    results = [app.AsyncResult(task_id).result for task_id in ids]
+    assert results == ([3, 6, 27] if stored else [None, 6, None])
+    assert app.AsyncResult(handle.id).result == 3  # the successor's, as Celery stores it
