@@ -11,6 +11,9 @@ A child whose signature sets `ignore_result=False` (or a fan-in applied with it)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +27,7 @@ from celery_fanin import fan_in_group
 from celery_fanin.broker.publish import _CHAIN_IDS
 from tests.app import add, always_retry, fail, ok, record_run, replacing_child
 from tests.e2e.brokers import on_broker
-from tests.workers import wait_for
+from tests.workers import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -152,3 +155,30 @@ def test_with_the_setting_every_child_result_is_in_the_backend(
     assert [producer.AsyncResult(ids[i]).result for i in (0, 1, 3, 4, 6, 7)] == [0, 10, 6, 40, 60, 70]
     assert producer.AsyncResult(chain_first[0]).result == 3
     assert isinstance(producer.AsyncResult(ids[2]).result, ValueError)
+
+
+@BROKERS
+def test_children_the_relay_publishes_are_not_in_the_backend_either(
+    e2e_env: dict[str, str], processes: Any, producer: Any, backend: redis.Redis, successor_runs: Runs
+) -> None:
+    """A producer killed after its commit, before publishing: the relay publishes every child, with the same
+    default (read from the relay's own configuration)."""
+    _start(processes, e2e_env, stored=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.producer_crash", "12", "1"],
+        cwd=ROOT,
+        env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    batch_id = proc.stdout.split()[0]
+    wait_for(lambda: successor_runs(batch_id), TIMEOUT, message="the successor's run")
+    ids = _child_ids(e2e_env, batch_id)
+    assert len(ids) == 12
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        successor = conn.execute("SELECT successor_task_id FROM fanin_batches WHERE id = %s", (batch_id,)).fetchone()
+    assert successor is not None
+    wait_for(lambda: _meta(backend, successor[0]), TIMEOUT, message="the successor's result in the backend")
+    assert _stored(backend) == {successor[0]}
