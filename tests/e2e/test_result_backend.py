@@ -11,9 +11,6 @@ A child whose signature sets `ignore_result=False` (or a fan-in applied with it)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,8 +23,9 @@ from celery import chain
 from celery_fanin import fan_in_group
 from celery_fanin.broker.publish import _CHAIN_IDS
 from tests.app import add, always_retry, fail, ok, record_run, replacing_child
+from tests.e2e import producer_crash
 from tests.e2e.brokers import on_broker
-from tests.workers import ROOT, wait_for
+from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -164,16 +162,7 @@ def test_children_the_relay_publishes_are_not_in_the_backend_either(
     """A producer killed after its commit, before publishing: the relay publishes every child, with the same
     default (read from the relay's own configuration)."""
     _start(processes, e2e_env, stored=False)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.producer_crash", "12", "1"],
-        cwd=ROOT,
-        env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == -9, proc.stdout + proc.stderr
-    batch_id = proc.stdout.split()[0]
+    batch_id = producer_crash.run_killed(e2e_env, "12", "1")
     wait_for(lambda: successor_runs(batch_id), TIMEOUT, message="the successor's run")
     ids = _child_ids(e2e_env, batch_id)
     assert len(ids) == 12
