@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def source() -> Iterator[Any]:
                 for i in range(args.n):
-                    yield child.s(i, run, args.n).set(ignore_result=True, queue=target)
+                    yield child.s(i, run, args.n).set(queue=target)
 
             start = time.time()
             handle = fan_in_group(source(), then=mark.s(run).set(queue=target), app=app).apply_async()

@@ -248,7 +248,7 @@ class Bench:
                         # no longer reconnect to unsubscribe. Forgetting releases them now (and their keys).
                         result.forget()
                     else:
-                        sigs = [child.s(i, run, size).set(ignore_result=True) for i in range(size)]
+                        sigs = [child.s(i, run, size) for i in range(size)]
                         handle = fan_in_group(sigs, then=mark.s(run), app=app).apply_async()
                         started = self.wait_mark(f"bench:start:{run}", 60)
                         row = db.execute(
@@ -281,9 +281,7 @@ class Bench:
         self.marks.delete("bench:sql")
         stat.reset()
         run = f"count-{uuid.uuid4().hex[:6]}"
-        fan_in_group(
-            [child.s(i, run, n).set(ignore_result=True) for i in range(n)], then=mark.s(run), app=app
-        ).apply_async()
+        fan_in_group([child.s(i, run, n) for i in range(n)], then=mark.s(run), app=app).apply_async()
         self.wait_mark(f"bench:start:{run}", 120)
         time.sleep(1.0)  # the successor's own state update, flushed after its postrun
         raw = {k.decode(): int(v) for k, v in self.marks.hgetall("bench:sql").items()}
@@ -320,7 +318,7 @@ class Bench:
 
         def parked_batch(**options: Any) -> tuple[str, list[list[str]]]:
             """A batch of n children nobody consumes, and its task ids dealt out to the reporters."""
-            sigs = [child.s(i, run, n).set(ignore_result=True, queue=parked) for i in range(n)]
+            sigs = [child.s(i, run, n).set(queue=parked) for i in range(n)]
             handle = fan_in_group(sigs, then=mark.s(run), app=app, **options).apply_async()
             purge_queue(self.env["BENCH_BROKER"], parked, delete=True)
             with psycopg.connect(url, autocommit=True) as db:

@@ -45,6 +45,11 @@ class Settings:
     # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
     max_width: int = 10_000
     tree_fanout: int = 16
+    # Whether a fan-in child's result is also stored in Celery's result backend. Off: the library publishes each
+    # child with ignore_result=True (unless its signature sets ignore_result itself), as the outcome the successor
+    # gets is read from PostgreSQL and a second copy in the backend costs a write per child (and, with the Redis
+    # backend, a result subscription per child). On: Celery's own behaviour, the task's ignore_result decides.
+    store_child_results_in_backend: bool = False
     # How deep fan-ins may nest (one created in a fan-in child or successor is one deeper; the first is 0).
     max_depth: int = 8
     relay_poll_interval: float = 1.0
@@ -126,6 +131,15 @@ DURATIONS = frozenset(
 # default"; for every other setting None is the same as not setting it.
 NONE_ALLOWED = frozenset({"child_timeout"})
 _UNSET = object()
+
+
+def setting(app: Celery, name: str) -> Any:
+    """One setting of `app` (`fanin_<name>`, else its default), for code that may run for an app `FanIn(app)` was
+    not called for (the publishing functions take any app): `FanIn.setting` without the extension."""
+    value = app.conf.get(f"fanin_{name}", _UNSET)
+    if value is _UNSET or (value is None and name not in NONE_ALLOWED):
+        return Settings.__dataclass_fields__[name].default
+    return _seconds(name, value)
 
 
 def _seconds(name: str, value: Any) -> Any:
@@ -259,10 +273,7 @@ class FanIn:
 
     def setting(self, name: str) -> Any:
         """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
-        value = self.app.conf.get(f"fanin_{name}", _UNSET)
-        if value is _UNSET or (value is None and name not in NONE_ALLOWED):
-            return Settings.__dataclass_fields__[name].default
-        return _seconds(name, value)
+        return setting(self.app, name)
 
     def dispose(self) -> None:
         with self._engine_lock:

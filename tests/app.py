@@ -42,8 +42,10 @@ app.conf.update(
     task_acks_late=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
     task_reject_on_worker_lost=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",
     worker_hijack_root_logger=False,
-    # Chords need a result backend (tests/e2e/test_canvas.py); every other test runs without one.
+    # Chords need a result backend (tests/e2e/test_canvas.py, tests/e2e/test_result_backend.py); every other test
+    # runs without one.
     result_backend=os.environ.get("FANIN_TEST_RESULT_BACKEND") or None,
+    fanin_store_child_results_in_backend=os.environ.get("FANIN_TEST_STORE_CHILD_RESULTS") == "1",
 )
 if os.environ.get("FANIN_TEST_LOG_FORMAT"):  # what `app.log.setup` formats with (tests/e2e/test_relay_app.py)
     app.conf.worker_log_format = os.environ["FANIN_TEST_LOG_FORMAT"]

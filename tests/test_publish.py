@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery
+from celery import Celery, chain, signals
 from kombu import Connection
 
 from celery_fanin import FanIn, fan_in_group, protocol
@@ -234,28 +234,37 @@ OPTION_SETS: list[tuple[str, dict[str, Any]]] = [
     ("tests.publish_tasks.limited", {"soft_time_limit": 1}),
     ("tests.publish_tasks.echo", {"serializer": "pickle", "compression": "zlib"}),
     ("not.registered.anywhere", {"queue": "elsewhere"}),
+    ("tests.publish_tasks.echo", {"ignore_result": False}),
+    ("tests.publish_tasks.echo", {"ignore_result": True}),
 ]
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["default", "stored-in-backend"])
 @pytest.mark.parametrize(("name", "options"), OPTION_SETS, ids=[f"{n}-{sorted(o)}" for n, o in OPTION_SETS])
-def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]) -> None:
+def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any], stored: bool) -> None:
+    """The fast path's message is Celery's, given the ``ignore_result=True`` the library adds to a child (unless
+    the child sets ignore_result, or ``fanin_store_child_results_in_backend`` is on)."""
     hooks.worker_hooks.install()  # Celery's path gets its claim from the hooks (the fast path builds it in)
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(
         task_default_queue="default-q",
         task_routes={publish_tasks.ROUTED: {"queue": "routed-q"}},
         accept_content=["json", "pickle"],
+        fanin_store_child_results_in_backend=stored,
     )
     publish_tasks.register(app)
     sig = app.signature(name, args=(1, "a"), kwargs={"k": [1, 2]}, **options)
     task_id = str(uuid.uuid4())
     headers = {**(options.get("headers") or {}), protocol.HEADER_BATCH: "b", protocol.HEADER_INDEX: 3}
+    added = {} if stored or "ignore_result" in options else {"ignore_result": True}
     with app.connection_for_write() as conn:
         capture = _Capture(conn)
-        sig.apply_async(task_id=task_id, producer=capture, headers=headers, add_to_parent=False)
+        sig.apply_async(task_id=task_id, producer=capture, headers=headers, add_to_parent=False, **added)
     ((celery_body, celery_kwargs),) = capture.published
 
     route, our_headers, our_body, properties = publish._Builder(app, "b").build(3, task_id, sig)
+    if not stored:  # else whatever Celery's is (the task's ignore_result; None for a task this app does not know)
+        assert our_headers["ignore_result"] is options.get("ignore_result", True)
     # Celery's path gets its headers' claim (eta and expires are computed from "now", microseconds apart); the fast
     # path builds one only for a signed message (tests/e2e/test_signing.py), this one is JSON.
     assert protocol.body_claim(celery_body) == protocol.claim(celery_kwargs["headers"])
@@ -310,7 +319,47 @@ def test_successor_message_matches_what_celery_publishes(name: str, options: dic
     for key in ("eta", "expires"):
         assert (mine.pop(key) is None) == (theirs.pop(key) is None), key
     assert mine == theirs
+    assert mine["ignore_result"] is options.get("ignore_result", False)  # a successor's result: Celery's, as ever
     assert our_kwargs["routing_key"] == celery_kwargs["routing_key"]
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["default", "stored-in-backend"])
+def test_celery_path_and_chain_children_ignore_results_unless_asked(stored: bool) -> None:
+    """Celery's own path (a child the fast path does not build, a chain child) gives the child
+    ``ignore_result=True`` as the fast path does: every task of a chain carries it (each publishes the next
+    with its own options), except one that sets ignore_result itself, or all of them if the chain sets it."""
+    hooks.worker_hooks.install()
+    app = Celery("tests.app", broker="memory://", set_as_current=False)
+    app.conf.update(task_default_queue="default-q", fanin_store_child_results_in_backend=stored)
+    publish_tasks.register(app)
+    echo = app.signature("tests.publish_tasks.echo")
+    published: list[tuple[Any, dict[str, Any]]] = []
+
+    def seen(body: Any = None, headers: Any = None, **_: Any) -> None:
+        published.append((body, dict(headers)))
+
+    signals.before_task_publish.connect(seen, weak=False)
+    try:
+        with app.producer_or_acquire() as prod:  # memory://: published, then dropped with the app
+            ignore = publish.child_results_ignored(app)
+            assert ignore is not stored
+            for sig in (echo.clone((1,)), echo.clone((2,)).set(ignore_result=False)):
+                publish._publish_with_celery(prod, "b", 0, str(uuid.uuid4()), sig, ignore_results=ignore)
+            steps = chain(echo.clone((3,)), echo.clone(), echo.clone().set(ignore_result=False), echo.clone())
+            publish.publish_chain(prod, "b", 1, str(uuid.uuid4()), steps)
+            explicit = chain(echo.clone((4,)), echo.clone()).set(ignore_result=False)
+            publish.publish_chain(prod, "b", 2, str(uuid.uuid4()), explicit)
+    finally:
+        signals.before_task_publish.disconnect(seen)
+    plain, asked, chained, chain_asked = published
+    assert plain[1]["ignore_result"] is not stored
+    assert asked[1]["ignore_result"] is False
+    # The chain's first task is published now; the others travel in its body, last first, with their options.
+    rest = [step["options"].get("ignore_result") for step in reversed(chained[0][2]["chain"])]
+    assert chained[1]["ignore_result"] is not stored
+    assert rest == ([True, False, True] if not stored else [None, False, None])
+    assert chain_asked[1]["ignore_result"] is False
+    assert [step["options"].get("ignore_result") for step in chain_asked[0][2]["chain"]] == [None]
 
 
 def _unclaimed(body: Any) -> Any:
@@ -469,3 +518,33 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
         FanIn.of(app).dispose()
         with Connection(RABBITMQ_URL) as conn:
             conn.default_channel.queue_delete(queue)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["default", "stored-in-backend"])
+def test_eager_children_store_their_results_in_the_backend_only_if_asked(app: Celery, stored: bool) -> None:
+    """Under `task_always_eager` with `task_store_eager_result` the children run inline through Celery's path: by
+    default only the one that asked stores its result (a chain's tasks neither); with the setting, all of them."""
+    app.conf.update(
+        task_always_eager=True,
+        task_store_eager_result=True,
+        result_backend="cache+memory://",
+        fanin_store_child_results_in_backend=stored,
+    )
+
+    @app.task(name="tests.eager.triple", shared=False)
+    def triple(i: int) -> int:
+        return 3 * i
+
+    @app.task(name="tests.eager.done", shared=False)
+    def done(outcome: dict[str, Any]) -> int:
+        return int(outcome["succeeded"])
+
+    children = [triple.s(1), triple.s(2).set(ignore_result=False), chain(triple.s(3), triple.s())]
+    handle = fan_in_group(children, then=done.s(), app=app).apply_async()
+    assert handle.status().succeeded == 3 and handle.get() == 3
+    with psycopg.connect(app.conf.fanin_database_url, autocommit=True) as conn:
+        rows = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,))
+        ids = [r[0] for r in rows]
+    results = [app.AsyncResult(task_id).result for task_id in ids]
+    assert results == ([3, 6, 27] if stored else [None, 6, None])
+    assert app.AsyncResult(handle.id).result == 3  # the successor's, as Celery stores it

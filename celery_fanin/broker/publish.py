@@ -28,6 +28,7 @@ from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
 
 from ..codec import serialize
+from ..context import setting
 from ..protocol import (
     CLAIM_RECEIVER,
     HEADER_BATCH,
@@ -154,6 +155,7 @@ class _Builder:
         self.declared: set[int] = set()
         # Whether anyone but celery-fanin's own claim receiver (whose work `build` does) hears before_task_publish.
         self.before_publish = _others_listen(signals.before_task_publish)
+        self.ignore_results = child_results_ignored(app)
 
     def repr(self, value: tuple[Any, ...] | dict[str, Any], size: int) -> str:
         """`saferepr`'s text for the usual flat arguments at `repr`'s speed; `saferepr` itself for anything else."""
@@ -281,6 +283,8 @@ class _Builder:
         args = tuple(sig.args) if first_arg is _NO_ARG else (first_arg, *sig.args)
         kwargs = dict(sig.kwargs)
         route_options = {k: v for k, v in options.items() if k not in _PER_MESSAGE_OPTIONS}
+        if marker is None and self.ignore_results and "ignore_result" not in options:
+            route_options["ignore_result"] = True  # a child's result is the store's (see child_results_ignored)
         route = self.route(name, task, route_options, args, kwargs)
         if task is not None and task.typing:
             # Task.apply_async checks the arguments against the task's signature; a mismatch is the caller's error.
@@ -363,6 +367,18 @@ def _plain(value: Any) -> bool:
     return type(value) in _SCALARS
 
 
+def child_results_ignored(app: Celery) -> bool:
+    """Whether the children `publish_children` sends go with ``ignore_result=True`` (unless a child's signature
+    sets ``ignore_result`` itself): yes unless ``fanin_store_child_results_in_backend`` is on.
+
+    Why: the outcome a successor gets is read from PostgreSQL, so a child's result in Celery's result backend is
+    a second copy nobody needs by default, and its cost (a backend write per child; with the Redis backend, a
+    result subscription per child on the producer) was the difference between a chord user's tasks and the
+    benchmark's. Successors are never affected: their result is the fan-in's result.
+    """
+    return not setting(app, "store_child_results_in_backend")
+
+
 def bulk_publish_enabled(app: Celery) -> bool:
     """Whether the fast path may be used for this app (``fanin_bulk_publish``, default on)."""
     conf = app.conf
@@ -406,9 +422,10 @@ def publish_children(
     """
     bid = str(batch_id)
     fast = bulk_publish_enabled(app)
+    ignore = child_results_ignored(app)
     if not fast and (app.conf.task_always_eager or publish_mode(prod) != "confirm"):
         for idx, task_id, sig in children:
-            _publish_with_celery(prod, bid, idx, task_id, sig)
+            _publish_with_celery(prod, bid, idx, task_id, sig, ignore_results=ignore)
         return Unconfirmed()
     _ensure_connection(app, prod)
     mode = publish_mode(prod)
@@ -434,11 +451,11 @@ def publish_children(
                         built = None
                 if built is None:
                     if confirms is None:
-                        _publish_with_celery(prod, bid, idx, task_id, sig)
+                        _publish_with_celery(prod, bid, idx, task_id, sig, ignore_results=ignore)
                         continue
                     # Celery's own path, on the confirm channel: its messages are confirmed like the others.
                     written = confirms.published
-                    _publish_with_celery(confirms.producer, bid, idx, task_id, sig, retry=False)
+                    _publish_with_celery(confirms.producer, bid, idx, task_id, sig, ignore_results=ignore, retry=False)
                     confirms.sent += confirms.published - written
                 else:
                     _send(builder, prod, target, sig.task, *built, frames=frames)
@@ -576,11 +593,19 @@ def _publish_frames(
     return True
 
 
-def _publish_with_celery(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature, **options: Any) -> None:
-    """Celery's own path, one message at a time (every option Celery knows, at Celery's speed)."""
+def _publish_with_celery(
+    prod: Producer, bid: str, idx: int, task_id: str, sig: Signature, *, ignore_results: bool, **options: Any
+) -> None:
+    """Celery's own path, one message at a time (every option Celery knows, at Celery's speed).
+
+    `ignore_results` (`child_results_ignored`): the child goes with ``ignore_result=True`` unless its signature
+    sets ``ignore_result``; an option given to ``apply_async`` would override the signature's, so it is given
+    only then."""
     if is_chain(sig):
-        publish_chain(prod, bid, idx, task_id, sig, **options)
+        publish_chain(prod, bid, idx, task_id, sig, ignore_results=ignore_results, **options)
         return
+    if ignore_results and "ignore_result" not in sig.options:
+        options["ignore_result"] = True
     sig.apply_async(
         task_id=task_id,
         producer=prod,
@@ -606,11 +631,25 @@ def chain_tasks(sig: Signature) -> list[Any]:
     return tasks
 
 
-def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signature, **options: Any) -> None:
+def publish_chain(
+    prod: Producer,
+    bid: str,
+    idx: int,
+    task_id: str,
+    sig: Signature,
+    *,
+    ignore_results: bool | None = None,
+    **options: Any,
+) -> None:
     """A chain child, through Celery's own chain: each of its tasks carries the batch headers and the child's
     task id (`HEADER_CHAIN`, the last task's id), so that the last task's outcome counts the child and a failure
     of any earlier task counts it as failed. Only the first task's message is published here; the worker that
-    runs each task publishes the next with the options it carries, headers included."""
+    runs each task publishes the next with the options it carries, headers included.
+
+    With `ignore_results` (default: `child_results_ignored` of the chain's app) every task of the chain carries
+    ``ignore_result=True`` unless it sets ``ignore_result`` itself, or the chain does (then the chain is left to
+    Celery: its option reaches the first task, each other task keeps its own): a chain's next task is published
+    with the options it carries, so this is the only place all of them can get it."""
     tasks = chain_tasks(sig)
     marker = {HEADER_BATCH: bid, HEADER_INDEX: idx, HEADER_CHAIN: task_id, HEADER_TASK: tasks[-1].task}
     shared = sig.options.get("headers") or {}  # the chain's own headers go on each of its tasks
@@ -625,6 +664,11 @@ def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signatu
         opts["headers"] = {**shared, **(opts.get("headers") or {}), **marker}
         steps.append(step)
     app = sig._app or steps[0]._app or sig.app  # a chain built with chain(...) takes no app of its own
+    if ignore_results is None:
+        ignore_results = child_results_ignored(app)
+    if ignore_results and "ignore_result" not in sig.options:
+        for step in steps:
+            step.options.setdefault("ignore_result", True)
     if app.conf.task_always_eager:
         # Celery's eager chain applies every task with the chain's task id (the last task's): run them here,
         # each with its own id, passing each result on, and stop at the first that does not succeed (whose

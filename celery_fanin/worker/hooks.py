@@ -676,6 +676,8 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
     The replacement has the replaced task's id but none of its custom headers: it gets the fan-in headers, so a
     child is counted when its replacement ends, and a successor ends when its replacement does. A successor's run
     is handed over (`replaced`) before the replacement is published, so the replacement's delivery is admitted.
+    A child's replacement also keeps the ``ignore_result=True`` the library gave the child (Celery's `replace`
+    does not carry it), so that its result, stored under the child's id, stays out of the result backend too.
     """
 
     def on_replace_guarded(self: Any, sig: Any) -> Any:
@@ -684,6 +686,10 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
             return on_replace(self, sig)
         carrier = _carrier(sig)
         carrier.options["headers"] = {**(carrier.options.get("headers") or {}), **marker.headers()}
+        if not marker.is_successor and getattr(self.request, "ignore_result", None) is True:
+            fanin = _fanin_for(self.app)
+            if fanin is not None and not fanin.setting("store_child_results_in_backend"):
+                carrier.options.setdefault("ignore_result", True)
         live = successor_runs.request_run(self.request) if marker.is_successor else None
         if live is None or live.ended:
             return on_replace(self, sig)

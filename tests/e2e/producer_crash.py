@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -16,6 +17,21 @@ from celery_fanin import fan_in_group
 from celery_fanin.broker import confirms, publish
 from celery_fanin.store import batches
 from tests import app as tasks
+from tests.workers import ROOT
+
+
+def run_killed(env: dict[str, str], *args: str, timeout: float = 60) -> str:
+    """Run this module in a subprocess with `env` and `args` (as above), check that it was killed; its batch id."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.producer_crash", *args],
+        cwd=ROOT,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    return proc.stdout.split()[0]
 
 
 def main() -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +12,8 @@ from sqlalchemy import text
 from celery_fanin import FanIn, FanInResult, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
-from tests.workers import ROOT, wait_for
+from tests.e2e import producer_crash
+from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -27,16 +25,7 @@ def test_producer_killed_after_commit_relay_finishes(
     e2e_env: dict[str, str], producer: Any, processes: Any, successor_runs: Runs, kill_on_chunk: int
 ) -> None:
     processes.worker()
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.producer_crash", "35", str(kill_on_chunk)],
-        cwd=ROOT,
-        env={**os.environ, **e2e_env, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == -9, proc.stdout + proc.stderr
-    batch_id = proc.stdout.split()[0]
+    batch_id = producer_crash.run_killed(e2e_env, "35", str(kill_on_chunk))
     with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
         planned, published = conn.execute(
             "SELECT planned, published_upto FROM fanin_batches WHERE id = %s", (batch_id,)
