@@ -18,6 +18,7 @@ from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
 from celery.canvas import Signature, _chain
+from celery.result import denied_join_result
 from celery.utils.nodenames import anon_nodename
 from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.saferepr import saferepr
@@ -26,8 +27,10 @@ from kombu import Exchange, Producer
 from kombu.common import Broadcast
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
+from kombu.serialization import dumps, loads
 
 from ..codec import serialize
+from ..context import eager_call, is_eager
 from ..protocol import (
     CLAIM_RECEIVER,
     HEADER_BATCH,
@@ -368,7 +371,7 @@ def bulk_publish_enabled(app: Celery) -> bool:
     conf = app.conf
     if not conf.get("fanin_bulk_publish", True):
         return False
-    return not (conf.task_always_eager or conf.task_send_sent_event or int(conf.task_protocol or 2) != 2)
+    return not (is_eager(app) or conf.task_send_sent_event or int(conf.task_protocol or 2) != 2)
 
 
 def amqp_frames_enabled(app: Celery) -> bool:
@@ -406,7 +409,7 @@ def publish_children(
     """
     bid = str(batch_id)
     fast = bulk_publish_enabled(app)
-    if not fast and (app.conf.task_always_eager or publish_mode(prod) != "confirm"):
+    if not fast and (is_eager(app) or publish_mode(prod) != "confirm"):
         for idx, task_id, sig in children:
             _publish_with_celery(prod, bid, idx, task_id, sig)
         return Unconfirmed()
@@ -581,13 +584,33 @@ def _publish_with_celery(prod: Producer, bid: str, idx: int, task_id: str, sig: 
     if is_chain(sig):
         publish_chain(prod, bid, idx, task_id, sig, **options)
         return
-    sig.apply_async(
+    apply_async(
+        sig,
         task_id=task_id,
         producer=prod,
         headers={**(sig.options.get("headers") or {}), HEADER_BATCH: bid, HEADER_INDEX: idx},
         add_to_parent=False,
         **options,
     )
+
+
+def apply_async(sig: Signature, args: tuple[Any, ...] = (), **options: Any) -> Any:
+    """`sig.apply_async(args, **options)`; inside `FanInGroup.apply`, run inline as Celery's eager `apply_async`.
+
+    Why: `apply`'s eager mode is this context's (`context.eagerly`), not the app's `task_always_eager`, which is
+    all Celery's own check reads. Run as Celery would under that setting: the arguments through the serializer and
+    back, then `apply` with the same options (those only a message uses are ignored by `Task.apply`).
+    """
+    app = sig.app
+    if not eager_call() or app.conf.task_always_eager:
+        return sig.apply_async(args, **options)
+    merged_args, kwargs, merged = sig._merge(args, {}, {k: v for k, v in options.items() if v is not None})
+    serializer = merged.get("serializer") or app.conf.task_serializer
+    content_type, content_encoding, data = dumps((merged_args, kwargs), serializer)
+    merged_args, kwargs = loads(data, content_type, content_encoding, accept=[content_type])
+    merged.setdefault("ignore_result", sig.type.ignore_result)
+    with denied_join_result():
+        return sig.type.apply(merged_args, kwargs, **merged)
 
 
 # The task ids of a chain child's earlier tasks derive from the child's id, so a republished chain reuses them.
@@ -625,7 +648,7 @@ def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signatu
         opts["headers"] = {**shared, **(opts.get("headers") or {}), **marker}
         steps.append(step)
     app = sig._app or steps[0]._app or sig.app  # a chain built with chain(...) takes no app of its own
-    if app.conf.task_always_eager:
+    if is_eager(app):
         # Celery's eager chain applies every task with the chain's task id (the last task's): run them here,
         # each with its own id, passing each result on, and stop at the first that does not succeed (whose
         # failure the hooks record with its own error; it is not raised into the producer).
@@ -700,7 +723,7 @@ def publish_successor(
     reads, no per-call routing), else through Celery's own `apply_async`.
     """
     marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
-    eager = app.conf.task_always_eager
+    eager = is_eager(app)
     confirms = None
     if not eager and publish_mode(prod) == "confirm":
         # RabbitMQ: on the confirm channel, and only returned once the broker confirmed it, so that the caller
@@ -742,8 +765,9 @@ def _publish_successor(
                 confirms.sent += 1
             return
     written = confirms.published if confirms is not None else 0
-    then.apply_async(
-        args=(outcome,),
+    apply_async(
+        then,
+        (outcome,),
         task_id=task_id,
         producer=target,
         headers={**(then.options.get("headers") or {}), **marker},
