@@ -338,6 +338,19 @@ SELECT id FROM (
 -- Recompute one batch's counters from its child rows (and leaves) and repair what disagrees
 SELECT problems, actions FROM fanin_reconcile_batch(:id);
 
+-- name: pruned_part
+-- A finished root: its planned count, the rows kept (its own children, its leaves' planned counts), and its totals
+-- less its leaves' (what the leaves retention deleted counted, if that is all that is missing)
+SELECT b.planned, d.created + l.planned AS created, d.created AS direct, l.unfinished,
+       b.succeeded - l.succeeded AS pruned_succeeded, b.failed - l.failed AS pruned_failed
+  FROM fanin_batches b,
+       LATERAL (SELECT count(*) AS created FROM fanin_children c WHERE c.batch_id = b.id) d,
+       LATERAL (SELECT coalesce(sum(x.planned), 0) AS planned, coalesce(sum(x.succeeded), 0) AS succeeded,
+                       coalesce(sum(x.failed), 0) AS failed,
+                       count(*) FILTER (WHERE x.state IN ('open', 'running')) AS unfinished
+                  FROM fanin_batches x WHERE x.parent_id = b.id) l
+ WHERE b.id = :id AND b.parent_id IS NULL AND b.state NOT IN ('open', 'running');
+
 -- name: abandon_after_threshold
 -- Stop a batch that passed its failure threshold
 SELECT fanin_abandon_after_threshold(:id);
