@@ -663,6 +663,23 @@ def publish_chain(prod: Producer, bid: str, idx: int, task_id: str, sig: Signatu
     chained.apply_async(task_id=task_id, producer=prod, add_to_parent=False, **options)
 
 
+def check_arguments(app: Celery, sig: Signature) -> None:
+    """Raise `TypeError` as `Task.apply_async` would if the arguments do not fit the task (a chain: its first task,
+    whose message is the one published), for a task registered in this process; a task it does not know is
+    published by name, unchecked, as Celery's `send_task` does.
+
+    Why: the relay publishes children whose producer is gone, a chunk at a time, and must know which child of a
+    chunk cannot be published before it publishes the others (`relay.outbox.publish_remaining_children`).
+    """
+    first = chain_tasks(sig)[0] if is_chain(sig) else sig
+    task = app.tasks.get(first.task)
+    if task is None or not task.typing:
+        return
+    header = getattr(task, "__header__", None)
+    if header is not None:
+        header(*first.args, **first.kwargs)
+
+
 def _ensure_connection(app: Celery, prod: Producer) -> None:
     """Connect with the app's publish retry policy, as `apply_async` would, before anything is built.
 

@@ -175,7 +175,7 @@ SELECT id FROM fanin_batches WHERE published_upto < planned AND parent_id IS NUL
 
 -- name: unpublished_children
 -- The next children of a batch not yet known to be published and still waited for, in index order, with...
-SELECT c.idx, c.task_id, c.message, c.content_type, c.content_encoding
+SELECT c.idx, c.task_id, c.task_name, c.message, c.content_type, c.content_encoding
   FROM fanin_batches root
   JOIN fanin_batches b ON b.id = root.id OR b.parent_id = root.id
   JOIN fanin_children c ON c.batch_id = b.id AND c.idx >= root.published_upto AND c.state = 'pending'
