@@ -108,3 +108,15 @@ def test_apply_does_not_switch_eager_mode_on_for_other_threads(app: Celery, brok
         first.join(TIMEOUT)
     assert not first.is_alive() and outcome == [[1, 0]]
     _unchanged(app)
+
+
+def test_a_nested_fan_in_and_a_chain_child_run_inline_under_apply(app: Celery, broker: redis.Redis) -> None:
+    """The eager flag reaches what the call runs: a nested fan-in child writes and runs its own batch inline, and a
+    chain child runs task by task, with nothing sent to the broker."""
+    t = _tasks(app)
+    inner = fan_in_group([t["double"].s(1), t["boom"].s(2)], then=t["total"].s())
+    chained = t["double"].s(3) | t["double"].s()
+    result = fan_in_group([inner, chained, t["double"].s(5)], then=t["total"].s()).apply()
+    assert result.get(timeout=TIMEOUT) == [3, 0]
+    assert broker.llen(QUEUE) == 0
+    _unchanged(app)
