@@ -267,10 +267,13 @@ def _rejection(
         extra={"batch_id": str(batch_id), "child_index": idx, "task_id": task_id},
     )
     options: dict[str, Any] = {}
-    if sig is not None:
-        options = {k: sig.options[k] for k in _ROUTING_OPTIONS if sig.options.get(k) is not None}
+    if sig is not None:  # plain values only: whatever made this child unpublishable must not follow it
+        options = {k: v for k in _ROUTING_OPTIONS if isinstance(v := sig.options.get(k), (str, int))}
     if "queue" not in options:
-        queue = app.amqp.router.route({}, task_name).get("queue")
+        try:
+            queue = app.amqp.router.route({}, task_name).get("queue")
+        except Exception:  # noqa: BLE001 - a routing function that fails for this name: the default queue
+            queue = None
         if queue is not None:
             options["queue"] = getattr(queue, "name", queue)
     options["headers"] = {HEADER_TASK: task_name}

@@ -128,3 +128,25 @@ def test_a_producer_publishing_its_own_batch_still_raises(app: Celery, tasks: Ta
     with FanIn.of(app).engine.connect() as conn, pytest.raises(TypeError, match="positional argument"):
         relay_outbox.publish_remaining_children(FanIn.of(app), conn, batch_id)
     assert _batch_of(store_engine, ids[0])["published_upto"] == 0
+
+
+def test_a_rejection_goes_where_its_child_would_have(
+    app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis
+) -> None:
+    """To the child's own queue (the workers that serve its task take it), else to its task's route."""
+    app.conf.task_routes = {"tests.store.add": {"queue": "routed"}}
+    ids = _batch(
+        app,
+        tasks,
+        [
+            codec.encode_signature(app, tasks.add.s(1, 2, 3).set(queue="own")),
+            batches.Encoded("application/x-unknown", "binary", b"\x00"),
+        ],
+        leaves=0,
+        engine=store_engine,
+    )
+    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 0  # no child itself, two rejections
+    [own] = queued_messages(broker, "own")
+    [routed] = queued_messages(broker, "routed")
+    assert (own.headers["id"], routed.headers["id"]) == tuple(ids)
+    assert {own.headers["task"], routed.headers["task"]} == {protocol.UNPUBLISHABLE_TASK}
