@@ -18,7 +18,7 @@ from typing import Any
 
 from celery import Celery
 from celery.canvas import Signature, _chain, group, maybe_signature
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from .context import FanIn
@@ -34,6 +34,7 @@ from .protocol import (
     RUN_GROUP_TASK,
     SAGA_STEP_DONE_TASK,
     THEN_CANVAS_TASK,
+    UNPUBLISHABLE_TASK,
     request_header,
 )
 from .sagas.driver import kick, settle_stage, settle_step
@@ -138,6 +139,12 @@ def register(app: Celery) -> None:
             "failed": outcome.get("failed"),
             "sagas": [str(s) for s, _ in waiting],
         }
+
+    @app.task(name=UNPUBLISHABLE_TASK, shared=False, ignore_result=True)
+    def unpublishable(reason: str) -> None:
+        """Stand in for a child the relay could not publish (`relay.outbox`): rejected, with why, so that the
+        worker hooks count that child `rejected` through the worker's own checked report."""
+        raise Reject(reason, requeue=False)
 
     @app.task(name=PRUNE_TASK, bind=True, shared=False)
     def prune_task(

@@ -3,10 +3,13 @@ report connection. Wiring the hooks and tasks into an app is `celery_fanin.exten
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -28,6 +31,34 @@ F = TypeVar("F", bound="FanIn")
 
 _REGISTRY: weakref.WeakKeyDictionary[Celery, FanIn] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
+
+# `FanInGroup.apply`'s eager mode: on for the code that runs in this thread (or task) inside the call, never in the
+# app's configuration, which every thread of the process shares.
+_EAGER_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("celery_fanin_eager_call", default=False)
+
+
+def eager_call() -> bool:
+    """Whether this code runs inside `FanInGroup.apply` (`eagerly`), whatever the app's `task_always_eager`."""
+    return _EAGER_CALL.get()
+
+
+def is_eager(app: Celery) -> bool:
+    """Whether fan-ins run inline here: the app's `task_always_eager`, or inside `FanInGroup.apply`.
+
+    Why not `app.conf` alone: `apply` must not switch the setting on for the whole process (another thread's
+    `apply_async` would run inline too) nor leave it changed, so it sets this context's flag instead."""
+    return _EAGER_CALL.get() or bool(app.conf.task_always_eager)
+
+
+@contextlib.contextmanager
+def eagerly() -> Iterator[None]:
+    """Fan-ins created or published in this context run inline until it exits (raising or not); `app.conf` is
+    left alone."""
+    token = _EAGER_CALL.set(True)
+    try:
+        yield
+    finally:
+        _EAGER_CALL.reset(token)
 
 
 @dataclass(frozen=True)

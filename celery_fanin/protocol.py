@@ -49,6 +49,9 @@ RUN_GROUP_TASK = "celery_fanin.run_group"
 SAGA_STEP_DONE_TASK = "celery_fanin.saga_step_done"
 COMPENSATION_DONE_TASK = "celery_fanin.compensation_done"
 PRUNE_TASK = "celery_fanin.prune"
+# Published by the relay in place of a child it cannot publish (arguments that do not fit its task, a stored message
+# it cannot decode): the worker that takes it counts the child `rejected`, as it would a message it cannot run.
+UNPUBLISHABLE_TASK = "celery_fanin.unpublishable"
 # A fan-in that came out of a message (a chain's next step, a link, a chord's body) or a beat entry: writes it.
 RUN_CANVAS_TASK = "celery_fanin.run_canvas"
 # The successor of a fan-in whose `then=` is a chain or a group: replaces itself with that canvas.

@@ -142,6 +142,9 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
             [child.clone(args=(0,))], then=then, app=producer, deadline=timedelta(seconds=0.2)
         ).apply_async()
         orphan = fan_in_group([child.clone(args=(0,))], then=then, app=producer).apply_async()
+        # Its child's arguments do not fit roles.child: the producer cannot publish it, and the relay, which cannot
+        # either, publishes a rejection in its place (with no right to count an outcome itself).
+        misfit = fan_in_group([child.clone(args=(0, 1))], then=then, app=producer).apply_async()
         threshold_ids = [f"threshold-{cluster.suffix}-{i}" for i in range(4)]
         threshold = fan_in_group(
             [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(threshold_ids)],
@@ -197,6 +200,11 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         relay.run_once(maintenance=True)  # publishes what the first round's recovery created
         stats = relay.stats
         assert stats.errors == 0
+        with FanIn.of(producer).engine.connect() as conn:
+            published = conn.execute(
+                text("SELECT published_upto, planned FROM fanin_batches WHERE id = :b"), {"b": misfit.batch_id}
+            ).one()
+        assert tuple(published) == (1, 1), "the relay published the misfit child's rejection as the relay role"
         assert (stats.children_redriven, stats.deadlines_applied) == (1, 1)
         assert stats.children_lost >= 1  # `lost`, and `redrive` too if its redrive outlived child_timeout again
         assert stats.children_published >= 1, "the relay published the children the producer 'did not'"

@@ -18,6 +18,7 @@ from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
 from celery.canvas import Signature, _chain
+from celery.result import denied_join_result
 from celery.utils.nodenames import anon_nodename
 from celery.utils.quorum_queues import detect_quorum_queues
 from celery.utils.saferepr import saferepr
@@ -26,9 +27,10 @@ from kombu import Exchange, Producer
 from kombu.common import Broadcast
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
+from kombu.serialization import dumps, loads
 
 from ..codec import serialize
-from ..context import setting
+from ..context import eager_call, is_eager, setting
 from ..protocol import (
     CLAIM_RECEIVER,
     HEADER_BATCH,
@@ -384,7 +386,7 @@ def bulk_publish_enabled(app: Celery) -> bool:
     conf = app.conf
     if not conf.get("fanin_bulk_publish", True):
         return False
-    return not (conf.task_always_eager or conf.task_send_sent_event or int(conf.task_protocol or 2) != 2)
+    return not (is_eager(app) or conf.task_send_sent_event or int(conf.task_protocol or 2) != 2)
 
 
 def amqp_frames_enabled(app: Celery) -> bool:
@@ -423,7 +425,7 @@ def publish_children(
     bid = str(batch_id)
     fast = bulk_publish_enabled(app)
     ignore = child_results_ignored(app)
-    if not fast and (app.conf.task_always_eager or publish_mode(prod) != "confirm"):
+    if not fast and (is_eager(app) or publish_mode(prod) != "confirm"):
         for idx, task_id, sig in children:
             _publish_with_celery(prod, bid, idx, task_id, sig, ignore_results=ignore)
         return Unconfirmed()
@@ -606,13 +608,33 @@ def _publish_with_celery(
         return
     if ignore_results and "ignore_result" not in sig.options:
         options["ignore_result"] = True
-    sig.apply_async(
+    apply_async(
+        sig,
         task_id=task_id,
         producer=prod,
         headers={**(sig.options.get("headers") or {}), HEADER_BATCH: bid, HEADER_INDEX: idx},
         add_to_parent=False,
         **options,
     )
+
+
+def apply_async(sig: Signature, args: tuple[Any, ...] = (), **options: Any) -> Any:
+    """`sig.apply_async(args, **options)`; inside `FanInGroup.apply`, run inline as Celery's eager `apply_async`.
+
+    Why: `apply`'s eager mode is this context's (`context.eagerly`), not the app's `task_always_eager`, which is
+    all Celery's own check reads. Run as Celery would under that setting: the arguments through the serializer and
+    back, then `apply` with the same options (those only a message uses are ignored by `Task.apply`).
+    """
+    app = sig.app
+    if not eager_call() or app.conf.task_always_eager:
+        return sig.apply_async(args, **options)
+    merged_args, kwargs, merged = sig._merge(args, {}, {k: v for k, v in options.items() if v is not None})
+    serializer = merged.get("serializer") or app.conf.task_serializer
+    content_type, content_encoding, data = dumps((merged_args, kwargs), serializer)
+    merged_args, kwargs = loads(data, content_type, content_encoding, accept=[content_type])
+    merged.setdefault("ignore_result", sig.type.ignore_result)
+    with denied_join_result():
+        return sig.type.apply(merged_args, kwargs, **merged)
 
 
 # The task ids of a chain child's earlier tasks derive from the child's id, so a republished chain reuses them.
@@ -669,7 +691,7 @@ def publish_chain(
     if ignore_results and "ignore_result" not in sig.options:
         for step in steps:
             step.options.setdefault("ignore_result", True)
-    if app.conf.task_always_eager:
+    if is_eager(app):
         # Celery's eager chain applies every task with the chain's task id (the last task's): run them here,
         # each with its own id, passing each result on, and stop at the first that does not succeed (whose
         # failure the hooks record with its own error; it is not raised into the producer).
@@ -682,6 +704,23 @@ def publish_chain(
     chained = _chain(*steps, app=app)
     chained.options.update({k: v for k, v in sig.options.items() if k not in ("task_id", "headers")})
     chained.apply_async(task_id=task_id, producer=prod, add_to_parent=False, **options)
+
+
+def check_arguments(app: Celery, sig: Signature) -> None:
+    """Raise `TypeError` as `Task.apply_async` would if the arguments do not fit the task (a chain: its first task,
+    whose message is the one published), for a task registered in this process; a task it does not know is
+    published by name, unchecked, as Celery's `send_task` does.
+
+    Why: the relay publishes children whose producer is gone, a chunk at a time, and must know which child of a
+    chunk cannot be published before it publishes the others (`relay.outbox.publish_remaining_children`).
+    """
+    first = chain_tasks(sig)[0] if is_chain(sig) else sig
+    task = app.tasks.get(first.task)
+    if task is None or not task.typing:
+        return
+    header = getattr(task, "__header__", None)
+    if header is not None:
+        header(*first.args, **first.kwargs)
 
 
 def _ensure_connection(app: Celery, prod: Producer) -> None:
@@ -744,7 +783,7 @@ def publish_successor(
     reads, no per-call routing), else through Celery's own `apply_async`.
     """
     marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
-    eager = app.conf.task_always_eager
+    eager = is_eager(app)
     confirms = None
     if not eager and publish_mode(prod) == "confirm":
         # RabbitMQ: on the confirm channel, and only returned once the broker confirmed it, so that the caller
@@ -786,8 +825,9 @@ def _publish_successor(
                 confirms.sent += 1
             return
     written = confirms.published if confirms is not None else 0
-    then.apply_async(
-        args=(outcome,),
+    apply_async(
+        then,
+        (outcome,),
         task_id=task_id,
         producer=target,
         headers={**(then.options.get("headers") or {}), **marker},

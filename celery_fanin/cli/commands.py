@@ -676,7 +676,7 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
         return
     table = Table("batch", "found", "done")
     for r in repairs:
-        table.add_row(str(r.batch_id), "\n".join(r.problems), "\n".join(r.actions) or "reported only")
+        table.add_row(str(r.batch_id), "\n".join(r.problems + r.unchecked), "\n".join(r.actions) or "reported only")
     for e in expired:
         table.add_row(str(e.batch_id), "deadline passed", f"on_deadline={e.on_deadline}, {len(e.abandoned)} abandoned")
     Console().print(table)

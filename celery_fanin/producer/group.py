@@ -7,11 +7,10 @@ fast path). A producer that dies after the commit loses nothing: the relay publi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -26,7 +25,7 @@ from kombu.exceptions import EncodeError
 
 from ..broker import publish
 from ..codec import encode_signature
-from ..context import FanIn
+from ..context import FanIn, eagerly, is_eager
 from ..exceptions import FanInDepthExceeded, InvalidFanIn
 from ..protocol import (
     FAN_IN_GROUP_TYPE,
@@ -725,9 +724,12 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         return self.apply_async(args, kwargs)
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> FanInResult:
-        """Run the fan-in eagerly, in this process, as `task_always_eager` would (switched on for the call)."""
-        app = self.app
-        with _eagerly(app):
+        """Run the fan-in eagerly, in this process, as `task_always_eager` would.
+
+        Eager for this call only (`context.eagerly`): `app.conf` is not changed, so other threads' fan-ins and
+        tasks still go to the broker, and nothing is left switched on when the call returns or raises.
+        """
+        with eagerly():
             options = {k: v for k, v in options.items() if v is not None}
             args, kwargs, options = self._merge(tuple(args or ()), dict(kwargs or {}), options)
             return self._write(tuple(args), dict(kwargs), dict(options))
@@ -766,7 +768,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         then, step = self._validate_head(app)
         tx = None
         if transaction is not None:
-            if app.conf.task_always_eager:
+            if is_eager(app):
                 raise InvalidFanIn("transaction= cannot be used with task_always_eager: the children would run first")
             tx = adopt(fanin, transaction)
         policy = self._policy(fanin)
@@ -849,7 +851,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         children = self._partial_children(args, kwargs)
         # With the caller's transaction, published after its commit (by this process or the relay).
         written = write.write(fanin, root, children, encode, ratio=ratio, max_width=width, tx=tx)
-        if app.conf.task_always_eager:  # the children ran inline as they were published; now the successor
+        if is_eager(app):  # the children ran inline as they were published; now the successor
             return eager.run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
             try:
@@ -878,17 +880,6 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
 _RUN_CANVAS_IDS = uuid.UUID("0f5b7c1e-3d2a-4e8b-9c61-7a4d2e9f1b03")
 # Ids a run_canvas message keeps on the fan-in it carries (the batch's and the successor's).
 _KEPT_IDS = frozenset({"task_id", BATCH_ID_OPTION})
-
-
-@contextlib.contextmanager
-def _eagerly(app: Celery) -> Iterator[None]:
-    """`task_always_eager` on for one call (`FanInGroup.apply`), as it was afterwards."""
-    before = app.conf.task_always_eager
-    app.conf.task_always_eager = True
-    try:
-        yield
-    finally:
-        app.conf.task_always_eager = before
 
 
 def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:

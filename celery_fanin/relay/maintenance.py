@@ -154,10 +154,11 @@ def reconcile(fanin: FanIn, limit: int = 1000) -> list[recovery.Repair]:
         if repair is not None:
             repairs.append(repair)
             logger.warning(
-                "reconciled batch_id=%s: %s; %s",
+                "reconciled batch_id=%s: %s; %s%s",
                 batch_id,
                 "; ".join(repair.problems),
                 "; ".join(repair.actions) or "reported only",
+                "".join(f"; {note}" for note in repair.unchecked),
                 extra={"batch_id": str(batch_id)},
             )
     return repairs

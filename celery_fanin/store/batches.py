@@ -530,9 +530,9 @@ def unpublished_batches(conn: Connection, limit: int = 100) -> list[uuid.UUID]:
     return [r[0] for r in rows]
 
 
-def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[tuple[int, str, Encoded]]:
+def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> list[tuple[int, str, str, Encoded]]:
     """The next children of a batch not yet known to be published and still waited for, in index order, with
-    their stored messages.
+    their task names and stored messages.
 
     Only `pending` ones: a child that started was delivered, and one that is terminal (counted, or abandoned or
     lost by recovery) must not run again for nothing. When fewer than `limit` come back, every child past the
@@ -542,4 +542,6 @@ def unpublished_children(conn: Connection, batch_id: uuid.UUID, limit: int) -> l
         q("unpublished_children").text,
         {"id": batch_id, "n": limit},
     )
-    return [(r.idx, r.task_id, Encoded(r.content_type, r.content_encoding, bytes(r.message))) for r in rows]
+    return [
+        (r.idx, r.task_id, r.task_name, Encoded(r.content_type, r.content_encoding, bytes(r.message))) for r in rows
+    ]

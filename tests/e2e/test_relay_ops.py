@@ -15,6 +15,7 @@ import pytest
 
 from celery_fanin import fan_in_group
 from tests import app as tasks
+from tests.e2e.sql import rows
 from tests.workers import CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -99,3 +100,32 @@ def test_a_logfile_that_cannot_be_opened_is_a_usage_error(e2e_env: dict[str, str
     done = celery(e2e_env, "relay", "--once", "--logfile", str(tmp_path / "missing" / "relay.log"))
     assert done.returncode == 2
     assert "cannot open" in done.stderr and "--logfile" in done.stderr
+
+
+def test_a_child_the_relay_cannot_publish_is_counted_rejected_by_a_worker_and_its_batch_finishes(
+    producer: Any, processes: Any, successor_runs: Any
+) -> None:
+    """Child 1 gives `ok(i)` three arguments: the producer cannot publish its chunk and leaves it to the relay,
+    which publishes children 0 and 2 and a rejection in child 1's place; a real worker runs the two and rejects the
+    third, and the successor runs once with the two values and the rejected child among the failures."""
+    handle = fan_in_group(
+        [tasks.ok.s(1), tasks.ok.s(1, 2, 3), tasks.ok.s(3)], then=tasks.record_run.s("misfit", with_values=True)
+    ).apply_async()
+    [mark] = rows(producer, "SELECT published_upto FROM fanin_batches WHERE id = :b", b=handle.batch_id)
+    assert mark.published_upto == 0, "the producer published nothing of the failing chunk"
+    processes.worker(concurrency=2)
+    relay = processes.relay(process=True)
+    status = handle.wait(timeout=60)
+    assert (status.state, status.succeeded, status.failed, status.successor_state) == ("complete", 2, 1, "succeeded")
+    [misfit] = rows(
+        producer,
+        "SELECT task_id, state, exc_type, exc_message FROM fanin_children WHERE batch_id = :b AND idx = 1",
+        b=handle.batch_id,
+    )
+    assert (misfit.state, misfit.exc_type) == ("rejected", "Reject")
+    assert "not published by the relay: TypeError" in misfit.exc_message
+    [run] = successor_runs(handle.batch_id)
+    assert run["values"] == [10, 30]
+    assert [(f["index"], f["state"]) for f in run["outcome"]["failures"]] == [(1, "rejected")]
+    log = relay.output()
+    assert f"batch_id={handle.batch_id} index=1 task_id={misfit.task_id} cannot be published (TypeError" in log

@@ -22,6 +22,7 @@ import redis
 from celery import Celery, Task
 from sqlalchemy import Connection, Engine, create_engine, text
 
+from celery_fanin import codec
 from celery_fanin.context import normalise_database_url
 from celery_fanin.store import batches, migrate
 
@@ -47,6 +48,18 @@ def define_tasks(app: Celery) -> Tasks:
         return outcome
 
     return Tasks(add, collect)
+
+
+def collecting_batch(app: Celery, tasks: Tasks, **options: Any) -> batches.NewBatch:
+    """A batch row whose successor is `tasks.collect`, encoded for `app` (its children are the caller's)."""
+    return batches.NewBatch(
+        id=uuid.uuid4(),
+        step="merge",
+        successor_task_id=f"succ-{uuid.uuid4()}",
+        successor_name="tests.store.collect",
+        successor_message=codec.encode_signature(app, tasks.collect.s()),
+        **options,
+    )
 
 
 def make_engine(url: str, pool_size: int = 5) -> Engine:

@@ -28,6 +28,7 @@ from .helpers import (
     QUEUE,
     TABLES,
     Tasks,
+    collecting_batch,
     create,
     define_tasks,
     fetch_all,
@@ -366,13 +367,7 @@ def test_relay_leaves_a_batch_alone_while_its_producer_holds_the_publish_lock(
     app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis
 ) -> None:
     """A producer still publishing (its lock held) is not raced by the relay; once it dies, the relay takes over."""
-    batch = batches.NewBatch(
-        id=uuid.uuid4(),
-        step="merge",
-        successor_task_id=f"succ-{uuid.uuid4()}",
-        successor_name="tests.store.collect",
-        successor_message=codec.encode_signature(app, tasks.collect.s()),
-    )
+    batch = collecting_batch(app, tasks)
     children = [
         batches.NewChild(f"{batch.id}-{i}", "tests.store.add", codec.encode_signature(app, tasks.add.s(i, i)))
         for i in range(5)

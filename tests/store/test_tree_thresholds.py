@@ -30,6 +30,7 @@ from celery_fanin.store import batches, queries, recovery
 from .helpers import (
     QUEUE,
     Tasks,
+    collecting_batch,
     deal,
     fetch_all,
     fetch_one,
@@ -349,14 +350,7 @@ def test_a_streamed_tree_with_a_ratio_counts_every_leafs_failures_when_it_is_sea
 
 
 def _encoded_batch(app: Celery, tasks: Tasks, n: int, **options: Any) -> tuple[batches.NewBatch, list[Any]]:
-    batch = batches.NewBatch(
-        id=uuid.uuid4(),
-        step="merge",
-        successor_task_id=f"succ-{uuid.uuid4()}",
-        successor_name="tests.store.collect",
-        successor_message=codec.encode_signature(app, tasks.collect.s()),
-        **options,
-    )
+    batch = collecting_batch(app, tasks, **options)
     children = [
         batches.NewChild(f"{batch.id}-{i}", "tests.store.add", codec.encode_signature(app, tasks.add.s(i, i)))
         for i in range(n)

@@ -175,7 +175,7 @@ SELECT id FROM fanin_batches WHERE published_upto < planned AND parent_id IS NUL
 
 -- name: unpublished_children
 -- The next children of a batch not yet known to be published and still waited for, in index order, with...
-SELECT c.idx, c.task_id, c.message, c.content_type, c.content_encoding
+SELECT c.idx, c.task_id, c.task_name, c.message, c.content_type, c.content_encoding
   FROM fanin_batches root
   JOIN fanin_batches b ON b.id = root.id OR b.parent_id = root.id
   JOIN fanin_children c ON c.batch_id = b.id AND c.idx >= root.published_upto AND c.state = 'pending'
@@ -337,6 +337,19 @@ SELECT id FROM (
 -- name: reconcile_batch
 -- Recompute one batch's counters from its child rows (and leaves) and repair what disagrees
 SELECT problems, actions FROM fanin_reconcile_batch(:id);
+
+-- name: pruned_part
+-- A finished root: its planned count, the rows kept (its own children, its leaves' planned counts), and its totals
+-- less its leaves' (what the leaves retention deleted counted, if that is all that is missing)
+SELECT b.planned, d.created + l.planned AS created, d.created AS direct, l.unfinished,
+       b.succeeded - l.succeeded AS pruned_succeeded, b.failed - l.failed AS pruned_failed
+  FROM fanin_batches b,
+       LATERAL (SELECT count(*) AS created FROM fanin_children c WHERE c.batch_id = b.id) d,
+       LATERAL (SELECT coalesce(sum(x.planned), 0) AS planned, coalesce(sum(x.succeeded), 0) AS succeeded,
+                       coalesce(sum(x.failed), 0) AS failed,
+                       count(*) FILTER (WHERE x.state IN ('open', 'running')) AS unfinished
+                  FROM fanin_batches x WHERE x.parent_id = b.id) l
+ WHERE b.id = :id AND b.parent_id IS NULL AND b.state NOT IN ('open', 'running');
 
 -- name: abandon_after_threshold
 -- Stop a batch that passed its failure threshold
