@@ -10,6 +10,7 @@ outbox row's backoff).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +21,9 @@ from kombu import Connection
 from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
-from celery_fanin.broker.confirms import ConfirmChannel
+from celery_fanin.broker.confirms import BrokerRefused, ConfirmChannel
 from celery_fanin.relay import Relay
+from celery_fanin.relay import outbox as outbox_relay
 from celery_fanin.store import outbox
 from tests import publish_tasks
 
@@ -114,3 +116,52 @@ def test_a_successor_is_recorded_sent_only_once_confirmed(
     with fanin.engine.connect() as conn:
         assert outbox.pending_ids(conn, uuid.UUID(handle.batch_id)) == []
     assert [h.get("fanin_successor") for h in _queued(app)][-1] == handle.batch_id
+
+
+def _queued_messages(app: Celery) -> list[tuple[dict[str, Any], Any]]:
+    """Drain the app's queue, returning each message's headers and decoded body."""
+    found = []
+    with Connection(RABBITMQ_URL) as conn:
+        channel = conn.default_channel
+        while (message := channel.basic_get(app.conf.task_default_queue, no_ack=True)) is not None:
+            found.append((dict(message.headers), json.loads(message.body)))
+    return found
+
+
+def test_a_chain_childs_first_message_is_recorded_only_once_confirmed(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery's `chain.run` drops the `producer` it is given (it publishes the first task with a producer of its
+    own, from the pool): a chain child must still go out on the confirm channel, by the producer and by the relay
+    republishing it, and be recorded only once the broker confirmed it."""
+    echo = app.tasks[publish_tasks.ECHO]
+    children = [chain(echo.s(1), echo.s()), chain(echo.s(2), chain(echo.s(), echo.s()))]  # the second nested
+    _refuse_confirms(monkeypatch)
+    handle = fan_in_group(children, then=echo.s(), app=app).apply_async()
+    assert handle.status().published == 0, "a chain child refused by the broker, yet recorded as published"
+    fanin = FanIn.of(app)
+    with pytest.raises(BrokerRefused):  # the relay republishes an orphaned chain child the same way
+        outbox_relay.publish_orphaned_children(fanin)
+    assert handle.status().published == 0, "republished by the relay, refused, yet recorded as published"
+    monkeypatch.undo()
+    assert Relay(fanin).run_once() == 2
+    assert handle.status().published == 2
+    with fanin.engine.connect() as conn:
+        ids = [
+            r.task_id
+            for r in conn.execute(
+                text("SELECT task_id FROM fanin_children WHERE batch_id = :b ORDER BY idx"), {"b": handle.batch_id}
+            )
+        ]
+    # Each chain's first task (its message only: the worker publishes the next), with the rest of the chain in the
+    # body, the last task carrying the child's own task id; every publish (three here) carried the same ids.
+    messages = _queued_messages(app)
+    assert len(messages) == 6
+    for headers, body in messages:
+        idx = headers["fanin_index"]
+        assert headers["fanin_chain"] == ids[idx]
+        rest = body[2]["chain"]  # Celery's `chain` option: the remaining tasks, last first
+        assert len(rest) == [1, 2][idx]
+        assert rest[0]["options"]["task_id"] == ids[idx]
+        assert headers["id"] != ids[idx]
+    assert len({h["id"] for h, _ in messages}) == 2, "a republished chain child reuses its tasks' ids"

@@ -548,3 +548,118 @@ def test_eager_children_store_their_results_in_the_backend_only_if_asked(app: Ce
     results = [app.AsyncResult(task_id).result for task_id in ids]
     assert results == ([3, 6, 27] if stored else [None, 6, None])
     assert app.AsyncResult(handle.id).result == 3  # the successor's, as Celery stores it
+
+
+def test_a_chain_childs_first_message_goes_through_the_producer_given(
+    broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery's `chain.run` drops a `producer=` (it acquires one of its own from the pool): a chain child's first
+    message must go through the producer `publish_children` is given (Redis: into its pipeline), or on RabbitMQ
+    through that producer's confirm channel, counted among the messages whose confirms are waited for."""
+    from kombu import Producer
+
+    app = _producer_app(broker_env)
+    echo = app.tasks[publish_tasks.ECHO]
+    used: list[tuple[int, Any]] = []
+    real_publish = Producer.publish
+
+    def spy(self: Producer, body: Any, *args: Any, **kwargs: Any) -> Any:
+        index = (kwargs.get("headers") or {}).get(protocol.HEADER_INDEX)
+        if index is not None:
+            used.append((index, self))
+        return real_publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "publish", spy)
+    children = [
+        (0, str(uuid.uuid4()), echo.s(0).set(link=echo.s())),  # Celery's path, a plain signature
+        (1, str(uuid.uuid4()), echo.s(1) | echo.s()),
+        (2, str(uuid.uuid4()), echo.s(2) | (echo.s() | echo.s())),
+    ]
+    try:
+        with publish.producer(app) as prod:
+            sent_before = None
+            if broker_env["BROKER"] == "rabbitmq":
+                expected = confirms.confirm_channel(prod, publish.amqp_frames_enabled(app))
+                sent_before, target = expected.sent, expected.producer
+            else:
+                target = prod
+            publish.publish_children(app, prod, uuid.uuid4(), children)
+            assert sorted(i for i, _ in used) == [0, 1, 2]
+            assert all(p is target for _, p in used), [(i, p is target) for i, p in used]
+            if sent_before is not None:
+                assert expected.sent - sent_before == 3, "every child counted among the confirmed publishes"
+    finally:
+        FanIn.of(app).dispose()
+        if broker_env["BROKER"] == "rabbitmq":
+            with Connection(RABBITMQ_URL) as conn:
+                conn.default_channel.queue_delete(broker_env["FANIN_TEST_QUEUE"])
+
+
+CHAINS: list[tuple[str, Callable[[Any], Any], dict[str, Any]]] = [
+    ("two", lambda e: e.s(1) | e.s(), {}),
+    ("nested", lambda e: e.s(1) | (e.s() | e.s(k=2)) | e.si(3), {}),
+    ("one", lambda e: _chain_of(e.s(1)), {}),
+    ("link", lambda e: e.s(1) | e.s(), {"link": "done", "link_error": "failed"}),
+    ("options", lambda e: e.s(1) | e.s(), {"countdown": 30, "expires": 60, "queue": "elsewhere", "priority": 3}),
+    ("headers", lambda e: (e.s(1) | e.s()).set(headers={"x_custom": 1}), {}),
+]
+
+
+def _chain_of(*tasks: Any) -> Any:
+    from celery import chain
+
+    return chain(*tasks)
+
+
+@pytest.mark.parametrize(("name", "build", "options"), CHAINS, ids=[c[0] for c in CHAINS])
+def test_a_chain_is_published_as_celerys_chain_publishes_it(
+    name: str, build: Callable[[Any], Any], options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`publish._apply_chain` does what Celery's ``chain.apply_async`` does (which drops a ``producer=``), with the
+    producer: the same first message, the rest of the chain (ids, options, links) in its ``chain`` field."""
+    import contextlib
+
+    hooks.worker_hooks.install()
+    app = Celery("tests.app", broker="memory://", set_as_current=False)
+    app.conf.update(task_default_queue="default-q")
+    publish_tasks.register(app)
+    echo = app.tasks[publish_tasks.ECHO]
+    ids = [str(uuid.uuid4()) for _ in range(4)]
+    extra = dict(options)
+    for key in ("link", "link_error"):
+        if key in extra:
+            extra[key] = echo.si(extra[key])
+
+    def chained() -> Any:
+        sig = build(echo)
+        for task, task_id in zip(publish.chain_tasks(sig)[:-1], ids, strict=False):
+            task.set(task_id=task_id)  # Celery gives the earlier tasks random ids; publish_chain derives them
+        return sig.set(**extra)
+
+    with app.connection_for_write() as conn:
+        theirs = _Capture(conn)
+        monkeypatch.setattr(app, "producer_or_acquire", lambda producer=None: contextlib.nullcontext(theirs))
+        chained().apply_async(task_id=ids[-1], producer=_Capture(conn), add_to_parent=False)
+        monkeypatch.undo()
+        ours = _Capture(conn)
+        publish._apply_chain(chained(), ours, task_id=ids[-1], add_to_parent=False)  # type: ignore[arg-type]
+    ((celery_body, celery_kwargs),) = theirs.published
+    ((our_body, our_kwargs),) = ours.published
+    assert our_body == celery_body
+    mine, theirs_headers = dict(our_kwargs.pop("headers")), dict(celery_kwargs.pop("headers"))
+    for key in ("eta", "expires"):  # computed from "now"
+        assert (mine.pop(key) is None) == (theirs_headers.pop(key) is None), key
+    assert mine == theirs_headers
+    if "expiration" in celery_kwargs:
+        assert our_kwargs.pop("expiration") == pytest.approx(celery_kwargs.pop("expiration"), abs=1)
+    assert {k: v for k, v in our_kwargs.items() if k != "declare"} == {
+        k: v for k, v in celery_kwargs.items() if k != "declare"
+    }
+    rest = our_body[2]["chain"]
+    last_id = rest[0]["options"]["task_id"] if rest else mine["id"]  # a chain of one: its first task is its last
+    assert last_id == ids[-1], "the last task carries the chain's task id"
+    if "link" in options:
+        assert [list(s["args"]) for s in rest[0]["options"]["link"]] == [["done"]]
+    if "link_error" in options:
+        assert all(list(t["options"]["link_error"][0]["args"]) == ["failed"] for t in rest)
+        assert list(our_body[2]["errbacks"][0]["args"]) == ["failed"]

@@ -703,7 +703,47 @@ def publish_chain(
         return
     chained = _chain(*steps, app=app)
     chained.options.update({k: v for k, v in sig.options.items() if k not in ("task_id", "headers")})
-    chained.apply_async(task_id=task_id, producer=prod, add_to_parent=False, **options)
+    _apply_chain(chained, prod, task_id=task_id, add_to_parent=False, **options)
+
+
+def _apply_chain(chained: _chain, prod: Producer, **options: Any) -> None:
+    """Publish a chain's first task as Celery's ``chain.apply_async`` does, but through `prod`.
+
+    Celery's ``_chain.run`` takes ``producer`` (and ``publisher``) as parameters of its own and does not hand them
+    on to the first task, which then acquires another producer from the app's pool: on RabbitMQ not the confirm
+    channel (so its confirm would never be waited for), on Redis outside this producer's pipeline. So this does
+    what ``run`` does (Celery 5.5 to 5.7): the tasks frozen by the chain's own ``prepare_steps`` (each task's id, the
+    last task's the chain's, ``link_error`` on every task), a ``link`` on the last task, and the first task
+    published, with the producer, carrying the others, last first, as its ``chain`` option (the worker publishes
+    each next task from it). tests/test_publish.py compares the message with the one Celery's chain publishes.
+    """
+    app = chained.app
+    opts = dict(chained.options, **options)
+    for unused in ("producer", "publisher"):
+        opts.pop(unused, None)
+    link = opts.pop("link", None)
+    tasks, _ = chained.prepare_steps(
+        chained.args,  # no partial arguments: run's, when apply_async is given none (its kwargs hold the tasks)
+        {},
+        chained.tasks,
+        root_id=opts.pop("root_id", None),
+        parent_id=opts.pop("parent_id", None),
+        link_error=opts.pop("link_error", None),
+        app=app,
+        last_task_id=opts.pop("task_id", None),
+        group_id=opts.pop("group_id", None),
+        chord_body=opts.pop("chord", None),
+        group_index=opts.pop("group_index", None),
+    )
+    if link:
+        tasks[0].extend_list_option("link", link)
+    first = tasks.pop()
+    use_link = chained._use_link
+    if use_link is None:
+        use_link = app.conf.task_protocol == 1
+    # Protocol 1 links each task to the next instead (prepare_steps did); else the rest rides in the message.
+    opts["chain"] = None if use_link else [*(opts.get("chain") or []), *tasks]
+    first.apply_async(producer=prod, **opts)
 
 
 def check_arguments(app: Celery, sig: Signature) -> None:
