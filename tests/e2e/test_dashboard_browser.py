@@ -194,7 +194,9 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[0]}:open")
     _until(browser, "the bar at 4 of 5", lambda d: _done(d, "svg.bar.big") == (4, 5))
     assert browser.execute_script("return window.fanInMarker") == "not reloaded", "updated in place"
-    _until(browser, "a new live stamp", lambda d: d.find_element(By.ID, "live").get_attribute("data-updated") != updated)
+    _until(
+        browser, "a new live stamp", lambda d: d.find_element(By.ID, "live").get_attribute("data-updated") != updated
+    )
     cards = _until(browser, "the cards", lambda d: d.find_element(By.CSS_SELECTOR, ".cards").text)
     assert re.search(r"3\s+succeeded", cards) and re.search(r"1\s+failed", cards), cards
     _until(browser, "a starts chart", lambda d: d.find_elements(By.CSS_SELECTOR, "svg.chart rect.chart-bar"))
