@@ -32,7 +32,7 @@ from celery_fanin import (
     saga,
     sagas,
 )
-from celery_fanin.ops import retention
+from celery_fanin.ops import inspection, retention
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.worker import hooks, successor_runs
@@ -226,6 +226,16 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
             assert handle.status().successor_state in ("sent", "pending"), handle.batch_id
         assert threshold.status().remaining == 0, "the relay abandoned the rest of the tree as the relay role"
 
+        # The operator's reads (`status`, `ls`: the node view, version 22) work with each role that reads batches.
+        with psycopg.connect(cluster.url("owner")) as conn:
+            rows = conn.execute("SELECT id, planned FROM fanin_batches WHERE parent_id = %s", (tree.batch_id,))
+            stored = {(str(i), n) for i, n in rows}
+        for app in (producer, worker, relay_app):
+            shown = inspection.describe(FanIn.of(app), tree.batch_id)
+            leaves = {(c["batch_id"], c["planned"]) for c in shown["tree"]["children"] if c["kind"] == "leaf"}
+            assert (shown["state"], shown["tree"]["succeeded"], leaves) == ("complete", 5, stored), app.main
+            assert str(tree.batch_id) in {e["batch_id"] for e in inspection.list_batches(FanIn.of(app))}, app.main
+
         # The successor of `plain` runs on a worker: start guard, body reading the results, state and result.
         status = plain.status()
         succ_marker = protocol.Marker(plain.batch_id, None, status.step)
@@ -266,6 +276,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
         _refused(cluster.url("relay"), "DELETE FROM fanin_outbox")
         _refused(cluster.url("maintenance"), "UPDATE fanin_batches SET state = 'running'")
         _refused(cluster.url("maintenance"), "SELECT message FROM fanin_children")
+        _refused(cluster.url("maintenance"), "SELECT * FROM fanin_nodes")
         _refused(cluster.url("relay"), "CREATE TABLE fanin_extra (id int)")
     finally:
         for app in apps:
@@ -543,6 +554,15 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
                     may_insert = role == "producer" and table in ("fanin_batches", "fanin_children")
                     assert bool(insert_some) == may_insert, (role, table)
                     assert bool(insert_all) == (may_insert and table == "fanin_batches"), (role, table)
+            # The node view reads its three tables with its owner's rights: only a role that may read them may read it.
+            for role in ("producer", "worker", "relay", "dashboard", "maintenance"):
+                row = conn.execute(
+                    "SELECT has_table_privilege(%s, 'fanin_nodes', 'SELECT'),"
+                    " bool_and(has_table_privilege(%s, t, 'SELECT'))"
+                    " FROM unnest(ARRAY['fanin_batches', 'fanin_successors', 'fanin_children']) t",
+                    (cluster.role(role),) * 2,
+                ).fetchone()
+                assert row is not None and row[0] == row[1] == (role != "maintenance"), role
             outcome_columns = conn.execute(
                 "SELECT count(*) FROM unnest(ARRAY['state', 'result', 'finished_at', 'exc_type', 'started_at']) c"
                 " WHERE has_column_privilege(%s, 'fanin_children', c, 'INSERT')",

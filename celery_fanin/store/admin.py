@@ -68,9 +68,10 @@ class Node:
         }
 
 
-# Every node statement (`node`, `node_leaves`, `node_descendants`, `node_rounds` in sql/queries.sql) returns
-# the one shape `_node` reads. An unfinished leaf's counts are added to its root's, but for failures under a
-# threshold (`fail_up`): those are in the root's `failed` already (migration 0012), as the dashboard counts.
+# Every node statement (`node`, `node_leaves`, `node_descendants`, `node_rounds`, `list_batches` in
+# sql/queries.sql) selects from the view `fanin_nodes` (migration 0022), the one shape `_node` reads. An unfinished
+# leaf's counts are added to its root's, but for failures under a threshold (`fail_up`): those are in the root's
+# `failed` already (migration 0012), as the dashboard counts.
 
 
 def _node(r: Any) -> Node:

@@ -131,3 +131,8 @@ GRANT UPDATE (completed_at) ON fanin_batches TO fanin_maintenance;
 -- stored message), nothing else. It also opens every transaction read-only.
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_sagas, fanin_saga_steps,
                 fanin_saga_compensations TO fanin_dashboard;
+
+-- The node view (`fanin_nodes`, version 22): what `status`, `ls`, `retry-failed` and the dashboard's batch pages
+-- read. It reads fanin_batches, fanin_successors and fanin_children with its owner's rights, so it goes to the
+-- roles that may read all three already (it shows them nothing new), and to no other: not fanin_maintenance.
+GRANT SELECT ON fanin_nodes TO fanin_producer, fanin_worker, fanin_relay, fanin_dashboard;

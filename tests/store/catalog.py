@@ -1,9 +1,10 @@
 """A database's celery-fanin schema as text, read from pg_catalog: what `store/sql/schema.sql` must reproduce.
 
 One line per table (with its storage options), column (in order: type, NOT NULL, default), constraint, index,
-sequence and function (its whole definition, as `pg_get_functiondef` prints it: arguments, result, language,
-volatility, security, configuration and body). Grants and ownership are left out: they are the deployment's
-(docs/how-to/grants.sql). `fanin_migrations` is the migrator's bookkeeping, not the schema.
+sequence, view (its query as `pg_get_viewdef` prints it, and its columns) and function (its whole definition, as
+`pg_get_functiondef` prints it: arguments, result, language, volatility, security, configuration and body).
+Grants and ownership are left out: they are the deployment's (docs/how-to/grants.sql). `fanin_migrations` is the
+migrator's bookkeeping, not the schema.
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ SELECT c.relname, format_type(s.seqtypid, NULL), s.seqstart, s.seqincrement, s.s
  WHERE c.relnamespace = 'public'::regnamespace AND c.relname LIKE 'fanin%'
  ORDER BY c.relname
 """
+_VIEWS = """
+SELECT c.relname, coalesce(array_to_string(c.reloptions, ','), ''), pg_get_viewdef(c.oid)
+  FROM pg_class c
+ WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('v', 'm') AND c.relname LIKE 'fanin%'
+ ORDER BY c.relname
+"""
+_VIEW_COLUMNS = """
+SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod)
+  FROM pg_attribute a
+  JOIN pg_class c ON c.oid = a.attrelid
+ WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('v', 'm') AND c.relname LIKE 'fanin%'
+   AND a.attnum > 0 AND NOT a.attisdropped
+ ORDER BY c.relname, a.attnum
+"""
 _FUNCTIONS = """
 SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid)
   FROM pg_proc p
@@ -73,6 +88,11 @@ def describe(url: str) -> list[str]:
             lines.append(f"index {table}.{name} {definition}")
         for row in conn.execute(_SEQUENCES):
             lines.append("sequence " + " ".join(str(v) for v in row))
+        for name, options, definition in conn.execute(_VIEWS):
+            lines.append(f"view {name} ({options})")
+            lines.extend(f"  {line}" for line in definition.rstrip().splitlines())
+        for view, column, type_ in conn.execute(_VIEW_COLUMNS):
+            lines.append(f"view column {view}.{column} {type_}")
         for signature, definition in conn.execute(_FUNCTIONS):
             lines.append(f"function {signature}")
             lines.extend(f"  {line}" for line in definition.rstrip().splitlines())

@@ -5,17 +5,9 @@
 
 -- name: batches_page
 -- Root batches newest first, filtered (a NULL filter matches all), after the keyset cursor (created_at, id).
-SELECT b.id, b.app_name, b.key, b.step, b.state, b.planned, b.round,
-       b.succeeded + coalesce(l.succeeded, 0) AS succeeded,
-       b.failed + coalesce(l.failed, 0) AS failed,
-       b.created_at, b.completed_at, s.state AS successor_state, now() AS now
-  FROM fanin_batches b
-  LEFT JOIN LATERAL (
-        SELECT sum(x.succeeded) AS succeeded, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS failed
-          FROM fanin_batches x
-         WHERE x.parent_id = b.id AND x.state IN ('open', 'running')
-  ) l ON true
-  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+SELECT b.id, b.app_name, b.key, b.step, b.state, b.planned, b.round, b.succeeded, b.failed,
+       b.created_at, b.completed_at, b.successor_state, now() AS now
+  FROM fanin_nodes b
  WHERE b.parent_id IS NULL
    AND (CAST(:state AS text) IS NULL OR b.state = CAST(:state AS text))
    AND (CAST(:step AS text) IS NULL OR b.step = CAST(:step AS text))

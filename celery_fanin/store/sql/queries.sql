@@ -369,71 +369,32 @@ SELECT state, parent_id FROM fanin_batches WHERE id = :id;
 
 -- --- store/admin.py -----------------------------------------------------------------------------------------------
 
+-- The node statements read the view `fanin_nodes` (migration 0022): a batch with its unfinished leaves' counts
+-- added, its successor's state and, for a nested batch, its outer child's index.
 -- name: node
 -- One batch as a node of the batch graph (`status`, `ls`, the tree views)
-SELECT b.id, b.step, b.state, b.planned,
-       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
-       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
-       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
-  FROM fanin_batches b
-  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
-                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
-  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
- WHERE b.id = :id;
+SELECT * FROM fanin_nodes b WHERE b.id = :id;
 
 -- name: node_leaves
 -- A tree root's leaf counters as nodes, oldest first
-SELECT b.id, b.step, b.state, b.planned,
-       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
-       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
-       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
-  FROM fanin_batches b
-  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
-                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
-  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
- WHERE b.parent_id = :id ORDER BY b.created_at, b.id LIMIT :n;
+SELECT * FROM fanin_nodes b WHERE b.parent_id = :id ORDER BY b.created_at, b.id LIMIT :n;
 
 -- name: node_descendants
 -- The batches this batch's children or successor created, as nodes
-SELECT b.id, b.step, b.state, b.planned,
-       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
-       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
-       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
-  FROM fanin_batches b
-  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
-                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
-  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+SELECT * FROM fanin_nodes b
  WHERE b.lineage = :id AND b.parent_id IS NULL
- ORDER BY c.idx NULLS LAST, b.created_at, b.id LIMIT :n;
+ ORDER BY b.child_index NULLS LAST, b.created_at, b.id LIMIT :n;
 
 -- name: node_rounds
 -- Round 1 of a batch and every retry round of it, as nodes, in round order
-SELECT b.id, b.step, b.state, b.planned,
-       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
-       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
-       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
-  FROM fanin_batches b
-  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
-                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
-  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+SELECT * FROM fanin_nodes b
  WHERE (b.id = :id AND b.retry_of IS NULL) OR b.retry_of = :id
  ORDER BY b.round, b.created_at;
 
 -- name: list_batches
 -- Root batches newest first, filtered by state, stuck-ness, age and step
-SELECT p.last_progress, now() AS now, b.id, b.step, b.state, b.planned,
-       b.succeeded + coalesce(l.s, 0) AS succeeded, b.failed + coalesce(l.f, 0) AS failed,
-       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
-       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index
-  FROM fanin_batches b
-  LEFT JOIN LATERAL (SELECT sum(x.succeeded) AS s, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS f FROM fanin_batches x
-                      WHERE x.parent_id = b.id AND x.state IN ('open', 'running')) l ON true
-  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
-  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id
+SELECT p.last_progress, now() AS now, b.*
+  FROM fanin_nodes b
   LEFT JOIN LATERAL (
         SELECT max(ch.finished_at) AS last_progress FROM fanin_children ch
          WHERE b.state IN ('open', 'running')

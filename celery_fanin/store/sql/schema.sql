@@ -1,10 +1,10 @@
--- celery-fanin: the current schema, every table, index and function, as the migrations leave it.
+-- celery-fanin: the current schema, every table, index, view and function, as the migrations leave it.
 --
 -- This file is the reference, not an installer: `celery -A proj fanin migrate` applies migrations/ (deltas, in
 -- order, recorded in fanin_migrations). tests/store/test_schema_sql.py loads this file into one empty database
 -- and the migrations into another and compares their catalogs (tables, columns in order, constraints, indexes,
--- sequences, and each function's whole definition), so the two cannot drift apart. To change the schema: write
--- the next migration, then make the same change here (docs/concepts/layout.md, "Changing the schema").
+-- sequences, views, and each function's whole definition), so the two cannot drift apart. To change the schema:
+-- write the next migration, then make the same change here (docs/concepts/layout.md, "Changing the schema").
 --
 -- Functions are versioned by name: a function whose arguments or result change gets a new name (`_v2`, `_v3`)
 -- and the old one is dropped once nothing calls it; no function is overloaded. Every function runs with its
@@ -254,6 +254,26 @@ CREATE TABLE fanin_saga_compensations (
 CREATE INDEX fanin_saga_compensations_batch ON fanin_saga_compensations (batch_id) WHERE batch_id IS NOT NULL;
 CREATE INDEX fanin_saga_compensations_stage ON fanin_saga_compensations (saga_id, stage);
 
+-- Views
+
+-- A batch as the operator commands and the dashboard show it (version 22): its counts in children with its
+-- unfinished leaves' added (but for a `fail_up` leaf's failures, in its root's `failed` already), its current
+-- successor's state, and a nested batch's outer child index. No aggregate outside the lateral join, so the
+-- planner inlines it into each statement that reads it. It reads with its owner's rights: grants.sql grants it
+-- only to the roles that may read the three tables.
+CREATE VIEW fanin_nodes AS
+SELECT b.id, b.step, b.state, b.planned,
+       b.succeeded + coalesce(l.succeeded, 0) AS succeeded, b.failed + coalesce(l.failed, 0) AS failed,
+       b.created_at, b.completed_at, b.deadline_at, b.successor_name, s.state AS successor_state, b.key,
+       b.parent_id, b.parent_task_id, b.lineage, b.depth, b.round, b.retry_of, c.idx AS child_index, b.app_name
+  FROM fanin_batches b
+  LEFT JOIN LATERAL (
+        SELECT sum(x.succeeded) AS succeeded, sum(x.failed) FILTER (WHERE NOT x.fail_up) AS failed
+          FROM fanin_batches x
+         WHERE x.parent_id = b.id AND x.state IN ('open', 'running')
+  ) l ON true
+  LEFT JOIN fanin_successors s ON s.batch_id = b.id AND s.step = b.step
+  LEFT JOIN fanin_children c ON c.task_id = b.parent_task_id;
 
 -- Functions
 
