@@ -558,11 +558,9 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(which=PICK, pick=PICK, hold=HOLD)
     @_when(has_root)
     def reconcile(self, which: int, pick: int, hold: bool) -> None:
-        """`fanin reconcile` on any batch or leaf, whatever its state: it must never find anything to repair (but in
-        a tree prune is deleting, which has lost children)."""
+        """`fanin reconcile` on any batch or leaf, whatever its state: it must never find anything to repair (a
+        tree prune has begun to delete included: its missing leaves are accounted for by the root's totals)."""
         root: Root = self._pick(list(self.m.roots.values()), which)
-        if root.batch.id in self.m.pruning:
-            return
 
         def fn(conn: Connection) -> list[recovery.Repair]:
             ids = [root.batch.id] + [
