@@ -15,7 +15,7 @@ from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
 from tests.e2e import clock
-from tests.workers import wait_for
+from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -31,7 +31,7 @@ def _sql(app: Any, sql: str, **params: Any) -> Any:
 def test_duplicate_delivery_while_successor_runs_is_refused(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker(concurrency=2)
+    processes.worker(RELAY_PUBLISHES, concurrency=2)  # this test's relay rounds publish it
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s("slow", 3)).apply_async()
     relay = Relay(FanIn.of(producer))
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
