@@ -200,7 +200,9 @@ def test_deadline_abandon_without_on_expire_is_visible(producer: Any, processes:
 def test_failure_threshold_finishes_early_and_revokes_the_rest(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker(concurrency=1)
+    # The relay publishes `on_failure` and abandons the rest once the worker has moved on to `gated` (a worker that
+    # published it itself would abandon and revoke `gated` too before taking it: tests/e2e/test_successor_publish.py).
+    processes.worker(RELAY_PUBLISHES, concurrency=1)
     processes.relay()
     _sql(producer, tasks.ATTEMPTS_DDL)
     gate = f"threshold-{uuid.uuid4().hex[:8]}"
@@ -247,7 +249,7 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
 ) -> None:
     from celery_fanin.relay import maintenance
 
-    processes.worker()
+    processes.worker(RELAY_PUBLISHES)  # no successor runs before the hand edits: nothing publishes it until the relay
     fanin = FanIn.of(producer)
     drifted = fan_in_group([tasks.ok.s(i) for i in range(4)], then=tasks.record_run.s("drift")).apply_async()
     stuck = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("stuck")).apply_async()

@@ -108,7 +108,8 @@ def test_the_running_relay_reconciles_periodically(producer: Any, processes: Any
 def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
     e2e_env: dict[str, str], producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker(concurrency=2)  # no relay yet: a finished batch's successor waits in the outbox
+    # No relay yet, and a worker that leaves successors to it: a finished batch's successor waits in the outbox.
+    processes.worker(RELAY_PUBLISHES, concurrency=2)
     gate = f"command-{uuid.uuid4().hex[:8]}"
     held = _held_running(producer, gate)
     done = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("no-outbox")).apply_async()
