@@ -35,6 +35,8 @@ app.conf.update(
     worker_hijack_root_logger=False,
     result_expires=3600,
     fanin_track_started=os.environ.get("BENCH_TRACK_STARTED", "1") == "1",
+    # "0": every successor through the relay, as before the worker published its own (issue 23 item 1)
+    fanin_worker_publishes_successors=os.environ.get("BENCH_WORKER_PUBLISHES", "1") == "1",
 )
 FanIn(app)
 

@@ -121,6 +121,10 @@ class Settings:
     reconcile_interval: float = 300.0
     # Seconds an open (streaming) batch may stay without a live producer before the relay seals it.
     open_batch_grace: float = 300.0
+    # The worker whose report created a successor publishes it itself right after that commit (claiming its
+    # outbox row as the relay does, so one of them publishes it), and the relay is not woken for it: its periodic
+    # scan is the fallback for a worker that dies in between. False: every successor goes through the relay.
+    worker_publishes_successors: bool = True
 
     def __post_init__(self) -> None:
         # Checked where the setting is read, before a producer writes or a relay publishes anything with it.
@@ -298,9 +302,15 @@ class FanIn:
         if reports is None:
             with self._engine_lock:
                 if self._reports is None:
-                    self._reports = ReportConnection(self.database_url)
+                    self._reports = ReportConnection(self.database_url, lambda: self.worker_publishes_successors)
                 reports = self._reports
         return reports
+
+    @property
+    def worker_publishes_successors(self) -> bool:
+        """Whether this process's worker hooks publish the successors their reports create (not in eager mode,
+        which runs them inline)."""
+        return bool(self.setting("worker_publishes_successors")) and not self.app.conf.task_always_eager
 
     def setting(self, name: str) -> Any:
         """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""

@@ -55,7 +55,18 @@ if os.environ.get("FANIN_TEST_SIGNING_DIR"):  # message signing (tests/e2e/test_
     from tests.signing import configure_signing
 
     configure_signing(app, os.environ["FANIN_TEST_SIGNING_DIR"])
+if os.environ.get("FANIN_TEST_WORKER_PUBLISHES"):  # "0": successors only through the relay (test_successor_publish)
+    app.conf.fanin_worker_publishes_successors = os.environ["FANIN_TEST_WORKER_PUBLISHES"] == "1"
 FanIn(app)
+if os.environ.get("FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH"):
+    # A pool process killed (SIGKILL) after the commit of the report that created a successor and before it
+    # publishes it: the hook the wiring set is where the worker would publish (tests/e2e/test_successor_publish.py).
+    from celery_fanin.worker.hooks import worker_hooks
+
+    def _die_before_publishing(*_: Any) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    worker_hooks.publish_successor = _die_before_publishing
 
 RUNS_TABLE_DDL = """
 CREATE TABLE IF NOT EXISTS e2e_successor_runs (

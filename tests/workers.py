@@ -17,6 +17,12 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
+# A worker's environment for a test whose claim is the relay's own path for successors (its NOTIFY, its rounds,
+# its metrics, what it does when the store or broker fails it): the worker leaves every successor to the relay
+# (fanin_worker_publishes_successors off), as all workers did before they published their own.
+RELAY_PUBLISHES = {"FANIN_TEST_WORKER_PUBLISHES": "0"}
+
+
 def wait_for(condition: Callable[[], T], timeout: float, interval: float = 0.05, message: str = "condition") -> T:
     """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

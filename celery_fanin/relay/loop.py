@@ -1,7 +1,8 @@
 """The relay sidecar: publishes outbox rows (successors) and children whose producer died before publishing.
 
-It wakes on NOTIFY (sent only by the rare transaction that creates a successor) and also polls, because
-notifications sent while no listener is connected are lost. Database and broker outages are retried with
+It wakes on NOTIFY (sent only by the rare transaction that creates a successor, and not when the worker that
+created it publishes it itself) and also polls, because notifications sent while no listener is connected are lost,
+and a worker may die before publishing what it created. Database and broker outages are retried with
 backoff; SIGTERM and SIGINT finish the current round and stop. Several relays side by side are safe: the outbox
 claim skips rows another relay holds, and a batch's children are published under its advisory lock.
 """

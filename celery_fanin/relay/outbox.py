@@ -54,6 +54,7 @@ def publish_outbox(
     limit: int | None = None,
     *,
     deliver: Callable[[Due], None] | None = None,
+    batch_id: uuid.UUID | None = None,
 ) -> int:
     """Claim due outbox rows, publish their successors and mark them sent, all in one transaction.
 
@@ -64,13 +65,14 @@ def publish_outbox(
 
     `deliver` stands in for the broker in eager mode: it is handed each successor inside the transaction and must
     not run it there (its run guard would wait for this claim's row locks); a row that fails then raises, since
-    nothing would retry it.
+    nothing would retry it. `batch_id` claims only that batch's rows (the worker whose report created its
+    successor publishes it so, `publish_created_successor`).
     """
     app = fanin.app
     settings = fanin.settings
     limit = limit or settings.relay_batch_size
     with fanin.engine.begin() as conn:
-        rows = outbox.claim(conn, limit, ids)
+        rows = outbox.claim(conn, limit, ids, batch_id)
         if not rows:
             return 0
         sent: list[outbox.OutboxRow] = []
@@ -127,6 +129,23 @@ def publish_outbox(
         except Exception:
             logger.warning("could not revoke the unfinished children of batch_id=%s", batch_id, exc_info=True)
     return len(sent)
+
+
+def publish_created_successor(fanin: FanIn, batch_id: uuid.UUID) -> int:
+    """Publish a successor from the worker whose report created it, right after that report committed, as the
+    producer publishes its children: the relay's claim of the batch's outbox rows (so the worker and a relay never
+    both publish it), the outcome built the same way, a confirmed publish on the app's producer pool, and the row
+    marked sent. Never raises: a failure is logged and leaves the row to the relay's periodic scan."""
+    try:
+        return publish_outbox(fanin, batch_id=batch_id)
+    except Exception:  # noqa: BLE001 - the child's report is done; the relay publishes what this could not
+        logger.warning(
+            "could not publish the successor of batch_id=%s after its last report; the relay will",
+            batch_id,
+            exc_info=True,
+            extra={"batch_id": str(batch_id)},
+        )
+        return 0
 
 
 def _to_broker(app: Celery, prod: Producer) -> Callable[[Due], None]:

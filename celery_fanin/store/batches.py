@@ -394,6 +394,8 @@ RECORD_TERMINAL_SQL = q("report_terminal").psycopg
 RECOVERY_TERMINAL_SQL = q("record_terminal").psycopg
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
 RECORD_STARTS_SQL = q("record_starts").psycopg
+# Said once per report connection when its worker publishes the successors its reports create.
+SUCCESSOR_PUBLISHER_SQL = q("successor_publisher").psycopg
 
 
 @dataclass(frozen=True)

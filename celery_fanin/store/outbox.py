@@ -29,18 +29,21 @@ class OutboxRow:
     successor: SuccessorRow | None = field(default=None, compare=False, repr=False)
 
 
-def claim(conn: Connection, limit: int, ids: Sequence[int] | None = None) -> list[OutboxRow]:
-    """Lock up to `limit` due, unsent rows that no other transaction holds (only `ids`, when given).
+def claim(
+    conn: Connection, limit: int, ids: Sequence[int] | None = None, batch_id: uuid.UUID | None = None
+) -> list[OutboxRow]:
+    """Lock up to `limit` due, unsent rows that no other transaction holds (only `ids`, or only the rows of
+    `batch_id`, when given).
 
     Each row comes with its batch's and its successor's rows, read by the same statement: the relay needs both to
     publish, and on the successor's path every round trip counts. Only the outbox rows are locked (`FOR UPDATE OF
     o`); the batch and successor rows are read as of the statement's snapshot, which holds everything the outbox
     row's own transaction wrote with it.
     """
-    rows = conn.execute(
-        q("claim").text,
-        {"n": limit, "ids": list(ids) if ids is not None else None},
-    )
+    if batch_id is not None:
+        rows = conn.execute(q("claim_batch").text, {"n": limit, "batch": batch_id})
+    else:
+        rows = conn.execute(q("claim").text, {"n": limit, "ids": list(ids) if ids is not None else None})
     return [
         OutboxRow(r.outbox_id, r.outbox_batch_id, r.outbox_step, r.outbox_attempts, batch_row(r), successor_row(r))
         for r in rows

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -27,6 +27,7 @@ from .batches import (
     RECORD_STARTS_SQL,
     RECORD_TERMINAL_SQL,
     RECOVERY_TERMINAL_SQL,
+    SUCCESSOR_PUBLISHER_SQL,
     Claim,
     Encoded,
     Start,
@@ -63,9 +64,12 @@ def libpq_conninfo(sqlalchemy_url: str) -> str:
 class ReportConnection:
     """Sends the hooks' two reports; every error is psycopg's own (the hooks retry them)."""
 
-    def __init__(self, sqlalchemy_url: str) -> None:
+    def __init__(self, sqlalchemy_url: str, publishes_successors: Callable[[], bool] = lambda: False) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
         self._local = threading.local()
+        # Whether this process publishes the successors its reports create (`fanin_worker_publishes_successors`):
+        # then each connection says so once, and the report that creates a successor sends no NOTIFY for it.
+        self._publishes_successors = publishes_successors
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
         conn: psycopg.Connection[tuple[Any, ...]] | None = getattr(self._local, "conn", None)
@@ -73,6 +77,12 @@ class ReportConnection:
             return conn
         # An inherited connection's socket belongs to the parent: forget it without closing it.
         conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
+        if self._publishes_successors():
+            try:
+                conn.execute(SUCCESSOR_PUBLISHER_SQL)
+            except psycopg.Error:
+                conn.close()
+                raise
         self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 

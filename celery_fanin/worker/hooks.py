@@ -9,8 +9,10 @@ docs/concepts/terminal-outcomes.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -142,6 +144,10 @@ class WorkerHooks:
     Eager mode (`celery_fanin.producer.eager`) calls the same public methods for the tasks it runs inline.
     """
 
+    # Publishes the successor a report of this process created, after its commit (the relay's claim-and-publish,
+    # `relay.outbox.publish_created_successor`, set by the wiring: this layer does not import the relay's).
+    publish_successor: Callable[[FanIn, uuid.UUID], object] | None = None
+
     def __init__(self) -> None:
         self.received = ReceivedMarkers()
         self._installed = False
@@ -201,6 +207,7 @@ class WorkerHooks:
             )
             if rec.successor_created:
                 logger.info("batch complete batch_id=%s: successor created", marker.batch_id, extra=extra)
+                self._publish_created(fanin, marker.batch_id)
         elif rec.refused:
             _REFUSED.inc()
             why = "forged or misrouted message"
@@ -216,6 +223,22 @@ class WorkerHooks:
                 extra=extra,
             )
         return rec
+
+    def _publish_created(self, fanin: FanIn, batch_id: str) -> None:
+        """The successor this report created goes out from here, unless the relay is to publish it (the setting
+        off, or eager mode). In a main-process signal the worker's event loop must not wait for the broker: a thread
+        publishes it. Nothing raises from here: a failure leaves the outbox row to the relay."""
+        publish = self.publish_successor
+        if publish is None or not fanin.worker_publishes_successors:
+            return
+        try:
+            job = functools.partial(publish, fanin, uuid.UUID(batch_id))
+        except ValueError:  # not a batch id: the store counted nothing for it, so this is unreachable
+            return
+        if report.in_event_loop_now():
+            report.background.submit(job)
+        else:
+            job()
 
     def refuse(self, fanin: FanIn, task_id: str, marker: Marker, why: str) -> None:
         """A message refused before it ran (`claim_refusal`): logged and counted like a report the store refused,

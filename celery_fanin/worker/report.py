@@ -52,7 +52,7 @@ def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any]) -> Any:
     a thread (`background`); a pool process waits, since it takes its next task only after its report.
     """
     timeout = float(fanin.setting("report_timeout"))
-    if not getattr(_loop, "active", False):
+    if not in_event_loop_now():
         return _send_waiting(kind, what, once, timeout)
     # In the worker's event loop (a main-process signal): one attempt here; if the store is unreachable, the rest
     # of the retrying is done by a thread, since waiting here would stall the whole worker for the outage.
@@ -135,6 +135,11 @@ class BackgroundReports:
 
 background = BackgroundReports()
 _loop = threading.local()  # `active` while a main-process (event loop) signal handler runs
+
+
+def in_event_loop_now() -> bool:
+    """Whether this thread is in a main-process signal handler (`in_event_loop`): nothing may wait here."""
+    return bool(getattr(_loop, "active", False))
 
 
 def in_event_loop(handler: Callable[..., None]) -> Callable[..., None]:

@@ -66,8 +66,10 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- Workers: a child's start and terminal outcome (fanin_report_terminal counts a report only if the child row
 -- matches its message; the last one creates the successor), and a successor's run: admitted only under its
 -- pre-assigned task id, every later write fenced to the run's number (or, from the main process, to that task
--- id); a nested batch's successor reports its outer child inside fanin_finish_successor. Read access for
--- BatchOutcome.results().
+-- id); a nested batch's successor reports its outer child inside fanin_finish_successor. The successor a report
+-- created is published by that worker after its commit (`fanin_worker_publishes_successors`), as the relay would:
+-- the same claim of its outbox row, marked sent or failed, and the rest of a batch past its threshold abandoned.
+-- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                 timestamptz, integer, text),
@@ -77,7 +79,11 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text,
                           fanin_hand_over(uuid, text, integer, text, timestamptz),
                           fanin_take_back(uuid, text, integer, double precision),
                           fanin_renew_leases(uuid[], text[], integer[], double precision),
-                          fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text)
+                          fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text),
+                          fanin_claim_outbox(integer, bigint[]),
+                          fanin_outbox_sent(bigint[]),
+                          fanin_outbox_failed(bigint, text, double precision),
+                          fanin_abandon_after_threshold(uuid)
     TO fanin_worker;
 
 -- The relay: the outbox, children no producer published, lost children (only overdue ones), expired children

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
+import pytest
 from kombu import Connection
 
 from tests import app as tasks
@@ -48,3 +50,21 @@ def on_broker(env: dict[str, str], broker: str) -> Iterator[dict[str, str]]:
                         pass
                     finally:
                         channel.close()
+
+
+# For a test module whose tests run on both brokers: `from tests.e2e.brokers import BROKERS, broker_env, worker_on`.
+BROKERS = pytest.mark.parametrize("e2e_env", ["redis", "rabbitmq"], indirect=True)
+
+
+@pytest.fixture(name="e2e_env")
+def broker_env(e2e_env: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The session's environment on one broker (Redis unless parametrized), with a queue of the test's own."""
+    with on_broker(e2e_env, getattr(request, "param", "redis")) as env:
+        yield env
+
+
+def worker_on(processes: Any, env: dict[str, str], **kwargs: Any) -> Any:
+    """A worker, checked to be on the broker the test is parametrized with (its banner names the transport)."""
+    worker = processes.worker(**kwargs)
+    assert f"transport:   {env['FANIN_TEST_BROKER'].split(':')[0]}://" in worker.output()
+    return worker

@@ -15,7 +15,7 @@ from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
 from tests.e2e import clock
-from tests.workers import wait_for
+from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -31,7 +31,7 @@ def _sql(app: Any, sql: str, **params: Any) -> Any:
 def test_duplicate_delivery_while_successor_runs_is_refused(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker(concurrency=2)
+    processes.worker(RELAY_PUBLISHES, concurrency=2)  # this test's relay rounds publish it
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s("slow", 3)).apply_async()
     relay = Relay(FanIn.of(producer))
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
@@ -200,7 +200,9 @@ def test_deadline_abandon_without_on_expire_is_visible(producer: Any, processes:
 def test_failure_threshold_finishes_early_and_revokes_the_rest(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker(concurrency=1)
+    # The relay publishes `on_failure` and abandons the rest once the worker has moved on to `gated` (a worker that
+    # published it itself would abandon and revoke `gated` too before taking it: tests/e2e/test_successor_publish.py).
+    processes.worker(RELAY_PUBLISHES, concurrency=1)
     processes.relay()
     _sql(producer, tasks.ATTEMPTS_DDL)
     gate = f"threshold-{uuid.uuid4().hex[:8]}"
@@ -247,7 +249,7 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
 ) -> None:
     from celery_fanin.relay import maintenance
 
-    processes.worker()
+    processes.worker(RELAY_PUBLISHES)  # no successor runs before the hand edits: nothing publishes it until the relay
     fanin = FanIn.of(producer)
     drifted = fan_in_group([tasks.ok.s(i) for i in range(4)], then=tasks.record_run.s("drift")).apply_async()
     stuck = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("stuck")).apply_async()

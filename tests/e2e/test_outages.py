@@ -17,7 +17,7 @@ from sqlalchemy import text
 from celery_fanin import FanIn, fan_in_group
 from tests import app as tasks
 from tests.faults import TcpProxy, proxy_for
-from tests.workers import CeleryProcess, wait_for
+from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e]
 
@@ -119,7 +119,7 @@ def test_relay_recovers_from_a_database_cut(
 ) -> None:
     """The relay alone is cut off: the NOTIFY for a successor created meanwhile is lost with its LISTEN
     connection; the relay reconnects when the store is back and publishes it."""
-    processes.worker()
+    processes.worker(RELAY_PUBLISHES)
     relay = processes.relay(extra_env=_through(pg_proxy, e2e_env))
     first = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("before")).apply_async()
     assert first.wait(timeout=30).successor_state == "succeeded"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -20,28 +20,16 @@ from kombu import Connection, Exchange, Producer, Queue
 from celery_fanin import fan_in_group
 from celery_fanin.protocol import HEADER_INDEX
 from tests import app as tasks
-from tests.e2e.brokers import on_broker
+from tests.e2e.brokers import BROKERS, broker_env, worker_on
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
-BROKERS = pytest.mark.parametrize("e2e_env", ["redis", "rabbitmq"], indirect=True)
-
 Runs = Callable[[str], list[dict[str, Any]]]
 
 
-@pytest.fixture
-def e2e_env(e2e_env: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
-    """The session's environment on one broker (Redis unless parametrized), with a queue of the test's own."""
-    with on_broker(e2e_env, getattr(request, "param", "redis")) as env:
-        yield env
-
-
-def _worker(processes: Any, env: dict[str, str], **kwargs: Any) -> Any:
-    """A worker, checked to be on the broker the test is parametrized with (its banner names the transport)."""
-    worker = processes.worker(**kwargs)
-    assert f"transport:   {env['FANIN_TEST_BROKER'].split(':')[0]}://" in worker.output()
-    return worker
+__all__ = ["broker_env"]  # the `e2e_env` fixture, on the broker each test is parametrized with
+_worker = worker_on
 
 
 def _sql(env: dict[str, str], query: str, *params: Any) -> list[tuple[Any, ...]]:

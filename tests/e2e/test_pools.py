@@ -21,7 +21,7 @@ from sqlalchemy import text
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
-from tests.workers import wait_for
+from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -51,7 +51,7 @@ def test_children_of_every_kind_and_a_retrying_successor(
 def test_a_duplicate_delivery_of_a_running_successor_is_refused(
     producer: Any, processes: Any, successor_runs: Runs, pool: str
 ) -> None:
-    processes.worker(pool=pool, concurrency=CONCURRENCY[pool])
+    processes.worker(RELAY_PUBLISHES, pool=pool, concurrency=CONCURRENCY[pool])  # this test's relay rounds publish
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s(f"dup-{pool}", 2)).apply_async()
     relay = Relay(FanIn.of(producer))
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")

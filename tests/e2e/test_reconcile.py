@@ -21,7 +21,7 @@ from tests import app as tasks
 from tests.e2e import clock, holds
 from tests.e2e.sql import counters, rows
 from tests.e2e.test_cli import celery, fanin
-from tests.workers import wait_for
+from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -108,7 +108,8 @@ def test_the_running_relay_reconciles_periodically(producer: Any, processes: Any
 def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
     e2e_env: dict[str, str], producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker(concurrency=2)  # no relay yet: a finished batch's successor waits in the outbox
+    # No relay yet, and a worker that leaves successors to it: a finished batch's successor waits in the outbox.
+    processes.worker(RELAY_PUBLISHES, concurrency=2)
     gate = f"command-{uuid.uuid4().hex[:8]}"
     held = _held_running(producer, gate)
     done = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("no-outbox")).apply_async()
@@ -147,7 +148,7 @@ def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
 def test_a_missing_outbox_row_alone_is_restored_and_its_successor_runs_once(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:
-    processes.worker()
+    processes.worker(RELAY_PUBLISHES)  # the outbox row is deleted before anything publishes it
     handle = fan_in_group([tasks.ok.s(0), tasks.ok.s(1)], then=tasks.record_run.s("restored")).apply_async()
     wait_for(lambda: handle.status().state == "complete", 30, message="the batch complete")
     # Counters and successor row are right; only the outbox row is gone (deleted by hand, a partial restore).

@@ -13,7 +13,7 @@ from celery_fanin import FanIn, FanInResult, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
 from tests.e2e import producer_crash
-from tests.workers import wait_for
+from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -40,7 +40,7 @@ def test_producer_killed_after_commit_relay_finishes(
 
 
 def test_relay_stopped_while_batches_complete_then_started(producer: Any, processes: Any, successor_runs: Runs) -> None:
-    processes.worker()
+    processes.worker(RELAY_PUBLISHES)  # (a worker that publishes its own: tests/e2e/test_successor_publish.py)
     handles = [
         fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s(f"b{k}")).apply_async()
         for k in range(5)
@@ -72,7 +72,7 @@ def test_two_relays_publish_each_successor_once(producer: Any, processes: Any, s
 
 
 def test_successor_delivered_twice_runs_once(producer: Any, processes: Any, successor_runs: Runs) -> None:
-    processes.worker()
+    processes.worker(RELAY_PUBLISHES)  # this test's relay rounds publish it
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("twice")).apply_async()
     fanin = FanIn.of(producer)
     wait_for(lambda: handle.status().state == "complete", 30, message="batch complete")

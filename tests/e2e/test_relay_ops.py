@@ -16,7 +16,7 @@ import pytest
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e.sql import rows
-from tests.workers import CeleryProcess, wait_for
+from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -72,7 +72,7 @@ def test_relay_with_a_json_logfile_metrics_and_probes(
         assert ready == {"status": "ok", "checks": {"relay_loop": "ok", "database": "ok"}}
         assert "fanin_up 1.0" in _get(port, "/metrics")[1]
 
-        processes.worker()
+        processes.worker(RELAY_PUBLISHES)  # the relay's counter of successors it published
         handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("ops")).apply_async()
         assert handle.wait(timeout=60).successor_state == "succeeded"
         wait_for(

@@ -13,7 +13,7 @@ from sqlalchemy import text
 from celery_fanin import BatchOutcome, FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
-from tests.workers import wait_for
+from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -100,7 +100,7 @@ def small_outcomes(producer: Any) -> Iterator[int]:
 def test_an_outcome_with_many_large_failures_stops_at_its_byte_budget_and_the_rest_stream_from_postgres(
     producer: Any, processes: Any, successor_runs: Runs, small_outcomes: int
 ) -> None:
-    processes.worker(concurrency=2)
+    processes.worker(RELAY_PUBLISHES, concurrency=2)  # this test's relay round publishes it
     big = "x" * 2000
     # Each child fails with its (large) argument in its exception message too: about 4 KiB an entry.
     handle = fan_in_group([tasks.fail.s(f"{i}:{big}") for i in range(40)], then=tasks.record_run.s("big")).apply_async()

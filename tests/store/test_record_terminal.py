@@ -390,3 +390,40 @@ def test_a_tree_settles_its_root_once_per_leaf_and_the_last_leaf_creates_the_suc
         )
     assert [(leaf["state"], leaf["remaining"]) for leaf in leaves] == [("complete", 0)] * 3
     assert all(leaf["completed_at"] is not None for leaf in leaves)
+
+
+def test_a_report_from_a_worker_that_publishes_its_successors_does_not_wake_the_relay(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    """`fanin_worker_publishes_successors`: the report connection says so once, and the report that creates the
+    successor sends no NOTIFY (the worker publishes it after the commit); the row is created all the same, and
+    the worker then claims it by its batch through the relay's claim. Without the setting, the same report
+    notifies as before."""
+    from celery_fanin.store import outbox
+    from celery_fanin.store.reports import ReportConnection
+
+    url = store_engine.url.render_as_string(hide_password=False)
+    for publishes in (True, False):
+        batch, children, _ = create(store_engine, 2)
+        reports = ReportConnection(url, lambda p=publishes: p)  # type: ignore[misc]
+        try:
+            recs = [
+                reports.record_terminal(c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name))
+                for i, c in enumerate(children)
+            ]
+        finally:
+            reports.reset()
+        assert [r.successor_created for r in recs] == [False, True]
+        with store_engine.connect() as conn:
+            out_id = conn.execute(
+                text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}
+            ).scalar_one()
+        assert notifications_until_sentinel(listener, clean_db) == ([] if publishes else [str(out_id)]), publishes
+        with store_engine.begin() as conn:
+            [claimed] = outbox.claim(conn, 10, batch_id=batch.id)
+            assert claimed.id == out_id and claimed.batch is not None and claimed.batch.id == batch.id
+            with store_engine.begin() as other:  # a relay's claim meanwhile skips the row this one holds
+                assert outbox.claim(other, 10, [out_id]) == []
+            outbox.mark_sent(conn, [claimed])
+        with store_engine.begin() as conn:
+            assert outbox.claim(conn, 10, batch_id=batch.id) == [], "sent: nothing left to claim"

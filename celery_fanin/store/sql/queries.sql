@@ -91,6 +91,10 @@ SELECT counted, late, remaining, successor_created
   FROM fanin_record_terminal_v2(:task_id, :state, :result, :rct, :rce, :exc_type, :exc_message, :started_at,
                                 :attempt, :worker);
 
+-- name: successor_publisher
+-- This session publishes the successors its reports create (no NOTIFY for them: fanin_create_successor reads it)
+SELECT set_config('fanin.successor_publisher', 'worker', false);
+
 -- name: record_starts
 -- Many children's starts in one statement, committed asynchronously.
 SELECT fanin_record_starts(:task_ids, :attempts, :workers, :started_at);
@@ -187,6 +191,10 @@ SELECT c.idx, c.task_id, c.task_name, c.message, c.content_type, c.content_encod
 -- name: claim
 -- Lock up to `limit` due, unsent rows that no other transaction holds (only `ids`, when given)
 SELECT * FROM fanin_claim_outbox(:n, CAST(:ids AS bigint[]));
+
+-- name: claim_batch
+-- Lock a batch's unsent rows, through the same claim (the worker whose report created its successor, after commit)
+SELECT * FROM fanin_claim_outbox(:n, ARRAY(SELECT o.id FROM fanin_outbox o WHERE o.batch_id = :batch AND o.sent_at IS NULL));
 
 -- name: mark_sent
 -- Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state)

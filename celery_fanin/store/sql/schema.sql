@@ -422,7 +422,10 @@ BEGIN
         RETURN false;
     END IF;
     INSERT INTO fanin_outbox (batch_id, step) VALUES (p_batch, p_step) RETURNING id INTO v_outbox;
-    PERFORM pg_notify('fanin_outbox', v_outbox::text);
+    -- The worker that reported publishes it after this commits: no need to wake the relay (its scan is the fallback).
+    IF coalesce(current_setting('fanin.successor_publisher', true), '') <> 'worker' THEN
+        PERFORM pg_notify('fanin_outbox', v_outbox::text);
+    END IF;
     RETURN true;
 END
 $$;

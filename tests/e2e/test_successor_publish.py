@@ -1,0 +1,165 @@
+"""The worker whose report created a successor publishes it itself, right after that commit
+(`fanin_worker_publishes_successors`, default on); the relay is the fallback for a worker that dies in between.
+
+Real prefork workers, PostgreSQL, and Redis or RabbitMQ. Without a relay, a batch's successor still runs (every kind:
+`then`, `on_failure`, a tree's, one whose outcome lists failures) and its outbox row is sent; with the setting off,
+nothing publishes it until a relay starts; a pool process killed between the commit and the publish leaves the row
+to the relay, and the successor runs once; with workers and a relay side by side, every successor is published
+once and runs once.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from celery_fanin import fan_in_group
+from tests import app as tasks
+from tests.e2e.brokers import BROKERS, broker_env, worker_on
+from tests.workers import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+Runs = Callable[[str], list[dict[str, Any]]]
+__all__ = ["broker_env"]  # the `e2e_env` fixture, on the broker each test is parametrized with
+
+
+def _sql(env: dict[str, str], query: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def _outbox(env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
+    """The batch's outbox rows: (sent, attempts)."""
+    return _sql(env, "SELECT sent_at IS NOT NULL, attempts FROM fanin_outbox WHERE batch_id = %s", batch_id)
+
+
+def _successor(env: dict[str, str], batch_id: str) -> tuple[Any, ...] | None:
+    rows = _sql(env, "SELECT state, runs, kind FROM fanin_successors WHERE batch_id = %s", batch_id)
+    return rows[0] if rows else None
+
+
+def _published_by(worker: Any) -> list[str]:
+    """The batches whose successor this worker published (its log's line for each)."""
+    return re.findall(r"published successor batch_id=([0-9a-f-]{36})", worker.output())
+
+
+def _stays(condition: Callable[[], bool], seconds: float, message: str) -> None:
+    """`condition` holds throughout `seconds` (checked every 50 ms): what the relay's absence must leave as it is."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert condition(), message
+        time.sleep(0.05)
+
+
+@BROKERS
+def test_without_a_relay_the_worker_publishes_every_kind_of_successor(
+    e2e_env: dict[str, str], processes: Any, successor_runs: Runs
+) -> None:
+    worker = worker_on(processes, e2e_env, concurrency=2)  # and no relay
+    plain = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("plain", True)).apply_async()
+    # a tree: the last leaf's completion settles its root, which creates the successor
+    tree = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("tree"), max_width=2).apply_async()
+    failures = fan_in_group([tasks.ok.s(0), tasks.fail.s(1)], then=tasks.record_run.s("failures")).apply_async()
+    threshold = fan_in_group(
+        [tasks.fail.s(0), tasks.sleepy.s(30)],
+        then=tasks.record_run.s("then"),
+        on_failure=tasks.record_run.s("on-failure"),
+        max_failures=0,
+    ).apply_async()
+
+    for handle, label in ((plain, "plain"), (tree, "tree"), (failures, "failures"), (threshold, "on-failure")):
+        status = handle.wait(timeout=60)
+        assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
+        [run] = successor_runs(handle.batch_id)
+        assert run["label"] == label
+        assert _outbox(e2e_env, handle.batch_id) == [(True, 1)], "published once, by the worker, and marked sent"
+    assert successor_runs(plain.batch_id)[0]["values"] == [0, 10, 20], "the outcome was built from the child rows"
+    outcome = successor_runs(failures.batch_id)[0]["outcome"]
+    assert (outcome["succeeded"], outcome["failed"], [f["index"] for f in outcome["failures"]]) == (1, 1, [1])
+    assert threshold.status().state == "failed_threshold"
+    assert _successor(e2e_env, threshold.batch_id) == ("succeeded", 1, "on_failure")
+    # The child still running when the threshold passed was abandoned by the worker's publish, as the relay does.
+    assert _sql(e2e_env, "SELECT state FROM fanin_children WHERE batch_id = %s AND idx = 1", threshold.batch_id) == [
+        ("abandoned",)
+    ]
+    published = _published_by(worker)
+    assert sorted(published) == sorted(h.batch_id for h in (plain, tree, failures, threshold))
+
+
+@BROKERS
+def test_with_the_setting_off_the_successor_waits_for_a_relay(
+    e2e_env: dict[str, str], processes: Any, successor_runs: Runs
+) -> None:
+    worker = worker_on(processes, e2e_env, extra_env={"FANIN_TEST_WORKER_PUBLISHES": "0"})
+    handle = fan_in_group([tasks.ok.s(i) for i in range(2)], then=tasks.record_run.s("relayed")).apply_async()
+    wait_for(lambda: _successor(e2e_env, handle.batch_id), 30, message="the last report to create the successor")
+    # Nothing publishes it without the relay: the worker that would have (test above) within milliseconds does not.
+    _stays(
+        lambda: (
+            _successor(e2e_env, handle.batch_id) == ("pending", 0, "then")
+            and _outbox(e2e_env, handle.batch_id) == [(False, 0)]
+        ),
+        2.0,
+        "published with fanin_worker_publishes_successors off and no relay",
+    )
+    assert successor_runs(handle.batch_id) == []
+    processes.relay()
+    status = handle.wait(timeout=30)
+    assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
+    assert len(successor_runs(handle.batch_id)) == 1
+    assert _outbox(e2e_env, handle.batch_id) == [(True, 1)]
+    assert _published_by(worker) == []
+
+
+@BROKERS
+def test_a_worker_killed_between_commit_and_publish_leaves_the_successor_to_the_relay(
+    e2e_env: dict[str, str], processes: Any, successor_runs: Runs
+) -> None:
+    # The pool process that ran the last child is SIGKILLed where it would publish (tests/app.py's hook): after the
+    # report that created the successor committed, before any claim of its outbox row.
+    worker = worker_on(processes, e2e_env, extra_env={"FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH": "1"}, concurrency=1)
+    handle = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("after-kill")).apply_async()
+    wait_for(
+        lambda: re.search(r"signal 9|SIGKILL|WorkerLostError", worker.output()),
+        30,
+        message="the pool process to be killed",
+    )
+    assert handle.status().state == "complete", "the report committed before the kill"
+    assert _successor(e2e_env, handle.batch_id) == ("pending", 0, "then")
+    assert _outbox(e2e_env, handle.batch_id) == [(False, 0)], "nothing published it, nothing claims it"
+    assert successor_runs(handle.batch_id) == []
+
+    processes.relay()  # its scan finds the unsent row (no NOTIFY was sent for it)
+    status = handle.wait(timeout=30)
+    assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
+    assert len(successor_runs(handle.batch_id)) == 1
+    assert _outbox(e2e_env, handle.batch_id) == [(True, 1)]
+
+
+@BROKERS
+def test_workers_and_a_relay_side_by_side_publish_and_run_each_successor_once(
+    e2e_env: dict[str, str], processes: Any, successor_runs: Runs
+) -> None:
+    workers = [worker_on(processes, e2e_env, concurrency=4) for _ in range(2)]
+    relay = processes.relay()
+    n = 40
+    handles = [
+        fan_in_group([tasks.ok.s(i), tasks.ok.s(i + 1)], then=tasks.record_run.s(f"many-{b}")).apply_async()
+        for b, i in enumerate(range(n))
+    ]
+    for handle in handles:
+        status = handle.wait(timeout=60)
+        assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
+        assert len(successor_runs(handle.batch_id)) == 1, handle.batch_id
+        assert _outbox(e2e_env, handle.batch_id) == [(True, 1)], handle.batch_id
+    by_workers = [b for w in workers for b in _published_by(w)]
+    assert len(by_workers) == len(set(by_workers)), "no successor published by two workers"
+    by_relay = relay.relay.stats.successors_published
+    assert len(by_workers) + by_relay == n, "each successor published once, by a worker or the relay"
+    assert len(by_workers) > 0, "the workers published (the relay is the fallback)"
