@@ -272,7 +272,8 @@ class _Builder:
         """One child's (route, headers, body, properties), as `app.send_task` would publish it.
 
         For a successor: `first_arg` (the outcome) goes before the signature's own arguments, as a chord body gets
-        its header's results, and `marker` replaces the child's batch headers.
+        its header's results (not for an immutable one, `.si()`, as `apply_async`'s `_merge` does not either), and
+        `marker` replaces the child's batch headers.
         """
         options = sig.options
         if not options.keys() <= _FAST_OPTIONS:
@@ -281,7 +282,7 @@ class _Builder:
         task = self.task(name)
         if task is _UNSUPPORTED_TASK:
             raise _Unsupported("task")
-        args = tuple(sig.args) if first_arg is _NO_ARG else (first_arg, *sig.args)
+        args = tuple(sig.args) if first_arg is _NO_ARG or sig.immutable else (first_arg, *sig.args)
         kwargs = dict(sig.kwargs)
         route_options = {k: v for k, v in options.items() if k not in _PER_MESSAGE_OPTIONS}
         route = self.route(name, task, route_options, args, kwargs)

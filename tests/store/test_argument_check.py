@@ -244,3 +244,17 @@ def test_the_check_of_each_task_is_looked_up_once_per_batch(
     monkeypatch.setattr(group_module.publish.ArgumentCheck, "header", counting)
     fan_in_group([tasks.add.s(i, i) for i in range(2000)], then=tasks.collect.s()).apply_async()
     assert sorted(lookups) == ["tests.store.add", "tests.store.collect"]
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["built-message", "celery-apply-async"])
+def test_an_immutable_successor_gets_no_outcome_on_either_publishing_path(
+    app: Celery, strict: dict[str, Task], store_engine: Engine, broker: redis.Redis, bulk: bool
+) -> None:
+    """`then=one.si(5)` passes the check (the outcome is not its argument), and is published as `one(5)` both by
+    the producer's own message builder and by Celery's `apply_async` (fanin_bulk_publish off), as a chord's `.si()`
+    body gets no header results."""
+    app.conf.fanin_bulk_publish = bulk
+    handle = fan_in_group([], then=strict["one"].si(5)).apply_async()  # empty: its successor is published now
+    assert handle.status().successor_state == "sent"
+    [message] = queued_messages(broker)
+    assert (message.headers["task"], message.args, message.kwargs) == ("tests.args.one", [5], {})
