@@ -17,7 +17,7 @@ from typing import Any
 from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
-from celery.canvas import Signature, _chain
+from celery.canvas import Signature, _chain, maybe_signature
 from celery.result import denied_join_result
 from celery.utils.nodenames import anon_nodename
 from celery.utils.quorum_queues import detect_quorum_queues
@@ -700,8 +700,11 @@ class ArgumentCheck:
 
     def __call__(self, sig: Signature, *before: Any) -> None:
         """Raise `TypeError` if `sig` (a chain: its first task) would be refused by `apply_async`; `before` goes
-        before its own arguments (a successor's outcome) unless the signature is immutable, as `_merge` does."""
-        first = chain_tasks(sig)[0] if is_chain(sig) else sig
+        before its own arguments (a successor's outcome) unless the signature is immutable, as `_merge` does.
+        A group or chord (a chain may begin with one) is not checked here: its tasks are, when they are published."""
+        first = maybe_signature(chain_tasks(sig)[0], app=self.app) if is_chain(sig) else sig
+        if type(first) is not Signature:
+            return
         header = self.header(first.task)
         if header is None:
             return

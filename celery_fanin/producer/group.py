@@ -140,10 +140,14 @@ class _Arguments:
             self.check(sig, *before)
         except TypeError as exc:
             if publish.is_chain(sig):
-                what = f"{what} (task 0 of the chain, {publish.chain_tasks(sig)[0].task})"
+                what = f"{what} (task 0 of the chain, {self._first(sig).task})"
             else:
                 what = f"{what} ({sig.task})"
             raise InvalidArguments(f"{what}: its arguments do not fit the task: {exc}") from None
+
+    def _first(self, chained: Signature) -> Any:
+        tasks = publish.chain_tasks(chained)
+        return maybe_signature(tasks[0], app=self.app) if tasks else None
 
     def child(self, child: Any, what: str) -> None:
         """A child as given: a plain signature, a chain, or a nested fan-in (its children and successors)."""
