@@ -9,6 +9,7 @@ from .exceptions import (
     FanInDepthExceeded,
     FanInError,
     FanInNotConfigured,
+    InvalidArguments,
     InvalidFanIn,
 )
 from .extension import FanIn
@@ -37,6 +38,7 @@ __all__ = [
     "FanInGroup",
     "FanInNotConfigured",
     "FanInResult",
+    "InvalidArguments",
     "InvalidFanIn",
     "SagaResult",
     "SagaState",

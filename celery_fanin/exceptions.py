@@ -17,6 +17,12 @@ class InvalidFanIn(FanInError, ValueError):
     """`fan_in_group` was given something it cannot run; raised before anything is written or published."""
 
 
+class InvalidArguments(InvalidFanIn, TypeError):
+    """A child's (or a successor's) arguments do not fit its task, as `Task.apply_async` checks them (for a task
+    registered in the producer's app, unless it has `typing=False`); raised before anything is written or
+    published. Also a `TypeError`, the error Celery's own check raises."""
+
+
 class FanInDatabaseError(FanInError):
     """Postgres could not be reached or refused the write; nothing was published."""
 

@@ -33,6 +33,7 @@ from celery_fanin import (
     sagas,
 )
 from celery_fanin.ops import inspection, retention
+from celery_fanin.producer import group as group_module
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.worker import hooks, successor_runs
@@ -116,7 +117,7 @@ def _refused(url: str, statement: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
+def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     _migrate(cluster)
     producer = _app(cluster, "producer")
     worker = _app(cluster, "worker")
@@ -142,9 +143,12 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster) -> None:
             [child.clone(args=(0,))], then=then, app=producer, deadline=timedelta(seconds=0.2)
         ).apply_async()
         orphan = fan_in_group([child.clone(args=(0,))], then=then, app=producer).apply_async()
-        # Its child's arguments do not fit roles.child: the producer cannot publish it, and the relay, which cannot
-        # either, publishes a rejection in its place (with no right to count an outcome itself).
-        misfit = fan_in_group([child.clone(args=(0, 1))], then=then, app=producer).apply_async()
+        # Its child's arguments do not fit roles.child, written as by a producer that did not check them (one before
+        # the check, or one that does not know the task): the producer cannot publish it, and the relay, which
+        # cannot either, publishes a rejection in its place (with no right to count an outcome itself).
+        with monkeypatch.context() as unchecked:
+            unchecked.setattr(group_module._Arguments, "signature", lambda *_: None)
+            misfit = fan_in_group([child.clone(args=(0, 1))], then=then, app=producer).apply_async()
         threshold_ids = [f"threshold-{cluster.suffix}-{i}" for i in range(4)]
         threshold = fan_in_group(
             [child.clone(args=(i,)).set(task_id=t) for i, t in enumerate(threshold_ids)],

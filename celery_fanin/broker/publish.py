@@ -17,7 +17,7 @@ from typing import Any
 from amqp import Message
 from celery import Celery, signals
 from celery.app.task import Task
-from celery.canvas import Signature, _chain
+from celery.canvas import Signature, _chain, maybe_signature
 from celery.result import denied_join_result
 from celery.utils.nodenames import anon_nodename
 from celery.utils.quorum_queues import detect_quorum_queues
@@ -273,7 +273,8 @@ class _Builder:
         """One child's (route, headers, body, properties), as `app.send_task` would publish it.
 
         For a successor: `first_arg` (the outcome) goes before the signature's own arguments, as a chord body gets
-        its header's results, and `marker` replaces the child's batch headers.
+        its header's results (not for an immutable one, `.si()`, as `apply_async`'s `_merge` does not either), and
+        `marker` replaces the child's batch headers.
         """
         options = sig.options
         if not options.keys() <= _FAST_OPTIONS:
@@ -282,7 +283,7 @@ class _Builder:
         task = self.task(name)
         if task is _UNSUPPORTED_TASK:
             raise _Unsupported("task")
-        args = tuple(sig.args) if first_arg is _NO_ARG else (first_arg, *sig.args)
+        args = tuple(sig.args) if first_arg is _NO_ARG or sig.immutable else (first_arg, *sig.args)
         kwargs = dict(sig.kwargs)
         route_options = {k: v for k, v in options.items() if k not in _PER_MESSAGE_OPTIONS}
         if marker is None and self.ignore_results and "ignore_result" not in options:
@@ -754,13 +755,46 @@ def check_arguments(app: Celery, sig: Signature) -> None:
     Why: the relay publishes children whose producer is gone, a chunk at a time, and must know which child of a
     chunk cannot be published before it publishes the others (`relay.outbox.publish_remaining_children`).
     """
-    first = chain_tasks(sig)[0] if is_chain(sig) else sig
-    task = app.tasks.get(first.task)
-    if task is None or not task.typing:
-        return
-    header = getattr(task, "__header__", None)
-    if header is not None:
-        header(*first.args, **first.kwargs)
+    ArgumentCheck(app)(sig)
+
+
+class ArgumentCheck:
+    """`check_arguments` for many signatures of one app, each task's check looked up once (`check(sig)`).
+
+    Why: a producer checks every child of a batch before writing it; the app's task registry and a task's `typing`
+    are read once per task name, not once per child, so 10,000 children of one task cost 10,000 calls of its
+    argument-only header (an empty function with the task's parameters) and little else.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._headers: dict[str, Any] = {}
+
+    def header(self, name: str) -> Any:
+        """The task's argument check (Celery's `__header__`), or None: not registered here, `typing=False`, or a
+        task class without one (as `Task.apply_async`, which then checks nothing either)."""
+        try:
+            return self._headers[name]
+        except KeyError:
+            task = self.app.tasks.get(name)
+            header = getattr(task, "__header__", None) if task is not None and task.typing else None
+            self._headers[name] = header
+            return header
+
+    def __call__(self, sig: Signature, *before: Any) -> None:
+        """Raise `TypeError` if `sig` (a chain: its first task) would be refused by `apply_async`; `before` goes
+        before its own arguments (a successor's outcome) unless the signature is immutable, as `_merge` does.
+        A group or chord (a chain may begin with one) is not checked here: its tasks are, when they are published."""
+        first = maybe_signature(chain_tasks(sig)[0], app=self.app) if is_chain(sig) else sig
+        if type(first) is not Signature:
+            return
+        header = self.header(first.task)
+        if header is None:
+            return
+        args = first.args
+        if before and not first.immutable:
+            args = (*before, *args)
+        header(*args, **first.kwargs)
 
 
 def _ensure_connection(app: Celery, prod: Producer) -> None:

@@ -26,7 +26,7 @@ from kombu.exceptions import EncodeError
 from ..broker import publish
 from ..codec import encode_signature
 from ..context import FanIn, eagerly, is_eager
-from ..exceptions import FanInDepthExceeded, InvalidFanIn
+from ..exceptions import FanInDepthExceeded, InvalidArguments, InvalidFanIn
 from ..protocol import (
     FAN_IN_GROUP_TYPE,
     HEADER_BATCH,
@@ -116,6 +116,68 @@ def _check_chain(value: Signature, what: str) -> Signature:
             )
         _check_plain_signature(task, f"{what}: task {i} of the chain")
     return tasks[-1]
+
+
+class _Arguments:
+    """Checks that each child's and successor's arguments fit its task, as `Task.apply_async` would at publish
+    time, so that a misfit is refused (`InvalidArguments`) before anything is written or published.
+
+    As Celery: only tasks registered in the producer's app are checked (a signature by name of a task the producer
+    does not import is published by name, as `send_task` does), a task with `typing=False` is not, and a chain is
+    checked by its first task (the message published now). A successor gets the outcome as its first argument
+    (unless immutable), as when it is published; a chain or group `then=` passes it to its first tasks. Each task's
+    check is looked up once per call (`publish.ArgumentCheck`): cheap for 10,000 children of one task.
+    """
+
+    OUTCOME = object()  # stands for the outcome a successor receives first
+
+    def __init__(self, app: Celery) -> None:
+        self.check = publish.ArgumentCheck(app)
+        self.app = app
+
+    def signature(self, sig: Signature, what: str, *before: Any) -> None:
+        try:
+            self.check(sig, *before)
+        except TypeError as exc:
+            if publish.is_chain(sig):
+                what = f"{what} (task 0 of the chain, {self._first(sig).task})"
+            else:
+                what = f"{what} ({sig.task})"
+            raise InvalidArguments(f"{what}: its arguments do not fit the task: {exc}") from None
+
+    def _first(self, chained: Signature) -> Any:
+        tasks = publish.chain_tasks(chained)
+        return maybe_signature(tasks[0], app=self.app) if tasks else None
+
+    def child(self, child: Any, what: str) -> None:
+        """A child as given: a plain signature, a chain, or a nested fan-in (its children and successors)."""
+        if isinstance(child, FanInGroup):
+            self.group(child, what)
+        elif isinstance(child, Signature):
+            self.signature(child, what)
+
+    def group(self, group: FanInGroup, what: str) -> None:
+        """A nested fan-in or a pipeline's next stage, whose batch a worker writes later: checked now, as its own
+        `apply_async` would check it there (its children must be a list to travel in a message)."""
+        children = group._partial_children(tuple(group.args), group.kwargs)
+        if isinstance(children, (list, tuple)):
+            for i, child in enumerate(children):
+                self.child(child, f"{what}, child {i}")
+        self.successor(group.then, f"{what}, then")
+        policy = group.policy_options
+        for name in ("on_failure", "on_expire"):
+            if isinstance(policy.get(name), Signature):
+                self.successor(policy[name], f"{what}, {name}")
+
+    def successor(self, then: Any, what: str) -> None:
+        """`then=` (or on_failure, on_expire) as given, with the outcome first."""
+        if isinstance(then, FanInGroup):  # a pipeline's next stage: run by run_group, the outcome not its children's
+            self.group(then, what)
+        elif isinstance(then, _group):  # then_canvas passes the outcome to every member
+            for i, member in enumerate(then.tasks):
+                self.successor(maybe_signature(member, app=self.app), f"{what}, member {i} of the group")
+        elif isinstance(then, Signature):
+            self.signature(then, what, self.OUTCOME)
 
 
 @dataclass(frozen=True)
@@ -772,6 +834,11 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
                 raise InvalidFanIn("transaction= cannot be used with task_always_eager: the children would run first")
             tx = adopt(fanin, transaction)
         policy = self._policy(fanin)
+        arguments = _Arguments(app)
+        arguments.successor(self.then, "then")
+        for name in ("on_failure", "on_expire"):
+            if getattr(policy, name) is not None:
+                arguments.successor(getattr(policy, name), name)
         depth, lineage = lineage_of_current_task(fanin)
         if depth > fanin.settings.max_depth:
             raise FanInDepthExceeded(
@@ -826,8 +893,10 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
                 sig = with_message_options(item.as_signature(app, f"child {index}"))
+                arguments.group(item, f"child {index}")
             elif publish.is_chain(item):  # counted when its last task ends (or any task fails)
                 tail = _check_chain(item, f"child {index}")
+                arguments.signature(item, f"child {index}")
                 item = with_message_options(item)
                 task_id = item.options.get("task_id") or tail.options.get("task_id") or next(ids)
                 first = publish.chain_tasks(item)[0]  # its message is the one published now, with the chain's options
@@ -836,6 +905,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
                 return batches.NewChild(task_id, tail.task, encoded, expires_at, eta_at), item
             else:
                 sig = with_message_options(_check_plain_signature(item, f"child {index}"))
+                arguments.signature(sig, f"child {index}")
             expires_at, eta_at = message_times(sig.task, sig.options, f"child {index}")
             child = batches.NewChild(
                 sig.options.get("task_id") or next(ids),
