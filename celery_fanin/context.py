@@ -310,7 +310,7 @@ class FanIn:
     def worker_publishes_successors(self) -> bool:
         """Whether this process's worker hooks publish the successors their reports create (not in eager mode,
         which runs them inline)."""
-        return bool(self.setting("worker_publishes_successors")) and not self.app.conf.task_always_eager
+        return bool(self.setting("worker_publishes_successors")) and not is_eager(self.app)
 
     def setting(self, name: str) -> Any:
         """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
