@@ -396,6 +396,8 @@ RECOVERY_TERMINAL_SQL = q("record_terminal").psycopg
 RECORD_STARTS_SQL = q("record_starts").psycopg
 # Said once per report connection when its worker publishes the successors its reports create.
 SUCCESSOR_PUBLISHER_SQL = q("successor_publisher").psycopg
+# The relay woken by hand, for a successor such a connection created that its worker leaves to the relay.
+WAKE_RELAY_SQL = q("wake_relay").psycopg
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from .batches import (
     RECORD_TERMINAL_SQL,
     RECOVERY_TERMINAL_SQL,
     SUCCESSOR_PUBLISHER_SQL,
+    WAKE_RELAY_SQL,
     Claim,
     Encoded,
     Start,
@@ -105,6 +106,11 @@ class ReportConnection:
     def record_starts(self, starts: Sequence[Start]) -> int:
         """Many children's starts in one round trip, committed asynchronously; how many children moved."""
         return int(self._run(RECORD_STARTS_SQL, starts_params(starts))[0])
+
+    def wake_relay(self) -> None:
+        """NOTIFY the relay (its LISTEN is only a wake-up: it then claims whatever is due), for a successor this
+        connection created without a NOTIFY (see `publishes_successors`) that its worker leaves to the relay."""
+        self._run(WAKE_RELAY_SQL, {})
 
     def _run(self, sql: str, params: dict[str, object]) -> tuple[Any, ...]:
         conn = self._connection()

@@ -226,19 +226,26 @@ class WorkerHooks:
 
     def _publish_created(self, fanin: FanIn, batch_id: str) -> None:
         """The successor this report created goes out from here, unless the relay is to publish it (the setting
-        off, or eager mode). In a main-process signal the worker's event loop must not wait for the broker: a thread
-        publishes it. Nothing raises from here: a failure leaves the outbox row to the relay."""
+        off, or eager mode), or the report came from the worker's main process (then the relay is woken for it).
+        Nothing raises from here: a failure leaves the outbox row to the relay."""
         publish = self.publish_successor
         if publish is None or not fanin.worker_publishes_successors:
+            return
+        if report.in_event_loop_now():
+            # A main-process report (a lost pool process, a revoke, a time limit) leaves it to the relay: a thread
+            # publishing here would run while the pool forks the lost process's replacement, and a child forked
+            # while the thread holds a lock (the engine's, the producer pool's) hangs on its first task. The report
+            # sent no NOTIFY (the connection said the worker publishes), so the relay is woken here, one statement.
+            try:
+                fanin.reports.wake_relay()
+            except Exception as exc:  # the relay's periodic scan still finds the row
+                logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
             return
         try:
             job = functools.partial(publish, fanin, uuid.UUID(batch_id))
         except ValueError:  # not a batch id: the store counted nothing for it, so this is unreachable
             return
-        if report.in_event_loop_now():
-            report.background.submit(job)
-        else:
-            job()
+        job()
 
     def refuse(self, fanin: FanIn, task_id: str, marker: Marker, why: str) -> None:
         """A message refused before it ran (`claim_refusal`): logged and counted like a report the store refused,

@@ -95,6 +95,10 @@ SELECT counted, late, remaining, successor_created
 -- This session publishes the successors its reports create (no NOTIFY for them: fanin_create_successor reads it)
 SELECT set_config('fanin.successor_publisher', 'worker', false);
 
+-- name: wake_relay
+-- Wake the relay for a successor this session created without a NOTIFY but will not publish itself
+SELECT pg_notify('fanin_outbox', '');
+
 -- name: record_starts
 -- Many children's starts in one statement, committed asynchronously.
 SELECT fanin_record_starts(:task_ids, :attempts, :workers, :started_at);
