@@ -177,20 +177,7 @@ def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) ->
         q("failures").text,
         {"id": batch_id, "n": limit},
     )
-    return [
-        FailureRow(
-            r.idx,
-            r.task_id,
-            r.task_name,
-            r.state,
-            r.exc_type,
-            r.exc_message,
-            r.starts,
-            r.late_state,
-            Encoded(r.content_type, r.content_encoding, bytes(r.message)),
-        )
-        for r in rows
-    ]
+    return [_failure_row(r) for r in rows]
 
 
 def stream_failures(
@@ -203,17 +190,22 @@ def stream_failures(
             {"id": batch_id, "after": after},
         )
         for r in rows:
-            yield FailureRow(
-                r.idx,
-                r.task_id,
-                r.task_name,
-                r.state,
-                r.exc_type,
-                r.exc_message,
-                r.starts,
-                r.late_state,
-                Encoded(r.content_type, r.content_encoding, bytes(r.message)),
-            )
+            yield _failure_row(r)
+
+
+def _failure_row(r: Any) -> FailureRow:
+    """One row of `failures` / `stream_failures` (the same columns)."""
+    return FailureRow(
+        r.idx,
+        r.task_id,
+        r.task_name,
+        r.state,
+        r.exc_type,
+        r.exc_message,
+        r.starts,
+        r.late_state,
+        Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+    )
 
 
 def child_results(
