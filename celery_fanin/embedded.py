@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -49,15 +48,6 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
             return True
     except psycopg.Error:
         return False
-
-
-def wait_until_reachable(url: str, timeout: float = 30.0) -> None:
-    """Block until `url` accepts connections (a server that is still starting), or raise after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not reachable(url, timeout=2):
-        if time.monotonic() >= deadline:
-            raise EmbeddedPostgresError(f"no PostgreSQL server reachable at {url} after {timeout:.0f}s")
-        time.sleep(0.2)
 
 
 def sqla_broker_url(database_url: str) -> str:

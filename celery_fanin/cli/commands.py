@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 from celery import Celery
+from pythonjsonlogger.json import JsonFormatter
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -91,8 +92,6 @@ def configure_logging(app: Celery, loglevel: str, logfile: str | None, log_forma
     app.log.setup(loglevel=loglevel.upper(), logfile=logfile, redirect_stdouts=False, colorize=False)
     if log_format != "json":
         return
-    from pythonjsonlogger.json import JsonFormatter
-
     for handler in logging.getLogger().handlers:
         handler.setFormatter(
             JsonFormatter(

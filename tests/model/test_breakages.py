@@ -76,10 +76,10 @@ BREAKAGES = [
         function="fanin_record_starts(text[], integer[], text[], timestamptz[])",
     ),
     Breakage(
-        "the successor is inserted without ON CONFLICT (reconciliation's and the deadline's insert)",
-        "ON CONFLICT (batch_id, step) DO NOTHING\n        RETURNING batch_id, step",
-        "RETURNING batch_id, step",
-        function="fanin_ensure_successor(uuid, text)",
+        "the successor is inserted without ON CONFLICT (the one insert: settle's, reconciliation's, the deadline's)",
+        "VALUES (p_batch, p_step, p_task_id, p_kind)\n    ON CONFLICT (batch_id, step) DO NOTHING;",
+        "VALUES (p_batch, p_step, p_task_id, p_kind);",
+        function="fanin_create_successor(uuid, text, text, text)",
     ),
     Breakage(
         "a successor run is admitted without the guard (whatever the successor's state)",

@@ -382,30 +382,14 @@ CREATE FUNCTION fanin_record_terminal_v2(p_task_id text, p_state text, p_result 
 RETURNS TABLE (counted boolean, late boolean, remaining integer, successor_created boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_batch uuid;
-    v_ok boolean := p_state = 'succeeded';
-    v_start integer := CASE WHEN p_started_at IS NULL THEN 0 ELSE 1 END;
-    r record;
+    c record;
 BEGIN
-    -- The conditional transition: only a child still pending or started moves, so a child counts at most once.
-    UPDATE fanin_children
-       SET state = p_state, finished_at = now(), result = p_result, result_content_type = p_rct,
-           result_content_encoding = p_rce, exc_type = p_exc_type, exc_message = p_exc_message,
-           started_at = coalesce(p_started_at, started_at), starts = starts + v_start,
-           attempt = coalesce(p_attempt, attempt), worker = coalesce(p_worker, worker)
-     WHERE task_id = p_task_id AND state IN ('pending', 'started')
-    RETURNING batch_id INTO v_batch;
-    IF NOT FOUND THEN
-        -- Already counted (or unknown): record the report as late. A new statement, so a report that raced the
-        -- one that counted sees that one's committed row here.
-        UPDATE fanin_children
-           SET late_state = p_state, late_at = now(), late_reports = late_reports + 1, starts = starts + v_start
-         WHERE task_id = p_task_id AND state NOT IN ('pending', 'started');
-        RETURN QUERY SELECT false, FOUND, NULL::integer, false;
-        RETURN;
-    END IF;
-    SELECT * INTO r FROM fanin_settle(v_batch, CASE WHEN v_ok THEN 1 ELSE 0 END, CASE WHEN v_ok THEN 0 ELSE 1 END);
-    RETURN QUERY SELECT true, false, r.remaining, r.successor_created;
+    -- The child's own row is the claim (these columns never change), so the worker's statement decides.
+    SELECT f.batch_id, f.idx, f.task_name INTO c FROM fanin_children f WHERE f.task_id = p_task_id;
+    RETURN QUERY
+    SELECT r.counted, r.late, r.remaining, r.successor_created
+      FROM fanin_report_terminal(p_task_id, c.batch_id, c.idx, c.task_name, p_state, p_result, p_rct, p_rce,
+                                 p_exc_type, p_exc_message, p_started_at, p_attempt, p_worker) r;
 END
 $$;
 
@@ -514,25 +498,17 @@ CREATE FUNCTION fanin_ensure_successor(p_batch uuid, p_kind text)
 RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_outbox bigint;
+    b record;
 BEGIN
-    WITH succ AS (
-        INSERT INTO fanin_successors (batch_id, step, task_id, kind)
-        SELECT b.id, b.step, b.successor_task_id, p_kind FROM fanin_batches b
-         WHERE b.id = p_batch AND b.parent_id IS NULL
-           AND ((p_kind = 'then' AND b.state IN ('complete', 'partial', 'failed_threshold'))
-                OR (p_kind = 'on_failure' AND b.state = 'failed_threshold' AND b.on_failure_message IS NOT NULL)
-                OR (p_kind = 'on_expire' AND b.state IN ('expired', 'cancelled') AND b.on_expire_message IS NOT NULL))
-        ON CONFLICT (batch_id, step) DO NOTHING
-        RETURNING batch_id, step
-    ), out AS (
-        INSERT INTO fanin_outbox (batch_id, step) SELECT batch_id, step FROM succ RETURNING id
-    )
-    SELECT id INTO v_outbox FROM out;
-    IF v_outbox IS NOT NULL THEN
-        PERFORM pg_notify('fanin_outbox', v_outbox::text);
+    SELECT x.id, x.step, x.successor_task_id INTO b FROM fanin_batches x
+     WHERE x.id = p_batch AND x.parent_id IS NULL
+       AND ((p_kind = 'then' AND x.state IN ('complete', 'partial', 'failed_threshold'))
+            OR (p_kind = 'on_failure' AND x.state = 'failed_threshold' AND x.on_failure_message IS NOT NULL)
+            OR (p_kind = 'on_expire' AND x.state IN ('expired', 'cancelled') AND x.on_expire_message IS NOT NULL));
+    IF NOT FOUND OR NOT fanin_create_successor(b.id, b.step, b.successor_task_id, p_kind) THEN
+        RETURN NULL;
     END IF;
-    RETURN v_outbox;
+    RETURN (SELECT o.id FROM fanin_outbox o WHERE o.batch_id = b.id AND o.step = b.step);
 END
 $$;
 
