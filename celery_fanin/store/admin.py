@@ -14,11 +14,12 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from ..protocol import BATCH_ACTIVE, BatchState
 from .statements import q
 
 # Batch states in which nothing is counted any more (a failed_threshold batch may still record late children).
-FINISHED_STATES = ("complete", "partial", "failed_threshold", "expired", "cancelled")
-BATCH_STATES = ("open", "running", *FINISHED_STATES)
+FINISHED_STATES = tuple(s.value for s in BatchState if s not in BATCH_ACTIVE)
+BATCH_STATES = tuple(s.value for s in BatchState)
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ def list_batches(
     for r in rows:
         n = _node(r)
         progress = max(n.created_at, r.last_progress) if r.last_progress is not None else n.created_at
-        is_stuck = n.state in ("open", "running") and (r.now - progress).total_seconds() > stuck_after
+        is_stuck = n.state in BATCH_ACTIVE and (r.now - progress).total_seconds() > stuck_after
         listed.append(Listed(n, r.last_progress, is_stuck))
     return listed
 

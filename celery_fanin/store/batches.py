@@ -17,7 +17,7 @@ import psycopg
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from ..protocol import CHILD_OPEN, ChildState
+from ..protocol import CHILD_OPEN, BatchState, ChildState
 from .statements import q
 
 # Terminal states a child can end in; `succeeded` counts as a success, every other one as a failure.
@@ -108,12 +108,12 @@ def create_batch(
     """
     n = len(children)
     if leaves <= 0:
-        if not insert_batch(conn, batch, state="complete" if n == 0 else "running", planned=n):
+        if not insert_batch(conn, batch, state=BatchState.COMPLETE if n == 0 else BatchState.RUNNING, planned=n):
             raise KeyTaken(batch.key or "")
         for start in range(0, n, chunk):
             insert_children(conn, batch.id, children[start : start + chunk], start)
         return None if n else insert_successor(conn, batch.id, "then")
-    if not insert_batch(conn, batch, state="running", planned=n, remaining=leaves):
+    if not insert_batch(conn, batch, state=BatchState.RUNNING, planned=n, remaining=leaves):
         raise KeyTaken(batch.key or "")
     leaf_ids = [uuid.uuid4() for _ in range(leaves)]
     for k, leaf_id in enumerate(leaf_ids):

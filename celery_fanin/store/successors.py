@@ -19,11 +19,12 @@ from datetime import datetime
 
 from sqlalchemy import Connection
 
+from ..protocol import SUCCESSOR_FINAL, SuccessorState
 from .batches import Encoded
 from .statements import q
 
 # A run ended for good: nothing runs the body again.
-FINAL_STATES = frozenset({"succeeded", "failed", "revoked", "ignored"})
+FINAL_STATES = SUCCESSOR_FINAL
 # A run ended and handed the successor on: the next delivery (Celery's retry, the redelivered message, the
 # replacement task) may start a run; the relay republishes it if that delivery never comes.
 HANDED_OVER_STATES = frozenset({"retrying", "requeued", "replaced"})
@@ -82,7 +83,7 @@ def claim_run(
         },
     ).one()
     if row[0] is None:
-        return Refusal(row[2], row[3] if row[2] == "running" else None)
+        return Refusal(row[2], row[3] if row[2] == SuccessorState.RUNNING else None)
     return Run(batch_id, step, int(row[0]), int(row[1]))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 
 from ..outcome import failure_entry
-from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, BatchState, SagaState
+from ..protocol import BATCH_ACTIVE, BATCH_ENDED_WITHOUT_SUCCESSOR, BatchState, SagaState
 from ..store import admin, queries, successors
 from ..store import sagas as saga_store
 from ..store.batches import Encoded
@@ -320,7 +320,7 @@ def _failure(r: Any) -> Failure:
 
 
 def _is_final(state: str, successor: queries.SuccessorRow | None, is_leaf: bool) -> bool:
-    if state in ("open", "running"):
+    if state in BATCH_ACTIVE:
         return False
     if is_leaf:
         return True
