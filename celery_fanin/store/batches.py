@@ -118,7 +118,7 @@ def create_batch(
     leaf_ids = [uuid.uuid4() for _ in range(leaves)]
     for k, leaf_id in enumerate(leaf_ids):
         size = len(range(k, n, leaves))
-        insert_batch(conn, leaf_of(batch, leaf_id), state="running", planned=size, parent_id=batch.id)
+        insert_batch(conn, leaf_of(batch, leaf_id), state=BatchState.RUNNING, planned=size, parent_id=batch.id)
     for start in range(0, n, chunk):
         insert_placed(conn, [(leaf_ids[i % leaves], children[i], i) for i in range(start, min(n, start + chunk))])
     return None
@@ -148,7 +148,7 @@ def insert_batch(
     conn: Connection,
     batch: NewBatch,
     *,
-    state: str,
+    state: BatchState,
     planned: int,
     parent_id: uuid.UUID | None = None,
     remaining: int | None = None,
@@ -160,7 +160,7 @@ def insert_batch(
     first one's commit); returns False then.
     """
     if remaining is None:
-        remaining = 1 if state == "open" else planned
+        remaining = 1 if state == BatchState.OPEN else planned
     row = conn.execute(
         q("insert_batch").text,
         {
@@ -336,7 +336,7 @@ def add_leaf(conn: Connection, root: NewBatch, leaf_id: uuid.UUID) -> None:
     """Open a leaf under an open root. The root's wait for it (one unit of its `remaining`) is added by the
     chunk's `add_children(opened=...)`, after the leaves' rows: taking the root's lock here, before the leaves',
     could deadlock with a report that holds a leaf and pushes a failure up to the root."""
-    insert_batch(conn, leaf_of(root, leaf_id), state="open", planned=0, parent_id=root.id)
+    insert_batch(conn, leaf_of(root, leaf_id), state=BatchState.OPEN, planned=0, parent_id=root.id)
 
 
 def seal(conn: Connection, batch_id: uuid.UUID) -> bool:
