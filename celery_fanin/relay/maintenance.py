@@ -16,6 +16,7 @@ from ..codec import decode_signature
 from ..context import FanIn
 from ..exceptions import BatchNotFound, BatchNotOpen
 from ..store import batches, recovery, successors
+from .outbox import BROKER_ERRORS, rejection
 
 logger = logging.getLogger("celery_fanin.maintenance")
 
@@ -29,7 +30,6 @@ class LostReport:
 def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
     """Redrive (same task id) or fail as `lost` every child past its batch's child_timeout."""
     report = LostReport()
-    app = fanin.app
     with fanin.engine.connect() as conn:
         overdue = recovery.overdue_children(conn, limit)
         conn.commit()
@@ -39,9 +39,7 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
             with fanin.engine.begin() as conn:
                 claimed = recovery.claim_redrive(conn, child)
             if claimed:
-                sig = decode_signature(app, child.message)
-                with publish.producer(app) as prod:
-                    publish.publish_children(app, prod, child.batch_id, [(child.idx, child.task_id, sig)])
+                _redrive(fanin, child)
                 report.redriven.append(child.task_id)
                 logger.warning(
                     "redrove lost child batch_id=%s index=%d task_id=%s (redrive %d of %d)",
@@ -68,6 +66,23 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
         # A lost child may still sit in a queue somewhere; if it ever runs, its report is recorded as late.
         revoke_children(fanin, report.failed)
     return report
+
+
+def _redrive(fanin: FanIn, child: recovery.OverdueChild) -> None:
+    """Publish a lost child again under its task id; one whose message cannot be built (it no longer decodes, a
+    serializer is gone) goes out as a rejection in its place, as the relay's orphan publishing does, so that neither
+    it nor the children after it in this round are held back."""
+    app = fanin.app
+    try:
+        sig = decode_signature(app, child.message)
+        with publish.producer(app) as prod:
+            publish.publish_children(app, prod, child.batch_id, [(child.idx, child.task_id, sig)])
+    except BROKER_ERRORS:
+        raise  # the broker's fault, not the child's: the round stops and the relay retries it
+    except Exception as exc:  # noqa: BLE001 - this child's stored message, alone, cannot be published
+        stand_in = rejection(app, child.batch_id, child.idx, child.task_id, child.task_name, exc, None)
+        with publish.producer(app) as prod:
+            publish.publish_children(app, prod, child.batch_id, [(child.idx, child.task_id, stand_in)])
 
 
 def revoke_expired_children(fanin: FanIn, limit: int = 500) -> list[str]:

@@ -180,7 +180,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
     the broker, so a crash republishes at most one chunk (duplicates are counted once by the terminal guard).
     Children no longer pending (started, counted, abandoned) are skipped, and the mark moves past them too.
     With `reject` (the relay's orphan publishing), a child that cannot be published goes out as a rejection in its
-    place (`_rejection`) with the rest of its chunk: one bad child must hold back neither its batch nor the relay's
+    place (`rejection`) with the rest of its chunk: one bad child must hold back neither its batch nor the relay's
     round. Without (a producer), the error propagates, as an `apply_async` of that child would raise.
     Returns the number of children published (rejections not included).
     """
@@ -200,7 +200,7 @@ def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UU
             except Exception as exc:  # noqa: BLE001 - whatever the stored message's fault, it is this child's
                 if not reject:
                     raise
-                ready.append((idx, task_id, _rejection(app, batch_id, idx, task_id, task_name, exc, sig)))
+                ready.append((idx, task_id, rejection(app, batch_id, idx, task_id, task_name, exc, sig)))
                 rejected.add(idx)
             else:
                 ready.append((idx, task_id, sig))
@@ -246,7 +246,7 @@ def _publish_one_by_one(
         except BROKER_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - this child's message, alone, cannot be built or sent
-            stand_in = _rejection(app, batch_id, idx, task_id, names[idx], exc, sig)
+            stand_in = rejection(app, batch_id, idx, task_id, names[idx], exc, sig)
             with publish.producer(app) as prod:
                 publish.publish_children(app, prod, batch_id, [(idx, task_id, stand_in)])
             rejected.add(idx)
@@ -257,7 +257,7 @@ def _publish_one_by_one(
 _ROUTING_OPTIONS = ("queue", "exchange", "routing_key", "exchange_type", "priority")
 
 
-def _rejection(
+def rejection(
     app: Celery,
     batch_id: uuid.UUID,
     idx: int,

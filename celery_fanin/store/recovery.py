@@ -24,6 +24,7 @@ class OverdueChild:
     task_id: str
     batch_id: uuid.UUID
     idx: int
+    task_name: str
     state: str
     on_lost: str
     redrives: int
@@ -43,6 +44,7 @@ def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
             r.task_id,
             r.batch_id,
             r.idx,
+            r.task_name,
             r.state,
             r.on_lost,
             r.redrives,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -16,8 +17,10 @@ from celery import Celery
 from sqlalchemy import Engine
 
 from celery_fanin import FanIn, codec, protocol
+from celery_fanin.relay import maintenance
 from celery_fanin.relay import outbox as relay_outbox
 from celery_fanin.store import batches
+from tests.e2e import clock
 
 from .helpers import Tasks, collecting_batch, fetch_all, queued_messages
 
@@ -150,3 +153,36 @@ def test_a_rejection_goes_where_its_child_would_have(
     [routed] = queued_messages(broker, "routed")
     assert (own.headers["id"], routed.headers["id"]) == tuple(ids)
     assert {own.headers["task"], routed.headers["task"]} == {protocol.UNPUBLISHABLE_TASK}
+
+
+def test_a_lost_child_whose_message_cannot_be_built_is_redriven_as_a_rejection_and_the_round_goes_on(
+    app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis
+) -> None:
+    """Redriving a lost child publishes its stored message again; one that no longer decodes goes out as a
+    rejection under its task id (a worker counts it `rejected`), and the lost children after it are redriven in
+    the same round."""
+    batch = collecting_batch(app, tasks, child_timeout=timedelta(hours=1), on_lost="redrive", max_redrives=3)
+    stored = [
+        batches.Encoded("application/x-unknown", "binary", b"\x00\x01"),
+        codec.encode_signature(app, tasks.add.s(1, 1)),
+    ]
+    children = [batches.NewChild(f"{batch.id}-{i}", "tests.store.add", enc) for i, enc in enumerate(stored)]
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children, leaves=0)
+        batches.mark_published(conn, batch.id, None)  # published by its producer, then lost
+    clock.expire_child_timeout(app, str(batch.id))
+
+    report = maintenance.handle_lost_children(FanIn.of(app))
+
+    assert sorted(report.redriven) == sorted(c.task_id for c in children) and report.failed == []
+    messages = {m.headers["id"]: m for m in queued_messages(broker)}
+    assert sorted(messages) == sorted(c.task_id for c in children)
+    stand_in, redriven = messages[children[0].task_id], messages[children[1].task_id]
+    assert stand_in.headers["task"] == protocol.UNPUBLISHABLE_TASK
+    assert stand_in.headers["fanin_task"] == "tests.store.add"
+    assert (stand_in.headers["fanin_batch"], stand_in.headers["fanin_index"]) == (str(batch.id), 0)
+    assert stand_in.args[0].startswith("not published by the relay: ContentDisallowed: ")
+    assert (redriven.headers["task"], redriven.args) == ("tests.store.add", [1, 1])
+    assert _children(store_engine, [c.task_id for c in children]) == {
+        c.task_id: ("pending", None, None) for c in children
+    }

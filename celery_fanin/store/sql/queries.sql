@@ -283,7 +283,7 @@ SELECT b.id FROM fanin_batches b
 
 -- name: overdue_children
 -- Unfinished children of running batches whose child_timeout has passed since they last started (or were...
-SELECT c.task_id, c.batch_id, c.idx, c.state, b.on_lost, c.redrives, b.max_redrives,
+SELECT c.task_id, c.batch_id, c.idx, c.task_name, c.state, b.on_lost, c.redrives, b.max_redrives,
        c.message, c.content_type, c.content_encoding
   FROM fanin_batches b
   JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
