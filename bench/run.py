@@ -339,8 +339,9 @@ class Bench:
         for rnd in range(self.args.throughput_rounds):
             # Fresh batches each round; the order of the five rotates, so that none is always measured right after
             # the same neighbour (the server's background work and the page cache carry over between phases).
-            flat, slices = parked_batch()
-            bare, bare_slices = parked_batch()
+            # Flat whatever the default width (max_width=n): the one counter row every report of it updates.
+            flat, slices = parked_batch(max_width=n)
+            bare, bare_slices = parked_batch(max_width=n)
             # The same children as a tree: max_width n/16 gives 16 leaf counters, filled round robin.
             tree, tree_slices = parked_batch(max_width=max(1, n // 16))
             phases = [
@@ -480,8 +481,12 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     out.put((start, time.time(), len(ids)))
 
 
-def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]]) -> float:
-    ctx = multiprocessing.get_context("spawn")
+def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]], start_method: str = "spawn") -> float:
+    """Events/s of `len(work)` reporter processes started together, each reporting its list once.
+
+    `start_method="fork"` starts them in milliseconds rather than an interpreter's start each (bench.scaling starts
+    up to 64 per phase); the parent must hold no connection that a reporter would use (each opens its own)."""
+    ctx: Any = multiprocessing.get_context(start_method)  # a str names no context type mypy can tell
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_reporter, args=(url, batch_id, kind, ids, ready, go, out)) for ids in work]
     for p in procs:
