@@ -114,6 +114,8 @@ def terminal_curves(
     names = [*options, RAW]
     runs: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     ratios: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
+    wal_bytes: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
+    per_sync: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     for rnd in range(args.rounds):
         counts = args.reporters if rnd % 2 == 0 else list(reversed(args.reporters))
         for j, reporters in enumerate(counts):
@@ -126,8 +128,12 @@ def terminal_curves(
                     batch_id, ids = pools[name].take(args.events)
                 work = [ids[i::reporters] for i in range(reporters)]
                 kind = RAW if name == RAW else "fanin"
+                before = _wal(url)
                 figures[name] = _concurrent(url, batch_id, kind, work, start_method="fork")
+                after = _wal(url)
                 runs[name][reporters].append(figures[name])
+                wal_bytes[name][reporters].append((after[0] - before[0]) / len(ids))
+                per_sync[name][reporters].append(len(ids) / max(1, after[1] - before[1]))
             for name in names:
                 ratios[name][reporters].append(figures[name] / figures[RAW])
             progress(
@@ -151,6 +157,8 @@ def terminal_curves(
                     "ratio_to_raw": statistics.median(ratios[name][r]),
                     "ratio_min": min(ratios[name][r]),
                     "ratio_max": max(ratios[name][r]),
+                    "wal_bytes_per_event": statistics.median(wal_bytes[name][r]),
+                    "events_per_wal_sync": statistics.median(per_sync[name][r]),
                 }
                 for r, v in per.items()
             }
@@ -235,6 +243,17 @@ def relay_curve(
     }
 
 
+def _wal(url: str) -> tuple[int, int]:
+    """The server's WAL position (bytes) and how many times it has synced WAL to disk (pg_stat_wal, PostgreSQL
+    14+): server-wide figures, so a phase's share is exact only while nothing else writes."""
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint, (SELECT wal_sync FROM pg_stat_wal)"
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 def _wait_listening(db: psycopg.Connection[Any], k: int, timeout: float) -> None:
     """Until `k` relays of this database have their LISTEN connection open."""
     deadline = time.monotonic() + timeout
@@ -262,10 +281,20 @@ def table(report: dict[str, Any]) -> str:
             f = t["series"][n][str(r)]
             cells.append(f"{f['median']:.0f}" if n == RAW else f"{f['median']:.0f} ({f['ratio_to_raw']:.2f})")
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    lines += ["", "WAL bytes per event / events per WAL sync (server-wide counters):", "", head, lines[1]]
+    for r in t["reporters"]:
+        cells = [_wal_cell(t["series"][n][str(r)]) for n in names]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
     lines += ["", "| relays | successors/s, median (min–max) |", "|---:|---:|"]
     for k, f in report["relay"]["relays"].items():
         lines.append(f"| {k} | {f['median']:.0f} ({f['min']:.0f}–{f['max']:.0f}) |")
     return "\n".join(lines)
+
+
+def _wal_cell(f: dict[str, Any]) -> str:
+    if "wal_bytes_per_event" not in f:
+        return ""
+    return f"{f['wal_bytes_per_event']:.0f} / {f['events_per_wal_sync']:.1f}"
 
 
 def _label(name: str, t: dict[str, Any]) -> str:
