@@ -425,13 +425,13 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     from celery_fanin.worker import hooks
 
     claims: dict[str, Claim] = {}
-    if kind in ("fanin", "fanin_sql"):  # what each child's message says it is, read before the clock starts
+    if kind in ("fanin", "fanin_one_conn", "fanin_sql"):  # what each child's message says, read before the clock
         with psycopg.connect(url, autocommit=True) as db:
             rows = db.execute(
                 "SELECT task_id, batch_id::text, idx, task_name FROM fanin_children WHERE task_id = ANY(%s)", (ids,)
             )
             claims = {r[0]: Claim(r[1], r[2], r[3]) for r in rows}
-    if kind == "fanin":
+    if kind in ("fanin", "fanin_one_conn"):
         app = Celery("bench-reporter", set_as_current=False)
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
@@ -439,6 +439,10 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
         fanin.reports.record_starts([])
+        if kind == "fanin_one_conn":
+            # The report path uses the report connection only: closing the engine's keeps one connection per
+            # reporter, as a pool process reporting holds, so that 64 reporters fit a server's max_connections.
+            fanin.engine.dispose()
         ready.release()
         go.wait()
         start = time.time()

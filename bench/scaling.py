@@ -114,6 +114,7 @@ def terminal_curves(
     names = [*options, RAW]
     runs: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     ratios: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
+    errors: list[str] = []
     wal_bytes: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     per_sync: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     for rnd in range(args.rounds):
@@ -127,15 +128,22 @@ def terminal_curves(
                 else:
                     batch_id, ids = pools[name].take(args.events)
                 work = [ids[i::reporters] for i in range(reporters)]
-                kind = RAW if name == RAW else "fanin"
+                kind = RAW if name == RAW else "fanin_one_conn"
                 before = _wal(url)
-                figures[name] = _concurrent(url, batch_id, kind, work, start_method="fork")
+                try:
+                    figures[name] = _concurrent(url, batch_id, kind, work, start_method="fork")
+                except Exception as exc:  # noqa: BLE001 - keep the other figures; the error is reported
+                    errors.append(f"round {rnd + 1} reporters {reporters} {name}: {exc!r}"[:500])
+                    progress(errors[-1])
+                    figures[name] = float("nan")
+                    continue
                 after = _wal(url)
                 runs[name][reporters].append(figures[name])
                 wal_bytes[name][reporters].append((after[0] - before[0]) / len(ids))
                 per_sync[name][reporters].append(len(ids) / max(1, after[1] - before[1]))
             for name in names:
-                ratios[name][reporters].append(figures[name] / figures[RAW])
+                if figures[name] == figures[name] and figures[RAW] == figures[RAW]:  # neither failed (NaN)
+                    ratios[name][reporters].append(figures[name] / figures[RAW])
             progress(
                 f"round {rnd + 1} reporters {reporters:>2}: "
                 + " ".join(f"{n} {figures[n]:.0f}/s ({figures[n] / figures[RAW]:.2f})" for n in names)
@@ -147,23 +155,28 @@ def terminal_curves(
         "reporters": args.reporters,
         "default_max_width": Settings().max_width,
         "leaves": {name: pools[name].leaves for name in options},
+        "errors": errors,
         "series": {
-            name: {
-                str(r): {
-                    "median": statistics.median(v),
-                    "min": min(v),
-                    "max": max(v),
-                    "runs": v,
-                    "ratio_to_raw": statistics.median(ratios[name][r]),
-                    "ratio_min": min(ratios[name][r]),
-                    "ratio_max": max(ratios[name][r]),
-                    "wal_bytes_per_event": statistics.median(wal_bytes[name][r]),
-                    "events_per_wal_sync": statistics.median(per_sync[name][r]),
-                }
-                for r, v in per.items()
-            }
+            name: {str(r): _figures(v, ratios[name][r], wal_bytes[name][r], per_sync[name][r]) for r, v in per.items()}
             for name, per in runs.items()
         },
+    }
+
+
+def _figures(v: list[float], ratios: list[float], wal: list[float], syncs: list[float]) -> dict[str, Any]:
+    v = [x for x in v if x == x]  # without the failed phases (NaN)
+    if not v or not ratios:
+        return {"median": float("nan"), "runs": v, "ratio_to_raw": float("nan"), "failed": True}
+    return {
+        "median": statistics.median(v),
+        "min": min(v),
+        "max": max(v),
+        "runs": v,
+        "ratio_to_raw": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "wal_bytes_per_event": statistics.median(wal),
+        "events_per_wal_sync": statistics.median(syncs),
     }
 
 
@@ -339,7 +352,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--events", type=int, default=2000, help="terminal events per phase (default 2,000)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--relays", type=_ints, default=[1, 2, 4], help="relay counts (comma-separated)")
-    p.add_argument("--successors", type=int, default=2000, help="successors per relay phase (default 2,000)")
+    p.add_argument("--successors", type=int, default=1200, help="successors per relay phase (default 1,200)")
     p.add_argument("--relay-rounds", type=int, default=2)
     p.add_argument("--creators", type=int, default=4, help="processes reporting the relay phase's children")
     p.add_argument("--skip-relay", action="store_true", help="the terminal curves only")
