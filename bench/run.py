@@ -827,26 +827,43 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
+def start_run(out: Path) -> tuple[Path, float, Callable[[str], None]]:
+    """A run's log folder under `out` (both created), its start time, and its progress printer."""
     # A background job ignores SIGINT: let SIGTERM unwind too, so the workers stop and the database is dropped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.out / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = out / "logs"
     log_dir.mkdir(exist_ok=True)
     started = time.time()
 
     def progress(msg: str) -> None:
         print(f"[{time.time() - started:7.1f}s] {msg}", flush=True)
 
+    return log_dir, started, progress
+
+
+@contextmanager
+def services(broker_name: str, prefix: str) -> Iterator[tuple[str, str, str, str, dict[str, str]]]:
+    """A scratch database (migrated) and Redis database, a fresh queue name, the broker's URL and the environment
+    of the harness's processes: (database URL, Redis URL, queue, broker URL, environment)."""
     with database() as db_url, redis_database() as redis_url:
-        queue = f"bench-{uuid.uuid4().hex[:8]}"
-        broker = redis_url if args.broker == "redis" else RABBITMQ_URL
+        queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        broker = redis_url if broker_name == "redis" else RABBITMQ_URL
         env = harness_env(db_url, redis_url, broker, queue)
-        from bench.tasks import app, child
+        from bench.tasks import app
         from celery_fanin import FanIn
 
         FanIn(app).migrate()
+        yield db_url, redis_url, queue, broker, env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    log_dir, started, progress = start_run(args.out)
+    with services(args.broker, "bench") as (_, redis_url, queue, broker, env):
+        from bench.tasks import app, child
+        from celery_fanin import FanIn
+
         marks = redis.Redis.from_url(redis_url)
         worker_args = [
             "worker",

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 import psycopg
 
-from bench.run import RABBITMQ_URL, ROOT, Proc, _concurrent, database, harness_env, machine, purge_queue, redis_database
+from bench.run import ROOT, Proc, _concurrent, machine, purge_queue, services, start_run
 
 RAW = "raw"
 
@@ -367,23 +366,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.out / "logs"
-    log_dir.mkdir(exist_ok=True)
-    started = time.time()
-
-    def progress(msg: str) -> None:
-        print(f"[{time.time() - started:7.1f}s] {msg}", flush=True)
-
-    with database() as db_url, redis_database() as redis_url:
-        queue = f"scaling-{uuid.uuid4().hex[:8]}"
-        broker = redis_url if args.broker == "redis" else RABBITMQ_URL
-        env = harness_env(db_url, redis_url, broker, queue)
+    log_dir, started, progress = start_run(args.out)
+    with services(args.broker, "scaling") as (db_url, _, queue, broker, env):
         from bench.tasks import app
         from celery_fanin import FanIn
 
-        FanIn(app).migrate()
         report: dict[str, Any] = {
             "command": " ".join(["python -m bench.scaling", *(argv if argv is not None else sys.argv[1:])]),
             "broker": args.broker,
