@@ -75,9 +75,9 @@ class Settings:
     chunk_size: int = 1000
     # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
     # 150, chosen by measurement (python -m bench.scaling, BENCHMARKS.md): a 10,000-child batch gets 67 leaves, as
-    # many counter rows as the 64 concurrent reporters measured, the only layout that kept up with a raw one-row
-    # UPDATE at 16 and 64 reporters in every round; flat, 16 reporters took half of it. A tree costs nothing
-    # measurable with one or two reporters.
+    # many counter rows as the most concurrent reporters measured (64). From 4 reporters up a flat batch took about
+    # half of a raw one-row UPDATE's rate and every tree more (the default's 1.7x flat's at 16 reporters); with one
+    # or two reporters a tree costs nothing measurable.
     max_width: int = 150
     tree_fanout: int = 16
     # Whether a fan-in child's result is also stored in Celery's result backend. Off: the library publishes each
