@@ -150,6 +150,7 @@ def test_scaling_smoke_writes_every_series(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "scaling-smoke.json").read_text())
     terminal = report["terminal"]
+    assert terminal["errors"] == []  # no phase failed (a failed one is reported, and its figure left out)
     assert terminal["reporters"] == [1, 2, 4]
     assert set(terminal["series"]) == {"flat", "tree-4", "default", "raw"}
     assert terminal["leaves"]["flat"] == 0 and terminal["leaves"]["tree-4"] == 4  # the layouts asked for
