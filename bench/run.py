@@ -339,8 +339,9 @@ class Bench:
         for rnd in range(self.args.throughput_rounds):
             # Fresh batches each round; the order of the five rotates, so that none is always measured right after
             # the same neighbour (the server's background work and the page cache carry over between phases).
-            flat, slices = parked_batch()
-            bare, bare_slices = parked_batch()
+            # Flat whatever the default width (max_width=n): the one counter row every report of it updates.
+            flat, slices = parked_batch(max_width=n)
+            bare, bare_slices = parked_batch(max_width=n)
             # The same children as a tree: max_width n/16 gives 16 leaf counters, filled round robin.
             tree, tree_slices = parked_batch(max_width=max(1, n // 16))
             phases = [
@@ -424,13 +425,13 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     from celery_fanin.worker import hooks
 
     claims: dict[str, Claim] = {}
-    if kind in ("fanin", "fanin_sql"):  # what each child's message says it is, read before the clock starts
+    if kind in ("fanin", "fanin_one_conn", "fanin_sql"):  # what each child's message says, read before the clock
         with psycopg.connect(url, autocommit=True) as db:
             rows = db.execute(
                 "SELECT task_id, batch_id::text, idx, task_name FROM fanin_children WHERE task_id = ANY(%s)", (ids,)
             )
             claims = {r[0]: Claim(r[1], r[2], r[3]) for r in rows}
-    if kind == "fanin":
+    if kind in ("fanin", "fanin_one_conn"):
         app = Celery("bench-reporter", set_as_current=False)
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
@@ -438,6 +439,10 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
         fanin.reports.record_starts([])
+        if kind == "fanin_one_conn":
+            # The report path uses the report connection only: closing the engine's keeps one connection per
+            # reporter, as a pool process reporting holds, so that 64 reporters fit a server's max_connections.
+            fanin.engine.dispose()
         ready.release()
         go.wait()
         start = time.time()
@@ -480,8 +485,12 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     out.put((start, time.time(), len(ids)))
 
 
-def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]]) -> float:
-    ctx = multiprocessing.get_context("spawn")
+def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]], start_method: str = "spawn") -> float:
+    """Events/s of `len(work)` reporter processes started together, each reporting its list once.
+
+    `start_method="fork"` starts them in milliseconds rather than an interpreter's start each (bench.scaling starts
+    up to 64 per phase); the parent must hold no connection that a reporter would use (each opens its own)."""
+    ctx: Any = multiprocessing.get_context(start_method)  # a str names no context type mypy can tell
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_reporter, args=(url, batch_id, kind, ids, ready, go, out)) for ids in work]
     for p in procs:
@@ -818,26 +827,43 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
+def start_run(out: Path) -> tuple[Path, float, Callable[[str], None]]:
+    """A run's log folder under `out` (both created), its start time, and its progress printer."""
     # A background job ignores SIGINT: let SIGTERM unwind too, so the workers stop and the database is dropped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = args.out / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = out / "logs"
     log_dir.mkdir(exist_ok=True)
     started = time.time()
 
     def progress(msg: str) -> None:
         print(f"[{time.time() - started:7.1f}s] {msg}", flush=True)
 
+    return log_dir, started, progress
+
+
+@contextmanager
+def services(broker_name: str, prefix: str) -> Iterator[tuple[str, str, str, str, dict[str, str]]]:
+    """A scratch database (migrated) and Redis database, a fresh queue name, the broker's URL and the environment
+    of the harness's processes: (database URL, Redis URL, queue, broker URL, environment)."""
     with database() as db_url, redis_database() as redis_url:
-        queue = f"bench-{uuid.uuid4().hex[:8]}"
-        broker = redis_url if args.broker == "redis" else RABBITMQ_URL
+        queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        broker = redis_url if broker_name == "redis" else RABBITMQ_URL
         env = harness_env(db_url, redis_url, broker, queue)
-        from bench.tasks import app, child
+        from bench.tasks import app
         from celery_fanin import FanIn
 
         FanIn(app).migrate()
+        yield db_url, redis_url, queue, broker, env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    log_dir, started, progress = start_run(args.out)
+    with services(args.broker, "bench") as (_, redis_url, queue, broker, env):
+        from bench.tasks import app, child
+        from celery_fanin import FanIn
+
         marks = redis.Redis.from_url(redis_url)
         worker_args = [
             "worker",

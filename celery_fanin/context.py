@@ -74,7 +74,11 @@ class Settings:
     # Children written and published per round trip by the producer and the relay.
     chunk_size: int = 1000
     # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).
-    max_width: int = 10_000
+    # 150, chosen by measurement (python -m bench.scaling, BENCHMARKS.md): a 10,000-child batch gets 67 leaves, as
+    # many counter rows as the most concurrent reporters measured (64). From 4 reporters up a flat batch took about
+    # half of a raw one-row UPDATE's rate and every tree more (the default's 1.7x flat's at 16 reporters); with one
+    # or two reporters a tree costs nothing measurable.
+    max_width: int = 150
     tree_fanout: int = 16
     # Whether a fan-in child's result is also stored in Celery's result backend. Off: the library publishes each
     # child with ignore_result=True (unless its signature sets ignore_result itself), as the outcome the successor

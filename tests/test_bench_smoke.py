@@ -138,3 +138,31 @@ def test_dashboard_bench_smoke_times_every_page(tmp_path: Path) -> None:
     assert {"batches", "batches ?key=order-1234", "sagas", "saga"} <= pages.keys()
     assert all(0 < p["p50_ms"] <= p["max_ms"] for p in pages.values()), pages
     assert "batches pages: worst p95" in out.stderr
+
+
+@pytest.mark.timeout(240)
+def test_scaling_smoke_writes_every_series(tmp_path: Path) -> None:
+    """`python -m bench.scaling --smoke` (BENCHMARKS.md, docs/concepts/scaling.md), so that it cannot rot: every
+    reporter count of every series (flat, a tree, the defaults, the raw UPDATE) and every relay count has a rate,
+    and the relays sent every successor they were given. Its figures mean nothing at this size."""
+    argv = [sys.executable, "-m", "bench.scaling", "--smoke", "--out", str(tmp_path)]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "scaling-smoke.json").read_text())
+    terminal = report["terminal"]
+    assert terminal["errors"] == []  # no phase failed (a failed one is reported, and its figure left out)
+    assert terminal["reporters"] == [1, 2, 4]
+    assert set(terminal["series"]) == {"flat", "tree-4", "default", "raw"}
+    assert terminal["leaves"]["flat"] == 0 and terminal["leaves"]["tree-4"] == 4  # the layouts asked for
+    for name, per in terminal["series"].items():
+        assert set(per) == {"1", "2", "4"}, name
+        for reporters, figures in per.items():
+            assert figures["median"] > 0 and len(figures["runs"]) == 1, (name, reporters)
+            assert figures["ratio_to_raw"] > 0, (name, reporters)
+        if name == "raw":
+            assert all(f["ratio_to_raw"] == 1 for f in per.values())
+    relays = report["relay"]["relays"]
+    assert set(relays) == {"1", "2"}
+    assert all(f["median"] > 0 for f in relays.values()), relays
+    assert report["relay"]["successors_per_phase"] == 20
+    assert "| reporters |" in out.stdout and "| relays |" in out.stdout  # the printed tables

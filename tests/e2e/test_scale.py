@@ -120,8 +120,8 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     assert (final.planned, final.succeeded, final.failed) == (3000, 3000, 0)
     idx = _rows(
         producer,
-        "SELECT count(*) AS n, count(DISTINCT idx) AS d, min(idx) AS lo, max(idx) AS hi "
-        "FROM fanin_children WHERE batch_id = :b",
+        "SELECT count(*) AS n, count(DISTINCT idx) AS d, min(idx) AS lo, max(idx) AS hi FROM fanin_children "
+        "WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :b OR parent_id = :b)",  # a tree's too
         b=batch_id,
     )[0]
     assert (idx.n, idx.d, idx.lo, idx.hi) == (3000, 3000, 0, 2999)
