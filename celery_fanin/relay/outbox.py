@@ -112,8 +112,9 @@ def publish_outbox(
                     outbox.mark_failed(conn, row, repr(exc), _retry_delay(row.attempts))
                 else:
                     sent.append(row)
-        # Only after the producer's batch flushed: a failed flush raises and rolls the claim back.
-        outbox.mark_sent(conn, sent)
+        # Only after the producer's batch flushed: a failed flush raises and rolls the claim back. The commit does
+        # not wait for the WAL flush unless children were abandoned in it (`outbox.mark_sent`).
+        outbox.mark_sent(conn, sent, durable=bool(abandoned))
     for row in sent:
         logger.info(
             "published successor batch_id=%s step=%s",
