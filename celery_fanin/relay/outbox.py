@@ -69,8 +69,7 @@ def publish_outbox(
     successor publishes it so, `publish_created_successor`).
     """
     app = fanin.app
-    settings = fanin.settings
-    limit = limit or settings.relay_batch_size
+    limit = limit or int(fanin.setting("relay_batch_size"))  # one setting, not `settings`: this is a successor's path
     with fanin.engine.begin() as conn:
         rows = outbox.claim(conn, limit, ids, batch_id)
         if not rows:
@@ -166,8 +165,8 @@ def _send_successor(fanin: FanIn, conn: Connection, deliver: Callable[[Due], Non
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
     sig = decode_signature(fanin.app, batch.message_for(kind))
-    settings = fanin.settings
-    outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
+    limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
+    outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
     deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
     if batch.state != BatchState.FAILED_THRESHOLD:
         return []

@@ -106,9 +106,9 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
     cost a round trip more. Its commit is durable (the connection's `synchronous_commit` is the server's): see
     docs/concepts/outbox.md for why an admission must never be lost in a crash.
     """
-    settings = fanin.settings
     bid = uuid.UUID(batch_id)
-    lease, grace, me = settings.successor_lease, settings.successor_lease_grace, owner()
+    # Three settings read alone: `fanin.settings` reads every one of them (~0.1 ms), on the successor's path.
+    lease, grace, me = float(fanin.setting("successor_lease")), float(fanin.setting("successor_lease_grace")), owner()
 
     def claim() -> successors.Run | None:
         reports = fanin.reports
@@ -122,8 +122,9 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
             return None
         return got
 
+    timeout = float(fanin.setting("report_timeout"))
     try:
-        run = retry.call(claim, what=f"successor start of batch {batch_id}", timeout=float(settings.report_timeout))
+        run = retry.call(claim, what=f"successor start of batch {batch_id}", timeout=timeout)
     except (retry.GaveUp, SQLAlchemyError, psycopg.Error):
         logger.exception("cannot start successor batch_id=%s: refused (the relay publishes it again)", batch_id)
         return None
