@@ -114,6 +114,19 @@ def install() -> None:
 
     _around(successor_runs, "admit", admit_key, "guard.enter", "guard.done")
     _around(successors, "claim_run", lambda a, k: str(a[1]), "guard.stmt", "guard.stmt_done")
+    # The guard's statement on the report connection (from issue 23's second round on).
+    original_claim = getattr(reports.ReportConnection, "claim_run", None)
+    if original_claim is not None:
+
+        def claim_run(self: Any, params: dict[str, Any]) -> Any:
+            key = str(params["id"])
+            note(key, "guard.stmt")
+            try:
+                return original_claim(self, params)
+            finally:
+                note(key, "guard.stmt_done")
+
+        reports.ReportConnection.claim_run = claim_run  # type: ignore[method-assign]
 
     # A chord's body is published from the last child's process, inside the result backend's chord hook.
     from bench.tasks import app
