@@ -164,3 +164,8 @@ def _install_sql_counters() -> None:
 
 if os.environ.get("BENCH_COUNT_SQL") == "1":
     _install_sql_counters()
+
+if os.environ.get("BENCH_TRACE"):
+    from bench import trace
+
+    trace.install()

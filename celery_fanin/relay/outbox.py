@@ -69,8 +69,7 @@ def publish_outbox(
     successor publishes it so, `publish_created_successor`).
     """
     app = fanin.app
-    settings = fanin.settings
-    limit = limit or settings.relay_batch_size
+    limit = limit or int(fanin.setting("relay_batch_size"))  # one setting, not `settings`: this is a successor's path
     with fanin.engine.begin() as conn:
         rows = outbox.claim(conn, limit, ids, batch_id)
         if not rows:
@@ -112,8 +111,9 @@ def publish_outbox(
                     outbox.mark_failed(conn, row, repr(exc), _retry_delay(row.attempts))
                 else:
                     sent.append(row)
-        # Only after the producer's batch flushed: a failed flush raises and rolls the claim back.
-        outbox.mark_sent(conn, sent)
+        # Only after the producer's batch flushed: a failed flush raises and rolls the claim back. The commit does
+        # not wait for the WAL flush unless children were abandoned in it (`outbox.mark_sent`).
+        outbox.mark_sent(conn, sent, durable=bool(abandoned))
     for row in sent:
         logger.info(
             "published successor batch_id=%s step=%s",
@@ -165,8 +165,8 @@ def _send_successor(fanin: FanIn, conn: Connection, deliver: Callable[[Due], Non
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
     sig = decode_signature(fanin.app, batch.message_for(kind))
-    settings = fanin.settings
-    outcome = build_outcome(conn, batch, settings.outcome_failures_limit, max_bytes=settings.outcome_max_bytes)
+    limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
+    outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
     deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
     if batch.state != BatchState.FAILED_THRESHOLD:
         return []

@@ -50,12 +50,21 @@ def claim(
     ]
 
 
-def mark_sent(conn: Connection, rows: Sequence[OutboxRow]) -> None:
-    """Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state)."""
+def mark_sent(conn: Connection, rows: Sequence[OutboxRow], *, durable: bool = True) -> None:
+    """Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state).
+
+    Not `durable`: the transaction's commit returns without waiting for its WAL flush (`synchronous_commit =
+    off` for this transaction alone), and with it the lock on the successor's row that the worker's start guard
+    may be waiting on. A crash of the database can then lose the mark, never the publish: the row is pending
+    again and published again, as after a relay that died before its commit, and the guard, whose commit is
+    durable, runs the successor once (docs/concepts/outbox.md). The caller keeps it durable when the
+    transaction wrote more than the marks (a batch's children abandoned past its failure threshold).
+    """
     if not rows:
         return
     # The worker's start guard waits on the successor's row until this commits: one round trip, not two.
-    conn.execute(q("mark_sent").text, {"ids": [r.id for r in rows]})
+    statement = q("mark_sent") if durable else q("mark_sent_async")
+    conn.execute(statement.text, {"ids": [r.id for r in rows]})
 
 
 def mark_failed(conn: Connection, row: OutboxRow, error: str, retry_in_seconds: float) -> None:

@@ -37,6 +37,7 @@ from .batches import (
     terminal_params,
     terminal_record,
 )
+from .successors import CLAIM_RUN_SQL, COUNT_DUPLICATE_SQL
 
 # Every connection the library opens itself: give up connecting after 10 s, and let TCP find a peer that vanished
 # without closing (a network cut, a host gone) in well under a minute, instead of a report hanging on it for the
@@ -63,7 +64,8 @@ def libpq_conninfo(sqlalchemy_url: str) -> str:
 
 
 class ReportConnection:
-    """Sends the hooks' two reports; every error is psycopg's own (the hooks retry them)."""
+    """Sends the hooks' reports (a child's terminal outcome, starts) and a successor's admission by its run guard;
+    every error is psycopg's own (the hooks retry them)."""
 
     def __init__(self, sqlalchemy_url: str, publishes_successors: Callable[[], bool] = lambda: False) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
@@ -107,6 +109,15 @@ class ReportConnection:
         """Many children's starts in one round trip, committed asynchronously; how many children moved."""
         return int(self._run(RECORD_STARTS_SQL, starts_params(starts))[0])
 
+    def claim_run(self, params: dict[str, object]) -> tuple[Any, ...]:
+        """The successor run guard's statement (`store.successors.claim_run`, parameters from `claim_params`):
+        a successor's admission on its critical path, one round trip on a connection already open."""
+        return self._run(CLAIM_RUN_SQL, params)
+
+    def count_duplicate(self, batch_id: object, step: str) -> None:
+        """Count a delivery the guard refused (`store.successors.count_duplicate`)."""
+        self._run(COUNT_DUPLICATE_SQL, {"id": batch_id, "step": step})
+
     def wake_relay(self) -> None:
         """NOTIFY the relay (its LISTEN is only a wake-up: it then claims whatever is due), for a successor this
         connection created without a NOTIFY (see `publishes_successors`) that its worker leaves to the relay."""
@@ -119,7 +130,7 @@ class ReportConnection:
         except psycopg.Error:
             self.reset()
             raise
-        assert row is not None  # both functions return exactly one row
+        assert row is not None  # every statement sent here returns exactly one row
         return row
 
     def reset(self) -> None:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -49,6 +50,43 @@ class Refusal:
     owner: str | None
 
 
+# The guard's statement in psycopg's placeholders: a worker admits a delivery on its report connection
+# (`store.reports.ReportConnection.claim_run`), one round trip without a pool checkout and its pre-ping.
+CLAIM_RUN_SQL = q("claim_run").psycopg
+COUNT_DUPLICATE_SQL = q("count_duplicate").psycopg
+
+
+def claim_params(
+    batch_id: uuid.UUID,
+    step: str,
+    task_id: str,
+    retries: int,
+    *,
+    lease: float,
+    grace: float,
+    owner: str,
+    dead_owner: str | None = None,
+) -> dict[str, object]:
+    """The parameters of `claim_run`'s statement (the same names in both placeholder styles)."""
+    return {
+        "id": batch_id,
+        "step": step,
+        "task_id": task_id,
+        "retries": retries,
+        "lease": lease,
+        "grace": grace,
+        "owner": owner,
+        "dead_owner": dead_owner,
+    }
+
+
+def claimed(batch_id: uuid.UUID, step: str, row: Sequence[Any]) -> Run | Refusal:
+    """The run `claim_run`'s statement admitted (its row: run, attempt, state, run_owner), or why it refused."""
+    if row[0] is None:
+        return Refusal(row[2], row[3] if row[2] == SuccessorState.RUNNING else None)
+    return Run(batch_id, step, int(row[0]), int(row[1]))
+
+
 def claim_run(
     conn: Connection,
     batch_id: uuid.UUID,
@@ -69,22 +107,10 @@ def claim_run(
     delivery whose task id is not the successor's, or no such successor. READ COMMITTED makes two deliveries
     racing for one row wait for each other and re-check: one wins.
     """
-    row = conn.execute(
-        q("claim_run").text,
-        {
-            "id": batch_id,
-            "step": step,
-            "task_id": task_id,
-            "retries": retries,
-            "lease": lease,
-            "grace": grace,
-            "owner": owner,
-            "dead_owner": dead_owner,
-        },
-    ).one()
-    if row[0] is None:
-        return Refusal(row[2], row[3] if row[2] == SuccessorState.RUNNING else None)
-    return Run(batch_id, step, int(row[0]), int(row[1]))
+    params = claim_params(
+        batch_id, step, task_id, retries, lease=lease, grace=grace, owner=owner, dead_owner=dead_owner
+    )
+    return claimed(batch_id, step, conn.execute(q("claim_run").text, params).one())
 
 
 def count_duplicate(conn: Connection, batch_id: uuid.UUID, step: str) -> None:

@@ -165,6 +165,22 @@ def test_mark_sent_sets_sent_at_and_moves_a_pending_successor_to_sent(
         assert [r.id for r in outbox.claim(conn, 10)] == [ids[2]]  # sent rows are never claimed again
 
 
+@pytest.mark.parametrize(("durable", "commit_mode"), [(True, "on"), (False, "off")])
+def test_mark_sent_not_durable_commits_without_waiting_for_the_wal_flush(
+    store_engine: Engine, make_outbox_rows: MakeRows, durable: bool, commit_mode: str
+) -> None:
+    """Not durable, the mark's transaction (only) commits asynchronously: the lock on the successor's row, which a
+    start guard may be waiting on, goes at once; the rows are marked all the same (docs/concepts/outbox.md)."""
+    [outbox_id] = make_outbox_rows(1)
+    with store_engine.begin() as conn:
+        outbox.mark_sent(conn, outbox.claim(conn, 1), durable=durable)
+        assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == commit_mode
+    with store_engine.connect() as conn:
+        assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == "on"  # that transaction's alone
+        row = _outbox(conn, outbox_id)
+    assert row["sent_at"] is not None and row["successor_state"] == "sent"
+
+
 @pytest.mark.parametrize("later", ["running", "retrying", "succeeded", "failed", "revoked"])
 def test_mark_sent_never_overrides_a_later_successor_state(
     store_engine: Engine, make_outbox_rows: MakeRows, later: str

@@ -258,3 +258,24 @@ def test_a_guard_that_cannot_get_the_row_raises_the_stores_error(store_engine: E
                 successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
             conn.rollback()
     assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 0, "attempt": 0}
+
+
+def test_the_worker_admits_on_its_report_connection_without_a_pool_checkout(app: Any, store_engine: Engine) -> None:
+    """`successor_runs.admit`, between a successor's delivery and its first line, is one statement on the pool
+    process's report connection: no checkout of the engine's pool (whose pre-ping is a round trip more). It admits
+    once, refuses and counts a second delivery, and its admission is committed (seen from another session)."""
+    from sqlalchemy import event
+
+    from celery_fanin import FanIn
+    from celery_fanin.worker import successor_runs
+
+    fanin = FanIn.of(app)
+    batch, _, _ = create(store_engine, 0)
+    checkouts: list[object] = []
+    event.listen(fanin.engine, "checkout", lambda *args: checkouts.append(args))
+    live = successor_runs.admit(fanin, str(batch.id), batch.step, batch.successor_task_id, 0)
+    assert live is not None and live.run == successors.Run(batch.id, batch.step, 1, 0)
+    assert successor_runs.admit(fanin, str(batch.id), batch.step, batch.successor_task_id, 0) is None
+    assert checkouts == []
+    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 1, "attempt": 0}
+    successor_runs.abandon(live)

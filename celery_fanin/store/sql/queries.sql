@@ -204,6 +204,10 @@ SELECT * FROM fanin_claim_outbox(:n, ARRAY(SELECT o.id FROM fanin_outbox o WHERE
 -- Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state)
 SELECT fanin_outbox_sent(CAST(:ids AS bigint[]));
 
+-- name: mark_sent_async
+-- The same, and the transaction's commit does not wait for its WAL flush (lost in a crash: published again)
+SELECT fanin_outbox_sent(CAST(:ids AS bigint[])), set_config('synchronous_commit', 'off', true);
+
 -- name: mark_failed
 -- Keep the row pending, due again after a backoff, with the error for `status` and the logs
 SELECT fanin_outbox_failed(:id, :err, :delay);
