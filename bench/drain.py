@@ -25,7 +25,7 @@ from pathlib import Path
 
 import redis
 
-from bench.run import ROOT, Proc, database, harness_env, purge_queue, redis_database
+from bench.run import ROOT, Proc, database, harness_env, purge_queue, redis_database, worker_argv
 
 KINDS = ("plain", "result", "fanin", "fanin-nostart", "fanin-tree")
 EXTRA_KINDS = ("fanin-nosync",)
@@ -92,22 +92,7 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
         _synchronous_commit(env["FANIN_DATABASE_URL"], "off")
     worker_env = {**env, "BENCH_TRACK_STARTED": "0" if kind == "fanin-nostart" else "1"}
     worker = Proc(
-        [
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            "2",
-            "-l",
-            "WARNING",
-            "-Q",
-            env["BENCH_QUEUE"],
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-n",
-            f"drain-{os.getpid()}@%h",
-        ],
+        worker_argv(env["BENCH_QUEUE"], f"drain-{os.getpid()}@%h"),
         worker_env,
         log_dir / f"drain-{kind}.log",
     )

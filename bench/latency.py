@@ -32,7 +32,18 @@ from typing import Any
 import psycopg
 import redis
 
-from bench.run import ROOT, Bench, Proc, _epoch, database, harness_env, percentile, purge_queue, redis_database
+from bench.run import (
+    ROOT,
+    Bench,
+    Proc,
+    _epoch,
+    database,
+    harness_env,
+    percentile,
+    purge_queue,
+    redis_database,
+    worker_argv,
+)
 
 FANIN_STEPS = (
     ("completed_at", "report.done"),
@@ -108,22 +119,7 @@ def main() -> int:
         FanIn(app).migrate()
         marks = redis.Redis.from_url(redis_url)
         worker = Proc(
-            [
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                "2",
-                "-l",
-                "WARNING",
-                "-Q",
-                queue,
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-n",
-                f"lat-{os.getpid()}@%h",
-            ],
+            worker_argv(queue, f"lat-{os.getpid()}@%h"),
             worker_env,
             out_dir / "latency-worker.log",
         )

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 import redis
 
-from bench.run import ROOT, Proc, database, harness_env, redis_database
+from bench.run import ROOT, Proc, database, harness_env, redis_database, worker_argv
 
 
 def _counts(url: str, batch_id: str) -> dict[str, Any]:
@@ -81,22 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.e2e:
                 procs.append(
                     Proc(
-                        [
-                            "worker",
-                            "-P",
-                            "prefork",
-                            "-c",
-                            str(args.concurrency),
-                            "-l",
-                            "WARNING",
-                            "-Q",
-                            queue,
-                            "--without-gossip",
-                            "--without-mingle",
-                            "--without-heartbeat",
-                            "-n",
-                            f"million-{os.getpid()}@%h",
-                        ],
+                        worker_argv(queue, f"million-{os.getpid()}@%h", concurrency=args.concurrency),
                         env,
                         log_dir / "million-worker.log",
                     )

@@ -842,6 +842,26 @@ def start_run(out: Path) -> tuple[Path, float, Callable[[str], None]]:
     return log_dir, started, progress
 
 
+def worker_argv(queue: str, name: str, concurrency: int = 2) -> list[str]:
+    """The `celery worker` arguments every harness starts its one worker with (prefork, quiet, no gossip)."""
+    return [
+        "worker",
+        "-P",
+        "prefork",
+        "-c",
+        str(concurrency),
+        "-l",
+        "WARNING",
+        "-Q",
+        queue,
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "-n",
+        name,
+    ]
+
+
 @contextmanager
 def services(broker_name: str, prefix: str) -> Iterator[tuple[str, str, str, str, dict[str, str]]]:
     """A scratch database (migrated) and Redis database, a fresh queue name, the broker's URL and the environment
@@ -865,22 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from celery_fanin import FanIn
 
         marks = redis.Redis.from_url(redis_url)
-        worker_args = [
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            "2",
-            "-l",
-            "WARNING",
-            "-Q",
-            queue,
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-n",
-            f"bench-{os.getpid()}@%h",
-        ]
+        worker_args = worker_argv(queue, f"bench-{os.getpid()}@%h")
         # The timed runs use a worker without the statement counters (they cost a Redis write per fan-in child);
         # the counting phase swaps in one that has them.
         worker = Proc(worker_args, env, log_dir / "worker.log")
