@@ -104,7 +104,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None, help="write the figures (and every batch's) here")
     args = p.parse_args()
     trace_dir = Path(tempfile.mkdtemp(prefix="fanin-trace-"))
-    out_dir = ROOT / "bench" / "results" / "logs"
+    out_dir = ROOT / "bench" / "report" / "logs"
     out_dir.mkdir(parents=True, exist_ok=True)
     with database() as db_url, redis_database() as redis_url:
         queue = f"bench-{uuid.uuid4().hex[:8]}"

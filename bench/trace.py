@@ -61,8 +61,8 @@ def install() -> None:
 
     @functools.wraps(original_publish)
     def publish_outbox(fanin: Any, *args: Any, batch_id: Any = None, **kwargs: Any) -> Any:
-        if batch_id is None:
-            return original_publish(fanin, *args, **kwargs)
+        if batch_id is None or getattr(_local, "batch", None) is not None:  # the relay's, or inside the worker's
+            return original_publish(fanin, *args, batch_id=batch_id, **kwargs)
         key = str(batch_id)
         _local.batch = key
         note(key, "pub.enter")
@@ -73,6 +73,26 @@ def install() -> None:
             _local.batch = None
 
     relay_outbox.publish_outbox = publish_outbox
+    # The worker's publish of the successor its report created (from issue 23's third round on: a completed
+    # batch's is handed to it and read without a claim, then marked sent on its report connection).
+    from celery_fanin.worker.hooks import worker_hooks
+
+    original_created = worker_hooks.publish_successor
+    if original_created is not None:
+
+        def publish_created(fanin: Any, batch_id: Any) -> Any:
+            key = str(batch_id)
+            _local.batch = key
+            note(key, "pub.enter")
+            try:
+                return original_created(fanin, batch_id)
+            finally:
+                note(key, "pub.committed")
+                _local.batch = None
+
+        worker_hooks.publish_successor = publish_created
+        _around(reports.ReportConnection, "handed_off", current, None, "pub.claimed")
+        _around(reports.ReportConnection, "mark_sent", current, "pub.flushed", "pub.marked")
     _around(outbox, "claim", current, None, "pub.claimed")
     _around(relay_outbox, "build_outcome", current, None, "pub.outcome")
     _around(publish, "publish_successor", current, "pub.send", "pub.sent")

@@ -129,6 +129,11 @@ class Settings:
     # outbox row as the relay does, so one of them publishes it), and the relay is not woken for it: its periodic
     # scan is the fallback for a worker that dies in between. False: every successor goes through the relay.
     worker_publishes_successors: bool = True
+    # Seconds the relay leaves a completed batch's successor to the worker whose report created it, before it
+    # publishes the successor itself (the worker publishes it with no lock held, so a worker slower than this
+    # publishes a second copy, which the successor's run guard refuses). 0: the worker claims the row as the
+    # relay does (a lock held across its publish) and the relay may take it at once.
+    successor_handoff: float = 5.0
 
     def __post_init__(self) -> None:
         # Checked where the setting is read, before a producer writes or a relay publishes anything with it.
@@ -164,6 +169,7 @@ DURATIONS = frozenset(
         "expires_grace",
         "reconcile_interval",
         "open_batch_grace",
+        "successor_handoff",
     }
 )
 # Settings for which an explicit None means "none" (`fanin_child_timeout = None`: no timeout) rather than "the
@@ -306,7 +312,11 @@ class FanIn:
         if reports is None:
             with self._engine_lock:
                 if self._reports is None:
-                    self._reports = ReportConnection(self.database_url, lambda: self.worker_publishes_successors)
+                    self._reports = ReportConnection(
+                        self.database_url,
+                        lambda: self.worker_publishes_successors,
+                        lambda: float(self.setting("successor_handoff")),
+                    )
                 reports = self._reports
         return reports
 

@@ -57,6 +57,8 @@ if os.environ.get("FANIN_TEST_SIGNING_DIR"):  # message signing (tests/e2e/test_
     configure_signing(app, os.environ["FANIN_TEST_SIGNING_DIR"])
 if os.environ.get("FANIN_TEST_WORKER_PUBLISHES"):  # "0": successors only through the relay (test_successor_publish)
     app.conf.fanin_worker_publishes_successors = os.environ["FANIN_TEST_WORKER_PUBLISHES"] == "1"
+if os.environ.get("FANIN_TEST_SUCCESSOR_HANDOFF"):
+    app.conf.fanin_successor_handoff = float(os.environ["FANIN_TEST_SUCCESSOR_HANDOFF"])
 FanIn(app)
 if os.environ.get("FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH"):
     # A pool process killed (SIGKILL) after the commit of the report that created a successor and before it
@@ -67,6 +69,19 @@ if os.environ.get("FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH"):
         os.kill(os.getpid(), signal.SIGKILL)
 
     worker_hooks.publish_successor = _die_before_publishing
+
+if os.environ.get("FANIN_TEST_SLOW_SUCCESSOR_PUBLISH"):
+    # A worker stopped between reading the successor handed to it and publishing it, for this many seconds (longer
+    # than its handoff, so the relay publishes it too: tests/e2e/test_successor_publish.py).
+    from celery_fanin.relay import outbox as _relay_outbox
+
+    _publish_handed_off = _relay_outbox._publish_handed_off
+
+    def _slow_publish(*args: Any) -> int:
+        time.sleep(float(os.environ["FANIN_TEST_SLOW_SUCCESSOR_PUBLISH"]))
+        return _publish_handed_off(*args)
+
+    _relay_outbox._publish_handed_off = _slow_publish
 
 RUNS_TABLE_DDL = """
 CREATE TABLE IF NOT EXISTS e2e_successor_runs (

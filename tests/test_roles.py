@@ -443,6 +443,8 @@ EXECUTES = {
         "fanin_outbox_sent(bigint[])",
         "fanin_outbox_failed(bigint,text,double precision)",
         "fanin_abandon_after_threshold(uuid)",
+        # a successor its main process's report created, left to the relay: due at once, and the relay woken
+        "fanin_wake_relay(uuid)",
     },
     "relay": {
         "fanin_claim_outbox(integer,bigint[])",

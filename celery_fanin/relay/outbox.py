@@ -114,13 +114,7 @@ def publish_outbox(
         # Only after the producer's batch flushed: a failed flush raises and rolls the claim back. The commit does
         # not wait for the WAL flush unless children were abandoned in it (`outbox.mark_sent`).
         outbox.mark_sent(conn, sent, durable=bool(abandoned))
-    for row in sent:
-        logger.info(
-            "published successor batch_id=%s step=%s",
-            row.batch_id,
-            row.step,
-            extra={"batch_id": str(row.batch_id), "step": row.step},
-        )
+    _log_published(sent)
     for batch_id, task_ids in abandoned:
         # The batch passed its failure threshold: the children still queued or running are no longer wanted (they
         # were marked abandoned with the claim's commit, so whatever they report now is recorded as late).
@@ -133,11 +127,19 @@ def publish_outbox(
 
 def publish_created_successor(fanin: FanIn, batch_id: uuid.UUID) -> int:
     """Publish a successor from the worker whose report created it, right after that report committed, as the
-    producer publishes its children: the relay's claim of the batch's outbox rows (so the worker and a relay never
-    both publish it), the outcome built the same way, a confirmed publish on the app's producer pool, and the row
-    marked sent. Never raises: a failure is logged and leaves the row to the relay's periodic scan."""
+    producer publishes its children. Never raises: a failure is logged and leaves the row to the relay.
+
+    A completed batch's successor was handed to this worker (`fanin_successor_handoff`: the relay's claim skips
+    its outbox row for that long): it is read on the report connection, published, and marked sent there, with no
+    lock held in between, so the successor's delivery never waits on this worker's transaction. Any other (a
+    batch past its failure threshold, whose unfinished children are abandoned in the same transaction as the
+    mark; the handoff off) goes through the relay's claim (`publish_outbox`), the row locked until marked sent.
+    """
     try:
-        return publish_outbox(fanin, batch_id=batch_id)
+        rows = fanin.reports.handed_off(batch_id)
+        if not rows:
+            return publish_outbox(fanin, batch_id=batch_id)
+        return _publish_handed_off(fanin, rows)
     except Exception:  # noqa: BLE001 - the child's report is done; the relay publishes what this could not
         logger.warning(
             "could not publish the successor of batch_id=%s after its last report; the relay will",
@@ -145,7 +147,40 @@ def publish_created_successor(fanin: FanIn, batch_id: uuid.UUID) -> int:
             exc_info=True,
             extra={"batch_id": str(batch_id)},
         )
+        with contextlib.suppress(Exception):  # due at once rather than after the handoff (the database may be down)
+            fanin.reports.wake_relay(batch_id)
         return 0
+
+
+def _publish_handed_off(fanin: FanIn, rows: Sequence[outbox.OutboxRow]) -> int:
+    """Publish the rows `handed_off` read, then mark them sent (not durably: a mark lost in a crash publishes the
+    successor again, and its run guard, whose commit is durable, refuses the copy if the first one started).
+
+    Published but not marked (the database lost meanwhile), a row goes out again from the relay once due, and the
+    guard refuses that copy too. Only a completed batch is handed off, so nothing here abandons children."""
+    app = fanin.app
+    limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
+    with contextlib.ExitStack() as stack:
+        prod = stack.enter_context(publish.producer(app))
+        for row in rows:
+            batch, succ = row.batch, row.successor
+            assert batch is not None and batch.state == BatchState.COMPLETE  # the read joins it; only these are handed
+            task_id = succ.task_id if succ is not None else batch.successor_task_id
+            sig = decode_signature(app, batch.message_for(succ.kind if succ is not None else "then"))
+            # A complete batch with no failures needs no read for its outcome (see build_outcome).
+            conn = stack.enter_context(fanin.engine.connect()) if batch.failed else None
+            outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
+            publish.publish_successor(app, prod, batch.id, row.step, task_id, sig, outcome)
+    # After the producer's batch flushed (and, on RabbitMQ, was confirmed): a failed publish raised above.
+    fanin.reports.mark_sent([row.id for row in rows])
+    _log_published(rows)
+    return len(rows)
+
+
+def _log_published(rows: Sequence[outbox.OutboxRow]) -> None:
+    for row in rows:
+        extra = {"batch_id": str(row.batch_id), "step": row.step}
+        logger.info("published successor batch_id=%s step=%s", row.batch_id, row.step, extra=extra)
 
 
 def _to_broker(app: Celery, prod: Producer) -> Callable[[Due], None]:

@@ -12,14 +12,15 @@ from ..store import queries
 
 
 def build_outcome(
-    conn: Connection, batch: queries.BatchRow, failures_limit: int, *, max_bytes: int | None = None
+    conn: Connection | None, batch: queries.BatchRow, failures_limit: int, *, max_bytes: int | None = None
 ) -> dict[str, Any]:
     """The JSON-serialisable mapping a successor gets as its first argument.
 
     Built when the successor is published, after the transaction that saw zero committed, so every child's
     terminal row is visible. Failures are listed in child order up to `failures_limit` entries and `max_bytes`
     bytes of JSON (a child's arguments can be large), whichever comes first; the full list stays in Postgres
-    (`BatchOutcome.iter_failures` streams it).
+    (`BatchOutcome.iter_failures` streams it). `conn` may be None only for a complete batch with no failures,
+    whose outcome is its row alone.
     """
     succeeded, failed_count = batch.succeeded, batch.failed
     if batch.state == BatchState.COMPLETE:
@@ -27,10 +28,10 @@ def build_outcome(
         # there is nothing unfinished to count, and failures to list only if some were counted: the common case
         # costs no scan of the batch's children.
         counts: dict[str, int] = {}
-        failed = queries.failures(conn, batch.id, limit=failures_limit + 1) if batch.failed else []
+        failed = queries.failures(_reader(conn, batch), batch.id, limit=failures_limit + 1) if batch.failed else []
     else:
-        counts = queries.child_counts(conn, batch.id)
-        failed = queries.failures(conn, batch.id, limit=failures_limit + 1)
+        counts = queries.child_counts(_reader(conn, batch), batch.id)
+        failed = queries.failures(_reader(conn, batch), batch.id, limit=failures_limit + 1)
         # Finished early, a tree's root has not yet heard of the successes of leaves still counting: the child
         # rows say what happened, for a flat batch and a tree alike.
         succeeded = counts.get(ChildState.SUCCEEDED, 0)
@@ -58,6 +59,12 @@ def build_outcome(
         "round": batch.round,
         "retry_of": str(batch.retry_of) if batch.retry_of else None,
     }
+
+
+def _reader(conn: Connection | None, batch: queries.BatchRow) -> Connection:
+    if conn is None:
+        raise ValueError(f"the outcome of batch {batch.id} ({batch.state}, {batch.failed} failed) needs a connection")
+    return conn
 
 
 def _listed_failures(

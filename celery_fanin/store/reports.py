@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
+from psycopg.rows import namedtuple_row
 from sqlalchemy.engine import make_url
 
 from .batches import (
@@ -37,6 +38,8 @@ from .batches import (
     terminal_params,
     terminal_record,
 )
+from .outbox import HANDED_OFF_SQL, MARK_SENT_ASYNC_SQL, OutboxRow
+from .queries import batch_row, successor_row
 from .successors import CLAIM_RUN_SQL, COUNT_DUPLICATE_SQL
 
 # Every connection the library opens itself: give up connecting after 10 s, and let TCP find a peer that vanished
@@ -67,12 +70,19 @@ class ReportConnection:
     """Sends the hooks' reports (a child's terminal outcome, starts) and a successor's admission by its run guard;
     every error is psycopg's own (the hooks retry them)."""
 
-    def __init__(self, sqlalchemy_url: str, publishes_successors: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        sqlalchemy_url: str,
+        publishes_successors: Callable[[], bool] = lambda: False,
+        handoff: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
         self._local = threading.local()
         # Whether this process publishes the successors its reports create (`fanin_worker_publishes_successors`):
-        # then each connection says so once, and the report that creates a successor sends no NOTIFY for it.
+        # then each connection says so once, with the seconds the relay leaves a completed batch's successor to it
+        # (`fanin_successor_handoff`), and the report that creates a successor sends no NOTIFY for it.
         self._publishes_successors = publishes_successors
+        self._handoff = handoff
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
         conn: psycopg.Connection[tuple[Any, ...]] | None = getattr(self._local, "conn", None)
@@ -82,7 +92,7 @@ class ReportConnection:
         conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
         if self._publishes_successors():
             try:
-                conn.execute(SUCCESSOR_PUBLISHER_SQL)
+                conn.execute(SUCCESSOR_PUBLISHER_SQL, {"handoff": str(max(0.0, float(self._handoff())))})
             except psycopg.Error:
                 conn.close()
                 raise
@@ -118,10 +128,34 @@ class ReportConnection:
         """Count a delivery the guard refused (`store.successors.count_duplicate`)."""
         self._run(COUNT_DUPLICATE_SQL, {"id": batch_id, "step": step})
 
-    def wake_relay(self) -> None:
-        """NOTIFY the relay (its LISTEN is only a wake-up: it then claims whatever is due), for a successor this
-        connection created without a NOTIFY (see `publishes_successors`) that its worker leaves to the relay."""
-        self._run(WAKE_RELAY_SQL, {})
+    def wake_relay(self, batch_id: object) -> None:
+        """Leave the successor this connection's report created for `batch_id` to the relay: its outbox row due at
+        once (it was handed to this worker, see `handed_off`) and a NOTIFY (the report sent none)."""
+        self._run(WAKE_RELAY_SQL, {"batch": batch_id})
+
+    def handed_off(self, batch_id: object) -> list[OutboxRow]:
+        """The batch's successor that this connection's report created and the relay leaves to this worker for
+        `fanin_successor_handoff` seconds, with its batch's and successor's rows; [] if there is none (the batch
+        finished past its failure threshold, the handoff is off or passed, or the row went out already).
+
+        A read, not a claim: nothing is locked while the worker publishes (`relay.outbox.publish_created_successor`).
+        """
+        conn = self._connection()
+        try:
+            with conn.cursor(row_factory=namedtuple_row) as cur:
+                rows: list[Any] = cur.execute(HANDED_OFF_SQL, {"batch": batch_id}).fetchall()
+        except psycopg.Error:
+            self.reset()
+            raise
+        return [
+            OutboxRow(r.outbox_id, r.outbox_batch_id, r.outbox_step, r.outbox_attempts, batch_row(r), successor_row(r))
+            for r in rows
+        ]
+
+    def mark_sent(self, ids: Sequence[int]) -> None:
+        """`store.outbox.mark_sent` (not durable) for rows published from `handed_off`: one statement, its own
+        transaction, its commit not waiting for the WAL flush (a mark lost in a crash only publishes again)."""
+        self._run(MARK_SENT_ASYNC_SQL, {"ids": list(ids)})
 
     def _run(self, sql: str, params: dict[str, object]) -> tuple[Any, ...]:
         conn = self._connection()

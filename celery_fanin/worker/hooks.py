@@ -191,6 +191,7 @@ class WorkerHooks:
             lambda reports: reports.record_terminal(
                 task_id, state, result=result, exc_type=exc_type, exc_message=exc_message, start=start, claim=claim
             ),
+            batch_id=marker.batch_id,
         )
         extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
         if rec is None:
@@ -235,9 +236,10 @@ class WorkerHooks:
             # A main-process report (a lost pool process, a revoke, a time limit) leaves it to the relay: a thread
             # publishing here would run while the pool forks the lost process's replacement, and a child forked
             # while the thread holds a lock (the engine's, the producer pool's) hangs on its first task. The report
-            # sent no NOTIFY (the connection said the worker publishes), so the relay is woken here, one statement.
+            # sent no NOTIFY (the connection said the worker publishes), so the relay is woken here, one statement
+            # that also makes the row due at once (it was handed to this worker, `fanin_successor_handoff`).
             try:
-                fanin.reports.wake_relay()
+                fanin.reports.wake_relay(batch_id)
             except Exception as exc:  # the relay's periodic scan still finds the row
                 logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
             return

@@ -36,20 +36,35 @@ def _give_up(kind: str, what: str, exc: retry.GaveUp) -> None:
     logger.error("gave up recording %s: %s (%s); child_timeout and reconciliation settle it", what, exc, cause)
 
 
-def send_terminal(fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any]) -> Any:
+def send_terminal(
+    fanin: FanIn, what: str, fn: Callable[[ReportConnection], Any], *, batch_id: str | None = None
+) -> Any:
     """Send one of a child's reports on the process's report connection, as `send` does.
 
     Each report is a single statement in autocommit on the process's report connection: one round trip. The
-    connection is dropped after an error, so each attempt after one reconnects.
+    connection is dropped after an error, so each attempt after one reconnects. A report that `background` sent
+    and that created the successor of `batch_id` leaves it to the relay, woken for it (`ReportConnection.wake_relay`):
+    nobody is left to publish it here.
     """
-    return send(fanin, "terminal", what, lambda: fn(fanin.reports))
+
+    def sent_later(rec: Any) -> None:
+        if batch_id is not None and getattr(rec, "successor_created", False):
+            try:
+                fanin.reports.wake_relay(batch_id)
+            except Exception as exc:  # the row is due for the relay's scan once its handoff has passed
+                logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
+
+    return send(fanin, "terminal", what, lambda: fn(fanin.reports), sent_later)
 
 
-def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any]) -> Any:
+def send(
+    fanin: FanIn, kind: str, what: str, once: Callable[[], Any], sent_later: Callable[[Any], None] | None = None
+) -> Any:
     """Run `once` (one report) until it succeeds, `fanin_report_timeout` passes or an error proves permanent.
 
     In a main-process signal handler (`in_event_loop`) only one attempt is made here and the retries are left to
-    a thread (`background`); a pool process waits, since it takes its next task only after its report.
+    a thread (`background`), which hands what the report returned to `sent_later`; a pool process waits, since it
+    takes its next task only after its report.
     """
     timeout = float(fanin.setting("report_timeout"))
     if not in_event_loop_now():
@@ -63,7 +78,11 @@ def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any]) -> Any:
             _permanent(kind, what)
             return None
         logger.warning("cannot record %s now (%s); retrying off the event loop", what, retry.brief(exc))
-        background.submit(lambda: _send_waiting(kind, what, once, timeout))
+        if sent_later is None:
+            background.submit(lambda: _send_waiting(kind, what, once, timeout))
+        else:
+            then = sent_later
+            background.submit(lambda: then(_send_waiting(kind, what, once, timeout)))
         return None
 
 

@@ -38,7 +38,8 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_hand_over(uuid, text, integer, text, timestamptz),
                            fanin_take_back(uuid, text, integer, double precision),
                            fanin_renew_leases(uuid[], text[], integer[], double precision),
-                           fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text)
+                           fanin_finish_successor(uuid, text, text, integer, text, bytea, text, text, text, text),
+                           fanin_wake_relay(uuid)
     FROM PUBLIC;
 -- Direct writes a database migrated (and granted) before definer_writes still has: revoked, so that re-running this
 -- file after the upgrade leaves only the functions. (Revoking what was never granted is a no-op.)
@@ -67,8 +68,9 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- matches its message; the last one creates the successor), and a successor's run: admitted only under its
 -- pre-assigned task id, every later write fenced to the run's number (or, from the main process, to that task
 -- id); a nested batch's successor reports its outer child inside fanin_finish_successor. The successor a report
--- created is published by that worker after its commit (`fanin_worker_publishes_successors`), as the relay would:
--- the same claim of its outbox row, marked sent or failed, and the rest of a batch past its threshold abandoned.
+-- created is published by that worker after its commit (`fanin_worker_publishes_successors`): a completed batch's
+-- read and marked sent, any other through the relay's claim, marked sent or failed, and the rest of a batch past
+-- its threshold abandoned; one the worker leaves to the relay is made due at once (fanin_wake_relay).
 -- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
@@ -83,7 +85,8 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text,
                           fanin_claim_outbox(integer, bigint[]),
                           fanin_outbox_sent(bigint[]),
                           fanin_outbox_failed(bigint, text, double precision),
-                          fanin_abandon_after_threshold(uuid)
+                          fanin_abandon_after_threshold(uuid),
+                          fanin_wake_relay(uuid)
     TO fanin_worker;
 
 -- The relay: the outbox, children no producer published, lost children (only overdue ones), expired children

@@ -143,6 +143,29 @@ def test_a_worker_killed_between_commit_and_publish_leaves_the_successor_to_the_
 
 
 @BROKERS
+def test_a_worker_slower_than_the_handoff_and_the_relay_both_publish_and_the_successor_runs_once(
+    e2e_env: dict[str, str], processes: Any, successor_runs: Runs
+) -> None:
+    # The handoff is 1 s, and the pool process that reads its handed-off successor waits 4 s before publishing it
+    # (tests/app.py's hook): the relay publishes it meanwhile, the worker's copy follows, and the guard refuses it.
+    worker = worker_on(
+        processes,
+        e2e_env,
+        extra_env={"FANIN_TEST_SUCCESSOR_HANDOFF": "1", "FANIN_TEST_SLOW_SUCCESSOR_PUBLISH": "4"},
+        concurrency=2,
+    )
+    relay = processes.relay()
+    handle = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("slow-publisher")).apply_async()
+    wait_for(lambda: relay.relay.stats.successors_published == 1, 30, message="the relay to publish past the handoff")
+    wait_for(lambda: _published_by(worker) == [handle.batch_id], 30, message="the slow worker to publish its copy")
+    wait_for(lambda: handle.status().successor_duplicates == 1, 30, message="the second copy refused by the guard")
+    status = handle.status()
+    assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
+    assert len(successor_runs(handle.batch_id)) == 1, "the body ran once"
+    assert _outbox(e2e_env, handle.batch_id)[0][0], "marked sent"
+
+
+@BROKERS
 def test_workers_and_a_relay_side_by_side_publish_and_run_each_successor_once(
     e2e_env: dict[str, str], processes: Any, successor_runs: Runs
 ) -> None:

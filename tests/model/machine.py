@@ -34,10 +34,12 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from celery_fanin.context import normalise_database_url
 from celery_fanin.producer.write import EMPTY_DIGEST, Layout, digest_step
 from celery_fanin.store import admin, batches, outbox, recovery, successors
+from celery_fanin.store.statements import q
 
 from .sessions import SETTLE_TIMEOUT, Op, Rollback, Session, Shared, is_transient, settle
 
 SESSIONS = 4
+HANDOFF = 3600.0  # seconds a handed-off row is left to its worker: longer than any run, so only the worker sends it
 STEP = "merge"
 # A run's lease and the grace after it: long, so that only `lapse` (the model's clock) makes a run dead.
 LEASE = 600.0
@@ -191,6 +193,11 @@ class ProtocolMachine(RuleBasedStateMachine):
             conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))  # constant names
         self.shared = Shared()
         self.sessions = [Session(self.engine, f"s{i}", self.shared) for i in range(SESSIONS)]
+        # Half the sessions are workers' report connections (`store.reports`): a batch that their statements
+        # complete gets an outbox row handed to the worker (`fanin_successor_handoff`), not due for the relay's claim.
+        for session in self.sessions[: SESSIONS // 2]:
+            session.conn.execute(q("successor_publisher").text, {"handoff": str(HANDOFF)})
+            session.conn.commit()
         self.monitor = psycopg.connect(self.url, autocommit=True)
         self.checker = self.engine.connect().execution_options(isolation_level="REPEATABLE READ")
         self.m = Model()
@@ -597,6 +604,27 @@ class ProtocolMachine(RuleBasedStateMachine):
                 outbox.mark_sent(conn, rows)
 
         self.run(Op("relay_publish", fn), pick, hold)
+
+    @rule(pick=PICK, hold=HOLD)
+    @_when(has_idle)
+    def worker_publish(self, pick: int, hold: bool) -> None:
+        """A worker's publish of a successor handed to it (`relay/outbox.py:publish_created_successor`): the
+        batch's handed-off rows read without a lock (`handed_off`), then marked sent (`mark_sent_async`)."""
+
+        def fn(conn: Connection) -> None:
+            batch_id = conn.execute(
+                text("SELECT batch_id FROM fanin_outbox WHERE sent_at IS NULL AND available_at > now() LIMIT 1")
+            ).scalar()
+            if batch_id is None:
+                return
+            rows = conn.execute(q("handed_off").text, {"batch": batch_id}).all()
+            for row in rows:
+                if row.state != "complete":
+                    raise Violation(f"a {row.state} batch's successor was handed to its worker: {batch_id}")
+            if rows:
+                conn.execute(q("mark_sent_async").text, {"ids": [r.outbox_id for r in rows]})
+
+        self.run(Op("worker_publish", fn), pick, hold)
 
     def _successor_roots(self) -> list[Root]:
         """Roots seen finished (those have a successor to deliver), or any root if none is."""

@@ -11,6 +11,7 @@ import random
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -392,38 +393,148 @@ def test_a_tree_settles_its_root_once_per_leaf_and_the_last_leaf_creates_the_suc
     assert all(leaf["completed_at"] is not None for leaf in leaves)
 
 
+def _report_all(url: str, children: list[batches.NewChild], batch: batches.NewBatch, **conn_kwargs: Any) -> list[bool]:
+    """Report every child succeeded on one worker-like report connection; whether each created the successor."""
+    from celery_fanin.store.reports import ReportConnection
+
+    reports = ReportConnection(url, **conn_kwargs)
+    try:
+        return [
+            reports.record_terminal(
+                c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name)
+            ).successor_created
+            for i, c in enumerate(children)
+        ]
+    finally:
+        reports.reset()
+
+
+def _outbox_row(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
+    with engine.connect() as conn:
+        return fetch_one(
+            conn,
+            "SELECT id, sent_at IS NOT NULL AS sent, available_at > now() AS handed_off,"
+            " extract(epoch FROM available_at - created_at) AS handoff FROM fanin_outbox WHERE batch_id = :id",
+            id=batch_id,
+        )
+
+
 def test_a_report_from_a_worker_that_publishes_its_successors_does_not_wake_the_relay(
     store_engine: Engine, listener: psycopg.Connection, clean_db: str
 ) -> None:
     """`fanin_worker_publishes_successors`: the report connection says so once, and the report that creates the
-    successor sends no NOTIFY (the worker publishes it after the commit); the row is created all the same, and
-    the worker then claims it by its batch through the relay's claim. Without the setting, the same report
-    notifies as before."""
+    successor sends no NOTIFY (the worker publishes it after the commit); the row is created all the same. With no
+    handoff (`fanin_successor_handoff = 0`) it is due at once and the worker claims it by its batch through the
+    relay's claim. Without the setting, the same report notifies as before."""
     from celery_fanin.store import outbox
-    from celery_fanin.store.reports import ReportConnection
 
     url = store_engine.url.render_as_string(hide_password=False)
     for publishes in (True, False):
         batch, children, _ = create(store_engine, 2)
-        reports = ReportConnection(url, lambda p=publishes: p)  # type: ignore[misc]
-        try:
-            recs = [
-                reports.record_terminal(c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name))
-                for i, c in enumerate(children)
-            ]
-        finally:
-            reports.reset()
-        assert [r.successor_created for r in recs] == [False, True]
-        with store_engine.connect() as conn:
-            out_id = conn.execute(
-                text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}
-            ).scalar_one()
-        assert notifications_until_sentinel(listener, clean_db) == ([] if publishes else [str(out_id)]), publishes
+        created = _report_all(url, children, batch, publishes_successors=lambda p=publishes: p)  # type: ignore[misc]
+        assert created == [False, True]
+        row = _outbox_row(store_engine, batch.id)
+        assert not row["handed_off"], "no handoff: due for the relay at once"
+        assert notifications_until_sentinel(listener, clean_db) == ([] if publishes else [str(row["id"])]), publishes
         with store_engine.begin() as conn:
             [claimed] = outbox.claim(conn, 10, batch_id=batch.id)
-            assert claimed.id == out_id and claimed.batch is not None and claimed.batch.id == batch.id
+            assert claimed.id == row["id"] and claimed.batch is not None and claimed.batch.id == batch.id
             with store_engine.begin() as other:  # a relay's claim meanwhile skips the row this one holds
-                assert outbox.claim(other, 10, [out_id]) == []
+                assert outbox.claim(other, 10, [row["id"]]) == []
             outbox.mark_sent(conn, [claimed])
         with store_engine.begin() as conn:
             assert outbox.claim(conn, 10, batch_id=batch.id) == [], "sent: nothing left to claim"
+
+
+def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    """`fanin_successor_handoff`: the report that completes the batch creates its outbox row not due for the relay
+    before the handoff, so the relay's claim skips it while the worker reads it (no lock), publishes, and marks it
+    sent on its report connection; a second read finds nothing. Another connection's report (the relay's, a
+    producer's) hands nothing off."""
+    from celery_fanin.store import outbox
+    from celery_fanin.store.reports import ReportConnection
+
+    url = store_engine.url.render_as_string(hide_password=False)
+    batch, children, _ = create(store_engine, 3)
+    created = _report_all(url, children, batch, publishes_successors=lambda: True, handoff=lambda: 7.5)
+    assert created == [False, False, True]
+    row = _outbox_row(store_engine, batch.id)
+    assert row["handed_off"] and not row["sent"] and float(row["handoff"]) == pytest.approx(7.5, abs=0.5)
+    assert notifications_until_sentinel(listener, clean_db) == [], "the worker publishes it: no NOTIFY"
+    with store_engine.begin() as conn:
+        assert outbox.claim(conn, 10) == [] and outbox.claim(conn, 10, batch_id=batch.id) == [], "not due yet"
+
+    reports = ReportConnection(url, lambda: True, lambda: 7.5)
+    try:
+        [handed] = reports.handed_off(batch.id)
+        assert (handed.id, handed.batch_id, handed.step) == (row["id"], batch.id, batch.step)
+        assert handed.batch is not None and handed.batch.state == "complete" and handed.batch.succeeded == 3
+        assert handed.successor is not None and handed.successor.task_id == batch.successor_task_id
+        with store_engine.begin() as conn:  # read, not locked: the row's lock is free (a relay would not skip it)
+            assert (
+                conn.execute(
+                    text("SELECT id FROM fanin_outbox WHERE id = :id FOR UPDATE NOWAIT"), {"id": row["id"]}
+                ).scalar_one()
+                == row["id"]
+            )
+        reports.mark_sent([handed.id])
+        assert reports.handed_off(batch.id) == [], "sent: nothing left to hand off"
+    finally:
+        reports.reset()
+    assert _outbox_row(store_engine, batch.id)["sent"]
+    with store_engine.connect() as conn:
+        state = conn.execute(text("SELECT state FROM fanin_successors WHERE batch_id = :id"), {"id": batch.id})
+        assert state.scalar_one() == "sent"
+
+
+def test_a_batch_past_its_failure_threshold_is_not_handed_off(store_engine: Engine, clean_db: str) -> None:
+    """A batch finished by its failure threshold needs its unfinished children abandoned in the claim's
+    transaction: its row is due at once (claimed as the relay claims it), whatever the handoff."""
+    from celery_fanin.store import outbox
+    from celery_fanin.store.reports import ReportConnection
+
+    url = store_engine.url.render_as_string(hide_password=False)
+    batch, children = new_batch(3)
+    batch = dataclasses.replace(batch, max_failures=0)
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children)
+    reports = ReportConnection(url, lambda: True, lambda: 7.5)
+    try:
+        rec = reports.record_terminal(
+            children[0].task_id, "failed", claim=batches.Claim(str(batch.id), 0, children[0].task_name)
+        )
+        assert rec.successor_created
+        assert reports.handed_off(batch.id) == []
+    finally:
+        reports.reset()
+    assert not _outbox_row(store_engine, batch.id)["handed_off"]
+    with store_engine.begin() as conn:
+        [claimed] = outbox.claim(conn, 10, batch_id=batch.id)
+        assert claimed.batch is not None and claimed.batch.state == "failed_threshold"
+
+
+def test_wake_relay_makes_a_handed_off_row_due_at_once(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    """A successor its worker leaves to the relay (a main-process report, a failed publish): `wake_relay` brings
+    the handed-off row forward and notifies, and the relay's claim then takes it."""
+    from celery_fanin.store import outbox
+    from celery_fanin.store.reports import ReportConnection
+
+    url = store_engine.url.render_as_string(hide_password=False)
+    batch, children, _ = create(store_engine, 1)
+    assert _report_all(url, children, batch, publishes_successors=lambda: True, handoff=lambda: 60.0) == [True]
+    assert _outbox_row(store_engine, batch.id)["handed_off"]
+    assert notifications_until_sentinel(listener, clean_db) == []
+    reports = ReportConnection(url, lambda: True, lambda: 60.0)
+    try:
+        reports.wake_relay(batch.id)
+    finally:
+        reports.reset()
+    assert not _outbox_row(store_engine, batch.id)["handed_off"]
+    assert notifications_until_sentinel(listener, clean_db) == [""]
+    with store_engine.begin() as conn:
+        [claimed] = outbox.claim(conn, 10)
+        assert claimed.batch_id == batch.id

@@ -92,12 +92,14 @@ SELECT counted, late, remaining, successor_created
                                 :attempt, :worker);
 
 -- name: successor_publisher
--- This session publishes the successors its reports create (no NOTIFY for them: fanin_create_successor reads it)
-SELECT set_config('fanin.successor_publisher', 'worker', false);
+-- This session publishes the successors its reports create (no NOTIFY for them), and the relay leaves a completed
+-- batch's to it for `handoff` seconds (fanin_create_successor reads both)
+SELECT set_config('fanin.successor_publisher', 'worker', false),
+       set_config('fanin.successor_handoff', CAST(:handoff AS text), false);
 
 -- name: wake_relay
--- Wake the relay for a successor this session created without a NOTIFY but will not publish itself
-SELECT pg_notify('fanin_outbox', '');
+-- Make a batch's successor this session created, and will not publish itself, due now, and wake the relay
+SELECT fanin_wake_relay(:batch);
 
 -- name: record_starts
 -- Many children's starts in one statement, committed asynchronously.
@@ -199,6 +201,25 @@ SELECT * FROM fanin_claim_outbox(:n, CAST(:ids AS bigint[]));
 -- name: claim_batch
 -- Lock a batch's unsent rows, through the same claim (the worker whose report created its successor, after commit)
 SELECT * FROM fanin_claim_outbox(:n, ARRAY(SELECT o.id FROM fanin_outbox o WHERE o.batch_id = :batch AND o.sent_at IS NULL));
+
+-- name: handed_off
+-- A batch's successor handed to this session by its report (unsent, not yet due for the relay), with its batch's
+-- and successor's rows, as the claim returns them; read, not locked (a relay claims it only once it is due)
+SELECT o.id AS outbox_id, o.batch_id AS outbox_batch_id, o.step AS outbox_step, o.attempts AS outbox_attempts,
+       b.id, b.step, b.state, b.planned, b.remaining, b.succeeded, b.failed, b.published_upto,
+       b.successor_task_id, b.successor_name, b.successor_message, b.successor_content_type,
+       b.successor_content_encoding, b.created_at, b.completed_at, b.deadline_at, b.on_expire_message,
+       b.on_expire_content_type, b.on_expire_content_encoding, b.on_failure_message, b.on_failure_content_type,
+       b.on_failure_content_encoding, extract(epoch FROM b.child_timeout) AS child_timeout_seconds, b.round,
+       b.retry_of, b.refused_reports,
+       s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
+       s.exc_type AS s_exc_type, s.exc_message AS s_exc_message, s.started_at AS s_started_at,
+       s.finished_at AS s_finished_at, s.kind AS s_kind
+  FROM fanin_outbox o
+  JOIN fanin_batches b ON b.id = o.batch_id
+  LEFT JOIN fanin_successors s ON s.batch_id = o.batch_id AND s.step = o.step
+ WHERE o.batch_id = :batch AND o.sent_at IS NULL AND o.available_at > now()
+ ORDER BY o.id;
 
 -- name: mark_sent
 -- Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state)

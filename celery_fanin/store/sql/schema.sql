@@ -398,6 +398,8 @@ RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     v_outbox bigint;
+    v_worker boolean := coalesce(current_setting('fanin.successor_publisher', true), '') = 'worker';
+    v_handoff double precision := coalesce(nullif(current_setting('fanin.successor_handoff', true), ''), '0');
 BEGIN
     INSERT INTO fanin_successors (batch_id, step, task_id, kind)
     VALUES (p_batch, p_step, p_task_id, p_kind)
@@ -405,12 +407,34 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    INSERT INTO fanin_outbox (batch_id, step) VALUES (p_batch, p_step) RETURNING id INTO v_outbox;
+    IF v_worker AND v_handoff > 0 AND p_kind = 'then'
+       AND EXISTS (SELECT 1 FROM fanin_batches b WHERE b.id = p_batch AND b.state = 'complete') THEN
+        -- Handed to the worker that reported: not due for the relay before the handoff has passed.
+        INSERT INTO fanin_outbox (batch_id, step, available_at)
+        VALUES (p_batch, p_step, now() + make_interval(secs => v_handoff)) RETURNING id INTO v_outbox;
+    ELSE
+        INSERT INTO fanin_outbox (batch_id, step) VALUES (p_batch, p_step) RETURNING id INTO v_outbox;
+    END IF;
     -- The worker that reported publishes it after this commits: no need to wake the relay (its scan is the fallback).
-    IF coalesce(current_setting('fanin.successor_publisher', true), '') <> 'worker' THEN
+    IF NOT v_worker THEN
         PERFORM pg_notify('fanin_outbox', v_outbox::text);
     END IF;
     RETURN true;
+END
+$$;
+
+CREATE FUNCTION fanin_wake_relay(p_batch uuid)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer;
+BEGIN
+    -- Only brings a publish forward: the rows stay unsent, and the relay's claim decides who publishes them.
+    UPDATE fanin_outbox SET available_at = now()
+     WHERE batch_id = p_batch AND sent_at IS NULL AND available_at > now();
+    GET DIAGNOSTICS n = ROW_COUNT;
+    PERFORM pg_notify('fanin_outbox', '');
+    RETURN n;
 END
 $$;
 
