@@ -10,7 +10,8 @@ It creates its own Postgres database, claims a Redis database (as the test suite
   chord the newest `date_done` of its header results) to the successor's first line;
 - statements and round trips per child terminal event, counted by the workers' psycopg driver (pg_stat_statements
   is used too when the server has it loaded);
-- terminal-event throughput on one flat batch with 16 concurrent reporters, beside a raw single-row UPDATE's.
+- terminal-event throughput on one batch with 16 concurrent reporters (its default layout, one flat counter, 16
+  leaves), beside a raw single-row UPDATE's.
 
 Prints a table, writes JSON (and a PNG plot of end-to-end time against N) under `--out`.
 """
@@ -344,7 +345,10 @@ class Bench:
             bare, bare_slices = parked_batch(max_width=n)
             # The same children as a tree: max_width n/16 gives 16 leaf counters, filled round robin.
             tree, tree_slices = parked_batch(max_width=max(1, n // 16))
+            # And as a user gets them, with no layout option: the default fanin_max_width's leaves.
+            default, default_slices = parked_batch()
             phases = [
+                ("fanin_default_events_per_s", "fanin", default, default_slices),
                 ("fanin_events_per_s", "fanin", flat, slices),
                 # The same server-side function called bare from psycopg: what the database alone allows.
                 ("fanin_sql_events_per_s", "fanin_sql", bare, bare_slices),
@@ -363,6 +367,7 @@ class Bench:
             result[label] = statistics.median(r[label] for r in rounds)
         # Each ratio is taken within a round (both figures under the same background load), then the median.
         for key, label in (
+            ("default_ratio", "fanin_default_events_per_s"),
             ("ratio", "fanin_events_per_s"),
             ("tree_ratio", "fanin_tree_events_per_s"),
             ("sql_ratio", "fanin_sql_events_per_s"),
@@ -552,7 +557,7 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
     def med(contender: str, key: str) -> float:
         return float(c[contender][n][key]["median"])
 
-    lat = report["latency"]["fanin"]
+    lat, chord_lat = report["latency"]["fanin"], report["latency"]["chord"]
     db = report["db"]
     tput = report["throughput"]
     rt = db["terminal_roundtrips_per_event"]
@@ -570,10 +575,24 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
             "target": "<= 0.8",
             "met": med("fanin", "e2e_s") / med("chord", "e2e_s") <= 0.8,
         },
-        "successor_p50_ms": {"value": lat["p50_ms"], "target": "<= 10", "met": lat["p50_ms"] <= 10},
-        "successor_p99_ms": {"value": lat["p99_ms"], "target": "<= 50", "met": lat["p99_ms"] <= 50},
+        # Issue 23: the successor no later than chord's body, in the same run.
+        "successor_p50_ms": {
+            "value": lat["p50_ms"],
+            "target": f"<= chord's {chord_lat['p50_ms']:.1f}",
+            "met": lat["p50_ms"] <= chord_lat["p50_ms"],
+        },
+        "successor_p99_ms": {
+            "value": lat["p99_ms"],
+            "target": f"<= chord's {chord_lat['p99_ms']:.1f}",
+            "met": lat["p99_ms"] <= chord_lat["p99_ms"],
+        },
         "roundtrips_per_terminal_event": {"value": rt, "target": "== 1", "met": rt is not None and rt <= 1.0},
-        "throughput_ratio_vs_raw_update": {"value": tput["ratio"], "target": ">= 0.8", "met": tput["ratio"] >= 0.8},
+        # Issue 23: a wide batch with default settings at least as fast as the raw one-row UPDATE.
+        "throughput_ratio_vs_raw_update": {
+            "value": tput["default_ratio"],
+            "target": ">= 1.0",
+            "met": tput["default_ratio"] >= 1.0,
+        },
     }
 
 
@@ -609,10 +628,14 @@ def table(report: dict[str, Any]) -> str:
     )
     t = report["throughput"]
     lines.append(
-        f"terminal events, one batch, {t['reporters']} reporters, medians of {len(t['rounds'])} rounds: "
-        f"{t['fanin_events_per_s']:.0f}/s; raw single-row UPDATE {t['raw_update_per_s']:.0f}/s (ratio "
-        f"{_ratio(t, 'ratio')}); same UPDATE through SQLAlchemy engine.begin() "
-        f"{t['raw_update_engine_per_s']:.0f}/s"
+        f"terminal events, one batch with the default layout, {t['reporters']} reporters, medians of "
+        f"{len(t['rounds'])} rounds: {t['fanin_default_events_per_s']:.0f}/s; raw single-row UPDATE "
+        f"{t['raw_update_per_s']:.0f}/s (ratio {_ratio(t, 'default_ratio')}); same UPDATE through SQLAlchemy "
+        f"engine.begin() {t['raw_update_engine_per_s']:.0f}/s"
+    )
+    lines.append(
+        f"the same {t['events']} events on one flat counter (max_width={t['events']}): "
+        f"{t['fanin_events_per_s']:.0f}/s (ratio {_ratio(t, 'ratio')})"
     )
     lines.append(
         f"the same function called bare from psycopg (no worker hook): {t['fanin_sql_events_per_s']:.0f}/s "
@@ -685,10 +708,10 @@ def _target_cells(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("end to end vs `chord`", "<= 0.8", _met(tg["e2e_ratio_vs_chord"])),
         (
             "successor latency p50, ms (last child's commit → successor's first line)",
-            "<= 10",
+            "<= chord's p50",
             _met(tg["successor_p50_ms"], 1),
         ),
-        ("successor latency p99, ms", "<= 50", _met(tg["successor_p99_ms"], 1)),
+        ("successor latency p99, ms", "<= chord's p99", _met(tg["successor_p99_ms"], 1)),
         ("`chord`'s own successor latency p50 / p99, ms", "", f"{chord['p50_ms']:.1f} / {chord['p99_ms']:.1f}"),
         (
             "round trips per terminal event (counted at the worker's driver)",
@@ -701,9 +724,14 @@ def _target_cells(r: dict[str, Any]) -> list[tuple[str, str, str]]:
             f"{db['all_statements_per_child']:.2f} / {db['all_roundtrips_per_child']:.2f}",
         ),
         (
-            "one flat batch: terminal events/s, and its ratio to a raw one-row `UPDATE`",
-            ">= 0.8",
-            f"{t['fanin_events_per_s']:.0f}/s, {_met(tg['throughput_ratio_vs_raw_update'])}",
+            "one batch, default layout (`fanin_max_width`): terminal events/s, and its ratio to a raw one-row `UPDATE`",
+            ">= 1.0",
+            f"{t['fanin_default_events_per_s']:.0f}/s, {_met(tg['throughput_ratio_vs_raw_update'])}",
+        ),
+        (
+            "the same batch on one flat counter: terminal events/s, and its ratio to the raw `UPDATE`",
+            "",
+            f"{t['fanin_events_per_s']:.0f}/s, {t['ratio']:.2f}",
         ),
         (
             "a tree of 16 leaf counters: terminal events/s, and its ratio to the raw `UPDATE`",
@@ -803,7 +831,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-batches", type=int, default=200)
     p.add_argument("--latency-size", type=int, default=10)
     p.add_argument("--count-children", type=int, default=200)
-    p.add_argument("--throughput-children", type=int, default=8000)
+    p.add_argument("--throughput-children", type=int, default=10000)
     p.add_argument("--reporters", type=int, default=16)
     p.add_argument(
         "--throughput-rounds",

@@ -26,6 +26,8 @@ DB_KEYS = (
     "method",
 )
 THROUGHPUT_KEYS = (
+    "fanin_default_events_per_s",
+    "default_ratio",
     "fanin_events_per_s",
     "raw_update_per_s",
     "raw_update_engine_per_s",
