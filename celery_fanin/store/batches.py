@@ -116,9 +116,7 @@ def create_batch(
     if not insert_batch(conn, batch, state=BatchState.RUNNING, planned=n, remaining=leaves):
         raise KeyTaken(batch.key or "")
     leaf_ids = [uuid.uuid4() for _ in range(leaves)]
-    for k, leaf_id in enumerate(leaf_ids):
-        size = len(range(k, n, leaves))
-        insert_batch(conn, leaf_of(batch, leaf_id), state=BatchState.RUNNING, planned=size, parent_id=batch.id)
+    insert_leaves(conn, batch, [(leaf_id, len(range(k, n, leaves))) for k, leaf_id in enumerate(leaf_ids)])
     for start in range(0, n, chunk):
         insert_placed(conn, [(leaf_ids[i % leaves], children[i], i) for i in range(start, min(n, start + chunk))])
     return None
@@ -161,45 +159,60 @@ def insert_batch(
     """
     if remaining is None:
         remaining = 1 if state == BatchState.OPEN else planned
-    row = conn.execute(
-        q("insert_batch").text,
-        {
-            "id": batch.id,
-            "step": batch.step,
-            "state": state,
-            "planned": planned,
-            "remaining": remaining,
-            "stid": batch.successor_task_id,
-            "sname": batch.successor_name,
-            "smsg": batch.successor_message.body,
-            "sct": batch.successor_message.content_type,
-            "sce": batch.successor_message.content_encoding,
-            "child_timeout": batch.child_timeout,
-            "on_lost": batch.on_lost,
-            "max_redrives": batch.max_redrives,
-            "deadline_at": batch.deadline_at,
-            "on_deadline": batch.on_deadline,
-            "max_failures": batch.max_failures,
-            "ratio": batch.max_failures_ratio,
-            "emsg": batch.on_expire.body if batch.on_expire else None,
-            "ect": batch.on_expire.content_type if batch.on_expire else None,
-            "ece": batch.on_expire.content_encoding if batch.on_expire else None,
-            "fmsg": batch.on_failure.body if batch.on_failure else None,
-            "fct": batch.on_failure.content_type if batch.on_failure else None,
-            "fce": batch.on_failure.content_encoding if batch.on_failure else None,
-            "app_name": batch.app_name,
-            "key": batch.key,
-            "digest": batch.digest,
-            "parent_id": parent_id,
-            "depth": batch.depth,
-            "lineage": batch.lineage,
-            "parent_task_id": batch.parent_task_id,
-            "round": batch.round,
-            "retry_of": batch.retry_of,
-            "fail_up": batch.fail_up,
-        },
-    ).first()
+    row = conn.execute(q("insert_batch").text, _batch_params(batch, state, planned, parent_id, remaining)).first()
     return row is not None
+
+
+def insert_leaves(conn: Connection, root: NewBatch, leaves: Sequence[tuple[uuid.UUID, int]]) -> None:
+    """A tree's leaf rows (`leaf_of` the root; each `(id, planned)`), in one executemany: psycopg pipelines it,
+    so a wide tree's leaves cost about one round trip rather than one each."""
+    conn.execute(
+        q("insert_batch").text,
+        [
+            _batch_params(leaf_of(root, leaf_id), BatchState.RUNNING, planned, root.id, planned)
+            for leaf_id, planned in leaves
+        ],
+    )
+
+
+def _batch_params(
+    batch: NewBatch, state: BatchState, planned: int, parent_id: uuid.UUID | None, remaining: int
+) -> dict[str, Any]:
+    return {
+        "id": batch.id,
+        "step": batch.step,
+        "state": state,
+        "planned": planned,
+        "remaining": remaining,
+        "stid": batch.successor_task_id,
+        "sname": batch.successor_name,
+        "smsg": batch.successor_message.body,
+        "sct": batch.successor_message.content_type,
+        "sce": batch.successor_message.content_encoding,
+        "child_timeout": batch.child_timeout,
+        "on_lost": batch.on_lost,
+        "max_redrives": batch.max_redrives,
+        "deadline_at": batch.deadline_at,
+        "on_deadline": batch.on_deadline,
+        "max_failures": batch.max_failures,
+        "ratio": batch.max_failures_ratio,
+        "emsg": batch.on_expire.body if batch.on_expire else None,
+        "ect": batch.on_expire.content_type if batch.on_expire else None,
+        "ece": batch.on_expire.content_encoding if batch.on_expire else None,
+        "fmsg": batch.on_failure.body if batch.on_failure else None,
+        "fct": batch.on_failure.content_type if batch.on_failure else None,
+        "fce": batch.on_failure.content_encoding if batch.on_failure else None,
+        "app_name": batch.app_name,
+        "key": batch.key,
+        "digest": batch.digest,
+        "parent_id": parent_id,
+        "depth": batch.depth,
+        "lineage": batch.lineage,
+        "parent_task_id": batch.parent_task_id,
+        "round": batch.round,
+        "retry_of": batch.retry_of,
+        "fail_up": batch.fail_up,
+    }
 
 
 def insert_children(conn: Connection, batch_id: uuid.UUID, children: Sequence[NewChild], start: int) -> None:
