@@ -273,7 +273,7 @@ def test_throughput_figures_quoted_in_prose_agree_with_the_reports() -> None:
 
     def span(key: str) -> str:
         rates = sorted(round(r["throughput"][key], -2) for r in reports)
-        return f"{rates[0]:,.0f}-{rates[-1]:,.0f}"
+        return f"{rates[0]:,.0f}" if rates[0] == rates[-1] else f"{rates[0]:,.0f}-{rates[-1]:,.0f}"
 
     flat, tree = span("fanin_events_per_s"), span("fanin_tree_events_per_s")
     for name in ("README.md", "BENCHMARKS.md"):
