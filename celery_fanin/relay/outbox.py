@@ -159,19 +159,13 @@ def _publish_handed_off(fanin: FanIn, rows: Sequence[outbox.OutboxRow]) -> int:
     Published but not marked (the database lost meanwhile), a row goes out again from the relay once due (not
     sooner: the relay is not woken for it), and the guard refuses that copy. Only a completed batch is handed off,
     so nothing here abandons children."""
-    app = fanin.app
-    limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
     with contextlib.ExitStack() as stack:
-        prod = stack.enter_context(publish.producer(app))
+        send = _to_broker(fanin.app, stack.enter_context(publish.producer(fanin.app)))
+        # A complete batch with no failures needs no read for its outcome (see build_outcome).
+        failures = any(row.batch is not None and row.batch.failed for row in rows)
+        conn = stack.enter_context(fanin.engine.connect()) if failures else None
         for row in rows:
-            batch, succ = row.batch, row.successor
-            assert batch is not None and batch.state == BatchState.COMPLETE  # the read joins it; only these are handed
-            task_id = succ.task_id if succ is not None else batch.successor_task_id
-            sig = decode_signature(app, batch.message_for(succ.kind if succ is not None else "then"))
-            # A complete batch with no failures needs no read for its outcome (see build_outcome).
-            conn = stack.enter_context(fanin.engine.connect()) if batch.failed else None
-            outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
-            publish.publish_successor(app, prod, batch.id, row.step, task_id, sig, outcome)
+            _send_successor(fanin, conn, send, row)
     # After the producer's batch flushed (and, on RabbitMQ, was confirmed): a failed publish raised above.
     _log_published(rows)
     try:
@@ -200,10 +194,13 @@ def _to_broker(app: Celery, prod: Producer) -> Callable[[Due], None]:
     return send
 
 
-def _send_successor(fanin: FanIn, conn: Connection, deliver: Callable[[Due], None], row: outbox.OutboxRow) -> list[str]:
+def _send_successor(
+    fanin: FanIn, conn: Connection | None, deliver: Callable[[Due], None], row: outbox.OutboxRow
+) -> list[str]:
     """Send one outbox row's successor. If its batch finished early on its failure threshold, abandon its
     unfinished children (every leaf's, for a tree), after the outcome was built from what had happened by then,
-    and return their task ids to revoke."""
+    and return their task ids to revoke. `conn` may be None only for a complete batch without failures (a
+    successor handed to its worker: `build_outcome` reads nothing for it)."""
     batch, succ = row.batch, row.successor  # read by the claim
     if batch is None:  # cascade-deleted rows cannot be claimed; this guards a hand-edited database
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
@@ -215,6 +212,8 @@ def _send_successor(fanin: FanIn, conn: Connection, deliver: Callable[[Due], Non
     deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
     if batch.state != BatchState.FAILED_THRESHOLD:
         return []
+    if conn is None:  # never handed off (fanin_create_successor hands off only a complete batch)
+        raise ValueError(f"batch {batch.id} passed its failure threshold: abandoning its children needs a connection")
     return recovery.abandon_after_threshold(conn, batch.id)
 
 

@@ -238,10 +238,7 @@ class WorkerHooks:
             # while the thread holds a lock (the engine's, the producer pool's) hangs on its first task. The report
             # sent no NOTIFY (the connection said the worker publishes), so the relay is woken here, one statement
             # that also makes the row due at once (it was handed to this worker, `fanin_successor_handoff`).
-            try:
-                fanin.reports.wake_relay(batch_id)
-            except Exception as exc:  # the relay's periodic scan still finds the row
-                logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
+            report.wake_relay(fanin, batch_id)
             return
         try:
             job = functools.partial(publish, fanin, uuid.UUID(batch_id))

@@ -43,28 +43,27 @@ def send_terminal(
 
     Each report is a single statement in autocommit on the process's report connection: one round trip. The
     connection is dropped after an error, so each attempt after one reconnects. A report that `background` sent
-    and that created the successor of `batch_id` leaves it to the relay, woken for it (`ReportConnection.wake_relay`):
-    nobody is left to publish it here.
+    and that created the successor of `batch_id` leaves it to the relay (`wake_relay`): nobody is left to publish
+    it here.
     """
-
-    def sent_later(rec: Any) -> None:
-        if batch_id is not None and getattr(rec, "successor_created", False):
-            try:
-                fanin.reports.wake_relay(batch_id)
-            except Exception as exc:  # the row is due for the relay's scan once its handoff has passed
-                logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
-
-    return send(fanin, "terminal", what, lambda: fn(fanin.reports), sent_later)
+    return send(fanin, "terminal", what, lambda: fn(fanin.reports), batch_id)
 
 
-def send(
-    fanin: FanIn, kind: str, what: str, once: Callable[[], Any], sent_later: Callable[[Any], None] | None = None
-) -> Any:
+def wake_relay(fanin: FanIn, batch_id: str) -> None:
+    """Leave a successor this process's report created to the relay, now (`ReportConnection.wake_relay`). Never
+    raises: if the store cannot be reached, the row is the relay's anyway once its handoff has passed."""
+    try:
+        fanin.reports.wake_relay(batch_id)
+    except Exception as exc:  # noqa: BLE001 - the relay's scan publishes it once due
+        logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
+
+
+def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any], batch_id: str | None = None) -> Any:
     """Run `once` (one report) until it succeeds, `fanin_report_timeout` passes or an error proves permanent.
 
     In a main-process signal handler (`in_event_loop`) only one attempt is made here and the retries are left to
-    a thread (`background`), which hands what the report returned to `sent_later`; a pool process waits, since it
-    takes its next task only after its report.
+    a thread (`background`), which wakes the relay if the report created `batch_id`'s successor; a pool process
+    waits, since it takes its next task only after its report.
     """
     timeout = float(fanin.setting("report_timeout"))
     if not in_event_loop_now():
@@ -78,12 +77,13 @@ def send(
             _permanent(kind, what)
             return None
         logger.warning("cannot record %s now (%s); retrying off the event loop", what, retry.brief(exc))
-        if sent_later is None:
-            background.submit(lambda: _send_waiting(kind, what, once, timeout))
-        else:
-            then = sent_later
-            background.submit(lambda: then(_send_waiting(kind, what, once, timeout)))
+        background.submit(lambda: _wake_if_created(fanin, batch_id, _send_waiting(kind, what, once, timeout)))
         return None
+
+
+def _wake_if_created(fanin: FanIn, batch_id: str | None, rec: Any) -> None:
+    if batch_id is not None and getattr(rec, "successor_created", False):
+        wake_relay(fanin, batch_id)
 
 
 def _send_waiting(kind: str, what: str, once: Callable[[], Any], timeout: float) -> Any:
