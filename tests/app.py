@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import redis
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.exceptions import Reject
 from celery.worker.control import inspect_command
 
@@ -47,6 +47,26 @@ app.conf.update(
     result_backend=os.environ.get("FANIN_TEST_RESULT_BACKEND") or None,
     fanin_store_child_results_in_backend=os.environ.get("FANIN_TEST_STORE_CHILD_RESULTS") == "1",
 )
+
+
+class _WakeOften(bootsteps.StartStopStep):
+    """Test workers only: the event loop wakes every quarter second. With no timer due, Celery's hub sleeps in
+    epoll for up to 10 s, and a SIGTERM only sets a flag that the loop reads when it wakes: on RabbitMQ (no
+    polling timer, unlike Redis) each warm shutdown took ~4 s more, a test's teardown 5 s in all."""
+
+    requires = ("celery.worker.components:Hub",)
+
+    def start(self, worker: Any) -> None:
+        if getattr(worker, "hub", None) is not None:  # prefork and solo; gevent and eventlet have no hub
+            worker.hub.call_repeatedly(0.25, _nothing)
+
+
+def _nothing() -> None:
+    pass
+
+
+app.steps["worker"].add(_WakeOften)
+
 if os.environ.get("FANIN_TEST_LOG_FORMAT"):  # what `app.log.setup` formats with (tests/e2e/test_relay_app.py)
     app.conf.worker_log_format = os.environ["FANIN_TEST_LOG_FORMAT"]
 if os.environ.get("FANIN_TEST_AUTODISCOVER"):  # found as a worker finds a Django app's tasks.py

@@ -6,12 +6,16 @@ suite's claims are about Postgres and a real broker, and a skipped claim is an u
 
 from __future__ import annotations
 
+import ast
 import atexit
+import gc
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -22,6 +26,34 @@ from sqlalchemy import Engine
 from celery_fanin import FanIn
 
 DEFAULT_ADMIN_URL = "postgresql://root@127.0.0.1:5432/postgres"
+
+_ast_parse = ast.parse
+_parsing = threading.local()
+
+
+def _parse_with_the_collector_off(*args: Any, **kwargs: Any) -> Any:
+    """`ast.parse` for this test process, the garbage collector held off while it runs.
+
+    CPython 3.11 keeps the AST builder's recursion depth per interpreter (python/cpython gh-106905). A collection
+    in the middle of a parse may run a finalizer that parses source too (SQLAlchemy logging an abandoned pooled
+    connection's failed reset: 3.11's traceback parses the failing line for its carets), or that waits and lets
+    another thread parse; the outer parse then raises "SystemError: AST constructor recursion depth mismatch".
+    It failed hypothesis's source digest of the protocol model (CI, 2026-12-02) and test_docs's parses before.
+    Every caller goes through here: traceback, inspect, hypothesis, pytest's assertion rewriting."""
+    if getattr(_parsing, "active", False):
+        return _ast_parse(*args, **kwargs)
+    enabled = gc.isenabled()
+    gc.disable()
+    _parsing.active = True
+    try:
+        return _ast_parse(*args, **kwargs)
+    finally:
+        _parsing.active = False
+        if enabled:
+            gc.enable()
+
+
+ast.parse = _parse_with_the_collector_off
 
 
 def _admin_url() -> str:

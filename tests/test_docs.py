@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import fnmatch
-import gc
+import functools
 import json
 import os
 import re
@@ -75,27 +75,19 @@ CITED = re.compile(r"`(tests/[\w/]+\.py)(?:::([\w*]+)(?:\[[\w-]+\])?)?`")
 
 
 def _parse(source: str, filename: str = "<unknown>") -> ast.Module:
-    """`ast.parse` with the garbage collector held off: CPython 3.11 keeps the AST builder's recursion depth per
-    interpreter, and a finalizer the collector runs in the middle (an abandoned pooled connection's reset, which
-    waits on its socket and lets another thread run) makes it raise "SystemError: AST constructor recursion depth
-    mismatch" (python/cpython gh-106905; seen twice in full runs here)."""
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        return ast.parse(source, filename=filename)
-    finally:
-        if enabled:
-            gc.enable()
+    """`ast.parse` (tests/conftest.py holds the collector off while it runs: CPython 3.11's gh-106905)."""
+    return ast.parse(source, filename=filename)
 
 
-def _test_names(path: Path) -> set[str]:
+@functools.cache
+def _test_names(path: Path) -> frozenset[str]:
+    """The test functions a module defines (parsed once: RELIABILITY.md cites most modules many times)."""
     tree = _parse(path.read_text(), filename=str(path))
-    return {
+    return frozenset(
         node.name
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
-    }
+    )
 
 
 def test_every_test_reliability_md_cites_exists() -> None:

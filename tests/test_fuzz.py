@@ -217,7 +217,10 @@ def _invoke(app: Celery, path: tuple[str, ...], args: list[str], bounded: bool =
     if path == ("watch",) and bounded:
         args = [*args, "--timeout", "0.1"]  # a good watch waits for the batch to finish (the last --timeout wins)
     if path == ("relay",):
-        args = [*args, "--once"]  # a good relay runs until stopped
+        # A good relay runs until stopped. First, not last: a drawn `-f` or `--logfile` at the end would take
+        # `--once` as its file name, and the relay would run on (past the test's timeout, which hypothesis then
+        # takes for a failure to shrink, each shrink running forever in turn).
+        args = ["--once", *args]
     with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # where a good --logfile is written
         return CliRunner().invoke(fanin_cli, [*path, *args], obj=SimpleNamespace(app=app))
 

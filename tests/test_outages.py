@@ -301,9 +301,14 @@ def test_a_main_process_report_does_not_hold_the_event_loop(
 ) -> None:
     """`task_revoked` (like a hard time limit or a lost pool process) is handled in the worker's main process,
     which runs the event loop: during an outage the handler returns after one attempt and a thread keeps
-    retrying, so the worker goes on consuming and heart-beating; the report lands once the store is back."""
+    retrying, so the worker goes on consuming and heart-beating; the report lands once the store is back.
+
+    That report completes the batch, and nobody is left to publish its successor: the thread hands it to the relay
+    at once (`report.wake_relay`) instead of leaving it for the `fanin_successor_handoff` this worker was given."""
     batch, children, _ = create(direct, 1)
     proxied_app.conf.fanin_report_timeout = 10  # the bound a handler that waited would wait
+    proxied_app.conf.fanin_successor_handoff = 600  # far beyond this test: a due row can only be the wake's doing
+    assert FanIn.of(proxied_app).worker_publishes_successors  # the report connection says so, with the handoff
     sender = type("Consumer", (), {"app": proxied_app})()
     pg_proxy.cut()
     try:
@@ -315,3 +320,9 @@ def test_a_main_process_report_does_not_hold_the_event_loop(
         pg_proxy.restore()
     wait_for(lambda: _states(direct, batch.id) == ["revoked"], 20, message="the revoked report recorded")
     assert report.background.flush(5)
+    with direct.connect() as conn:
+        due = conn.execute(
+            text("SELECT available_at <= now() FROM fanin_outbox WHERE batch_id = :b AND sent_at IS NULL"),
+            {"b": batch.id},
+        ).scalars()
+        assert list(due) == [True]  # handed off for 600 s by the report, made due by the thread's wake
