@@ -38,7 +38,8 @@ def _parse_with_the_collector_off(*args: Any, **kwargs: Any) -> Any:
     in the middle of a parse may run a finalizer that parses source too (SQLAlchemy logging an abandoned pooled
     connection's failed reset: 3.11's traceback parses the failing line for its carets), or that waits and lets
     another thread parse; the outer parse then raises "SystemError: AST constructor recursion depth mismatch".
-    It failed hypothesis's source digest of the protocol model (CI, 2026-12-02) and test_docs's parses before.
+    It failed hypothesis's source digest of the protocol model (CI, 2026-12-02; the connection was one kombu's
+    SQLAlchemy channel left checked out in tests/test_embedded.py, closed there now) and test_docs's parses before.
     Every caller goes through here: traceback, inspect, hypothesis, pytest's assertion rewriting."""
     if getattr(_parsing, "active", False):
         return _ast_parse(*args, **kwargs)

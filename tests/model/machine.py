@@ -611,20 +611,40 @@ class ProtocolMachine(RuleBasedStateMachine):
         """A worker's publish of a successor handed to it (`relay/outbox.py:publish_created_successor`): the
         batch's handed-off rows read without a lock (`handed_off`), then marked sent (`mark_sent_async`)."""
 
-        def fn(conn: Connection) -> None:
-            batch_id = conn.execute(
-                text("SELECT batch_id FROM fanin_outbox WHERE sent_at IS NULL AND available_at > now() LIMIT 1")
-            ).scalar()
+        def fn(conn: Connection) -> int:
+            batch_id = _a_handed_off_batch(conn)
             if batch_id is None:
-                return
+                return 0
             rows = conn.execute(q("handed_off").text, {"batch": batch_id}).all()
             for row in rows:
                 if row.state != "complete":
                     raise Violation(f"a {row.state} batch's successor was handed to its worker: {batch_id}")
             if rows:
                 conn.execute(q("mark_sent_async").text, {"ids": [r.outbox_id for r in rows]})
+            return len(rows)
 
-        self.run(Op("worker_publish", fn), pick, hold)
+        def done(sent: int) -> None:
+            STATS["handed-off rows sent by their worker"] += sent  # how often the rule found one to send
+
+        self.run(Op("worker_publish", fn, done), pick, hold)
+
+    @rule(pick=PICK, hold=HOLD)
+    @_when(has_idle)
+    def handoff_ends(self, pick: int, hold: bool) -> None:
+        """A handed-off successor left to the relay (`fanin_wake_relay`: its worker's publish failed, its report
+        came from the worker's main process, or the handoff passed): the relay's claim may take it from now on,
+        beside a worker that may still be publishing it."""
+
+        def fn(conn: Connection) -> int:
+            batch_id = _a_handed_off_batch(conn)
+            if batch_id is None:
+                return 0
+            return int(conn.execute(q("wake_relay").text, {"batch": batch_id}).scalar_one())
+
+        def done(woken: int) -> None:
+            STATS["handed-off rows left to the relay"] += woken
+
+        self.run(Op("handoff_ends", fn, done), pick, hold)
 
     def _successor_roots(self) -> list[Root]:
         """Roots seen finished (those have a successor to deliver), or any root if none is."""
@@ -829,6 +849,14 @@ class ProtocolMachine(RuleBasedStateMachine):
             raise
         finally:
             self.checker.rollback()
+
+
+def _a_handed_off_batch(conn: Connection) -> uuid.UUID | None:
+    """A batch whose successor is handed to a worker (unsent, not yet due for the relay), if there is one."""
+    found: uuid.UUID | None = conn.execute(
+        text("SELECT batch_id FROM fanin_outbox WHERE sent_at IS NULL AND available_at > now() LIMIT 1")
+    ).scalar()
+    return found
 
 
 # One snapshot of every batch with what its children and leaves say, for the invariants.
