@@ -58,11 +58,7 @@ class _WakeOften(bootsteps.StartStopStep):
 
     def start(self, worker: Any) -> None:
         if getattr(worker, "hub", None) is not None:  # prefork and solo; gevent and eventlet have no hub
-            worker.hub.call_repeatedly(0.25, _nothing)
-
-
-def _nothing() -> None:
-    pass
+            worker.hub.call_repeatedly(0.25, lambda: None)
 
 
 app.steps["worker"].add(_WakeOften)

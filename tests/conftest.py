@@ -28,7 +28,9 @@ from celery_fanin import FanIn
 DEFAULT_ADMIN_URL = "postgresql://root@127.0.0.1:5432/postgres"
 
 _ast_parse = ast.parse
-_parsing = threading.local()
+# One parse at a time: another thread's must not re-enable the collector mid-parse. Reentrant: a signal handler
+# (pytest-timeout's stack dump formats tracebacks) may parse in the thread that holds it.
+_parse_lock = threading.RLock()
 
 
 def _parse_with_the_collector_off(*args: Any, **kwargs: Any) -> Any:
@@ -41,17 +43,14 @@ def _parse_with_the_collector_off(*args: Any, **kwargs: Any) -> Any:
     It failed hypothesis's source digest of the protocol model (CI, 2026-12-02; the connection was one kombu's
     SQLAlchemy channel left checked out in tests/test_embedded.py, closed there now) and test_docs's parses before.
     Every caller goes through here: traceback, inspect, hypothesis, pytest's assertion rewriting."""
-    if getattr(_parsing, "active", False):
-        return _ast_parse(*args, **kwargs)
-    enabled = gc.isenabled()
-    gc.disable()
-    _parsing.active = True
-    try:
-        return _ast_parse(*args, **kwargs)
-    finally:
-        _parsing.active = False
-        if enabled:
-            gc.enable()
+    with _parse_lock:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return _ast_parse(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
 
 
 ast.parse = _parse_with_the_collector_off

@@ -74,15 +74,10 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
 CITED = re.compile(r"`(tests/[\w/]+\.py)(?:::([\w*]+)(?:\[[\w-]+\])?)?`")
 
 
-def _parse(source: str, filename: str = "<unknown>") -> ast.Module:
-    """`ast.parse` (tests/conftest.py holds the collector off while it runs: CPython 3.11's gh-106905)."""
-    return ast.parse(source, filename=filename)
-
-
 @functools.cache
 def _test_names(path: Path) -> frozenset[str]:
     """The test functions a module defines (parsed once: RELIABILITY.md cites most modules many times)."""
-    tree = _parse(path.read_text(), filename=str(path))
+    tree = ast.parse(path.read_text(), filename=str(path))
     return frozenset(
         node.name
         for node in ast.walk(tree)
@@ -177,7 +172,7 @@ def test_the_readme_commands_are_the_makefile_targets() -> None:
     assert "-m chaos" in recipes["chaos"]
     assert "-m breakages" in recipes["breakages"] and "make breakages" in (ROOT / ".ci" / "run").read_text()
     for module in (ROOT / "tests" / "chaos").glob("test_*.py"):
-        tree = _parse(module.read_text())
+        tree = ast.parse(module.read_text())
         marks = [
             node
             for node in ast.walk(tree)
