@@ -538,3 +538,17 @@ def test_wake_relay_makes_a_handed_off_row_due_at_once(
     with store_engine.begin() as conn:
         [claimed] = outbox.claim(conn, 10)
         assert claimed.batch_id == batch.id
+
+
+def test_the_report_connection_sends_named_statements_as_positional_ones() -> None:
+    """The report connection keeps one cursor and sends a list of values (`reports.positional`): the names come back
+    in the statement's order, repeats included, and an escaped `%%` is not taken for a placeholder."""
+    from celery_fanin.store.reports import positional
+
+    sql, names = positional("SELECT %(a)s, %(b)s, %(a)s, '100%%' LIKE %(c)s, '%%(x)s'")
+    assert sql == "SELECT %s, %s, %s, '100%%' LIKE %s, '%%(x)s'"
+    assert names == ("a", "b", "a", "c")
+    assert positional(batches.RECORD_TERMINAL_SQL)[1] == (
+        "task_id", "batch_id", "index", "task_name", "state", "result", "rct", "rce", "exc_type", "exc_message",
+        "started_at", "attempt", "worker",
+    )  # fmt: skip
