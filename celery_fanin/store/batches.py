@@ -403,14 +403,16 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 # A worker's report names the child's batch, index and task name as its message carries them, and counts only
 # if the child row agrees (`fanin_report_terminal`, migration 0014). The recovery paths, which read the child from
 # the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by task id).
-RECORD_TERMINAL_SQL = q("report_terminal").psycopg
-RECOVERY_TERMINAL_SQL = q("record_terminal").psycopg
+RECORD_TERMINAL = q("report_terminal")
+RECOVERY_TERMINAL = q("record_terminal")
+RECORD_TERMINAL_SQL, RECOVERY_TERMINAL_SQL = RECORD_TERMINAL.psycopg, RECOVERY_TERMINAL.psycopg
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
-RECORD_STARTS_SQL = q("record_starts").psycopg
+RECORD_STARTS = q("record_starts")
+RECORD_STARTS_SQL = RECORD_STARTS.psycopg
 # Said once per report connection when its worker publishes the successors its reports create.
 SUCCESSOR_PUBLISHER_SQL = q("successor_publisher").psycopg
 # The relay woken by hand, for a successor such a connection created that its worker leaves to the relay.
-WAKE_RELAY_SQL = q("wake_relay").psycopg
+WAKE_RELAY = q("wake_relay")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from .statements import q
 # The same, in psycopg's placeholders, for the worker's report connection (`store.reports`): the successor its
 # report handed it, read without a lock, and marked sent once published.
 HANDED_OFF_SQL = q("handed_off").psycopg
-MARK_SENT_ASYNC_SQL = q("mark_sent_async").psycopg
+MARK_SENT_ASYNC = q("mark_sent_async")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,7 @@ connection it inherited), dropped after an error so that the next attempt reconn
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,11 +25,11 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy.engine import make_url
 
 from .batches import (
-    RECORD_STARTS_SQL,
-    RECORD_TERMINAL_SQL,
-    RECOVERY_TERMINAL_SQL,
+    RECORD_STARTS,
+    RECORD_TERMINAL,
+    RECOVERY_TERMINAL,
     SUCCESSOR_PUBLISHER_SQL,
-    WAKE_RELAY_SQL,
+    WAKE_RELAY,
     Claim,
     Encoded,
     Start,
@@ -40,9 +38,10 @@ from .batches import (
     terminal_params,
     terminal_record,
 )
-from .outbox import HANDED_OFF_SQL, MARK_SENT_ASYNC_SQL, OutboxRow
+from .outbox import HANDED_OFF_SQL, MARK_SENT_ASYNC, OutboxRow
 from .queries import batch_row, successor_row
-from .successors import CLAIM_RUN_SQL, COUNT_DUPLICATE_SQL
+from .statements import Statement
+from .successors import CLAIM_RUN, COUNT_DUPLICATE
 
 # Every connection the library opens itself: give up connecting after 10 s, and let TCP find a peer that vanished
 # without closing (a network cut, a host gone) in well under a minute, instead of a report hanging on it for the
@@ -61,20 +60,6 @@ def connect_options(url: str) -> dict[str, int]:
     """`CONNECT_OPTIONS` less those the URL sets itself (the URL wins)."""
     given = make_url(url).query
     return {k: v for k, v in CONNECT_OPTIONS.items() if k not in given}
-
-
-# A psycopg named placeholder, not one behind an escaped `%%`.
-_NAMED = re.compile(r"(?<!%)%\((\w+)\)s")
-
-
-@functools.cache
-def positional(sql: str) -> tuple[str, tuple[str, ...]]:
-    """A statement in psycopg's named placeholders as positional ones, and the names in their order.
-
-    The reports run on every child's path: a list of values on a cursor kept open saves psycopg's per-call work of
-    a new cursor and of reordering a mapping, about a third of a report's CPU in the process that sends it
-    (bench/NOTES.md, "the report's client side")."""
-    return _NAMED.sub("%s", sql), tuple(_NAMED.findall(sql))
 
 
 def libpq_conninfo(sqlalchemy_url: str) -> str:
@@ -129,25 +114,25 @@ class ReportConnection:
         """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
         start, if it was not written yet). The hooks always pass `claim`: what the message says the child is."""
         params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
-        return terminal_record(self._run(RECOVERY_TERMINAL_SQL if claim is None else RECORD_TERMINAL_SQL, params))
+        return terminal_record(self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params))
 
     def record_starts(self, starts: Sequence[Start]) -> int:
         """Many children's starts in one round trip, committed asynchronously; how many children moved."""
-        return int(self._run(RECORD_STARTS_SQL, starts_params(starts))[0])
+        return int(self._run(RECORD_STARTS, starts_params(starts))[0])
 
     def claim_run(self, params: dict[str, object]) -> tuple[Any, ...]:
         """The successor run guard's statement (`store.successors.claim_run`, parameters from `claim_params`):
         a successor's admission on its critical path, one round trip on a connection already open."""
-        return self._run(CLAIM_RUN_SQL, params)
+        return self._run(CLAIM_RUN, params)
 
     def count_duplicate(self, batch_id: object, step: str) -> None:
         """Count a delivery the guard refused (`store.successors.count_duplicate`)."""
-        self._run(COUNT_DUPLICATE_SQL, {"id": batch_id, "step": step})
+        self._run(COUNT_DUPLICATE, {"id": batch_id, "step": step})
 
     def wake_relay(self, batch_id: object) -> None:
         """Leave the successor this connection's report created for `batch_id` to the relay: its outbox row due at
         once (it was handed to this worker, see `handed_off`) and a NOTIFY (the report sent none)."""
-        self._run(WAKE_RELAY_SQL, {"batch": batch_id})
+        self._run(WAKE_RELAY, {"batch": batch_id})
 
     def handed_off(self, batch_id: object) -> list[OutboxRow]:
         """The batch's successor that this connection's report created and the relay leaves to this worker for
@@ -171,12 +156,12 @@ class ReportConnection:
     def mark_sent(self, ids: Sequence[int]) -> None:
         """`store.outbox.mark_sent` (not durable) for rows published from `handed_off`: one statement, its own
         transaction, its commit not waiting for the WAL flush (a mark lost in a crash only publishes again)."""
-        self._run(MARK_SENT_ASYNC_SQL, {"ids": list(ids)})
+        self._run(MARK_SENT_ASYNC, {"ids": list(ids)})
 
-    def _run(self, sql: str, params: dict[str, object]) -> tuple[Any, ...]:
+    def _run(self, statement: Statement, params: dict[str, object]) -> tuple[Any, ...]:
         self._connection()
-        cursor: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor
-        text, names = positional(sql)
+        cursor: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor  # made with the connection, kept with it
+        text, names = statement.positional
         try:
             row = cursor.execute(text, [params[name] for name in names]).fetchone()
         except psycopg.Error:

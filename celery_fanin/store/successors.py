@@ -52,8 +52,8 @@ class Refusal:
 
 # The guard's statement in psycopg's placeholders: a worker admits a delivery on its report connection
 # (`store.reports.ReportConnection.claim_run`), one round trip without a pool checkout and its pre-ping.
-CLAIM_RUN_SQL = q("claim_run").psycopg
-COUNT_DUPLICATE_SQL = q("count_duplicate").psycopg
+CLAIM_RUN = q("claim_run")
+COUNT_DUPLICATE = q("count_duplicate")
 
 
 def claim_params(

@@ -541,14 +541,14 @@ def test_wake_relay_makes_a_handed_off_row_due_at_once(
 
 
 def test_the_report_connection_sends_named_statements_as_positional_ones() -> None:
-    """The report connection keeps one cursor and sends a list of values (`reports.positional`): the names come back
-    in the statement's order, repeats included, and an escaped `%%` is not taken for a placeholder."""
-    from celery_fanin.store.reports import positional
+    """The report connection keeps one cursor and sends a list of values (`Statement.positional`): the names come
+    back in the statement's order, repeats included, and a literal `%` is escaped, not taken for a placeholder."""
+    from celery_fanin.store.statements import Statement
 
-    sql, names = positional("SELECT %(a)s, %(b)s, %(a)s, '100%%' LIKE %(c)s, '%%(x)s'")
+    sql, names = Statement("t", "a test", "SELECT :a, :b, :a, '100%' LIKE :c, '%(x)s'").positional
     assert sql == "SELECT %s, %s, %s, '100%%' LIKE %s, '%%(x)s'"
     assert names == ("a", "b", "a", "c")
-    assert positional(batches.RECORD_TERMINAL_SQL)[1] == (
+    assert batches.RECORD_TERMINAL.positional[1] == (
         "task_id", "batch_id", "index", "task_name", "state", "result", "rct", "rce", "exc_type", "exc_message",
         "started_at", "attempt", "worker",
     )  # fmt: skip
