@@ -445,6 +445,8 @@ EXECUTES = {
         "fanin_abandon_after_threshold(uuid)",
         # a successor its main process's report created, left to the relay: due at once, and the relay woken
         "fanin_wake_relay(uuid)",
+        # what the report that created it hands it (fanin_report_terminal's statement calls it)
+        "fanin_handed_off(uuid)",
     },
     "relay": {
         "fanin_claim_outbox(integer,bigint[])",

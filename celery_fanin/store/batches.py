@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -91,6 +91,10 @@ class TerminalRecord:
     late: bool = False
     # The report named a child by its task id but its batch, index or task name differ (migration 0014).
     refused: bool = False
+    # The successor this report created and handed to its session to publish, with its batch's and successor's
+    # rows (`outbox.OutboxRow`s, which import this module: the report connection's reports only, migration 0025);
+    # None where the statement does not say.
+    handed_off: list[Any] | None = field(default=None, compare=False, repr=False)
 
 
 def create_batch(
@@ -505,8 +509,9 @@ def record_terminal(
 
 
 def terminal_record(row: Sequence[Any]) -> TerminalRecord:
-    """The row RECORD_TERMINAL_SQL returns: (counted, late, remaining, successor_created, refused), or
-    RECOVERY_TERMINAL_SQL's (the same without refused)."""
+    """The row RECORD_TERMINAL_SQL returns: (counted, late, remaining, successor_created, refused, handed_off), or
+    RECOVERY_TERMINAL_SQL's (the first four). `handed_off` is left to the report connection, which publishes it
+    (`ReportConnection.record_terminal`)."""
     counted, late, remaining, successor_created = row[:4]
     refused = bool(row[4]) if len(row) > 4 else False
     return TerminalRecord(bool(counted), remaining, bool(successor_created), bool(late), refused)

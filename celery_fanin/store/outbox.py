@@ -9,8 +9,11 @@ at-least-once publishing, made exactly-once in effect by the successor's start g
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from types import SimpleNamespace
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -18,8 +21,8 @@ from .queries import BatchRow, SuccessorRow, batch_row, successor_row
 from .statements import q
 
 # The same, in psycopg's placeholders, for the worker's report connection (`store.reports`): the successor its
-# report handed it, read without a lock, and marked sent once published.
-HANDED_OFF_SQL = q("handed_off").psycopg
+# report handed it, read without a lock (the report returns it too), and marked sent once published.
+HANDED_OFF = q("handed_off")
 MARK_SENT_ASYNC = q("mark_sent_async")
 
 
@@ -32,6 +35,45 @@ class OutboxRow:
     # The batch's and the successor's rows, read by the claim itself (None only if a hand-edited database lost them).
     batch: BatchRow | None = field(default=None, compare=False, repr=False)
     successor: SuccessorRow | None = field(default=None, compare=False, repr=False)
+
+
+def _uuid(v: str) -> uuid.UUID:
+    return uuid.UUID(v)
+
+
+def _bytea(v: str) -> bytes:
+    return bytes.fromhex(v[2:])  # to_jsonb renders bytea in hex format: "\\x..."
+
+
+# What JSON cannot carry as itself in `fanin_handed_off`'s rows, by column; the rest (text, integers, the
+# timeout's seconds) arrive as the read's own values.
+_FROM_JSON: dict[str, Callable[[str], Any]] = {
+    "outbox_batch_id": _uuid,
+    "id": _uuid,
+    "retry_of": _uuid,
+    "successor_message": _bytea,
+    "on_expire_message": _bytea,
+    "on_failure_message": _bytea,
+    "created_at": datetime.fromisoformat,
+    "completed_at": datetime.fromisoformat,
+    "deadline_at": datetime.fromisoformat,
+    "s_started_at": datetime.fromisoformat,
+    "s_finished_at": datetime.fromisoformat,
+}
+
+
+def handed_off_rows(value: Sequence[dict[str, Any]]) -> list[OutboxRow]:
+    """The rows of `fanin_handed_off`'s jsonb array (the worker's report returns it, or the `handed_off` read),
+    with the same values a claim's columns give."""
+    out = []
+    for item in value:
+        r = SimpleNamespace(
+            **{k: (_FROM_JSON[k](v) if v is not None and k in _FROM_JSON else v) for k, v in item.items()}
+        )
+        out.append(
+            OutboxRow(r.outbox_id, r.outbox_batch_id, r.outbox_step, r.outbox_attempts, batch_row(r), successor_row(r))
+        )
+    return out
 
 
 def claim(

@@ -17,11 +17,11 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
-from psycopg.rows import namedtuple_row
 from sqlalchemy.engine import make_url
 
 from .batches import (
@@ -38,8 +38,7 @@ from .batches import (
     terminal_params,
     terminal_record,
 )
-from .outbox import HANDED_OFF_SQL, MARK_SENT_ASYNC, OutboxRow
-from .queries import batch_row, successor_row
+from .outbox import HANDED_OFF, MARK_SENT_ASYNC, OutboxRow, handed_off_rows
 from .statements import Statement
 from .successors import CLAIM_RUN, COUNT_DUPLICATE
 
@@ -114,7 +113,11 @@ class ReportConnection:
         """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
         start, if it was not written yet). The hooks always pass `claim`: what the message says the child is."""
         params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
-        return terminal_record(self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params))
+        row = self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
+        rec = terminal_record(row)
+        if len(row) > 5 and row[5] is not None:  # it created a successor: the one handed to this session, if any
+            rec = replace(rec, handed_off=handed_off_rows(row[5]))
+        return rec
 
     def record_starts(self, starts: Sequence[Start]) -> int:
         """Many children's starts in one round trip, committed asynchronously; how many children moved."""
@@ -139,19 +142,10 @@ class ReportConnection:
         `fanin_successor_handoff` seconds, with its batch's and successor's rows; [] if there is none (the batch
         finished past its failure threshold, the handoff is off or passed, or the row went out already).
 
-        A read, not a claim: nothing is locked while the worker publishes (`relay.outbox.publish_created_successor`).
+        The report that created it returns the same (`TerminalRecord.handed_off`); this reads it again. A read,
+        not a claim: nothing is locked while the worker publishes (`relay.outbox.publish_created_successor`).
         """
-        conn = self._connection()
-        try:
-            with conn.cursor(row_factory=namedtuple_row) as cur:
-                rows: list[Any] = cur.execute(HANDED_OFF_SQL, {"batch": batch_id}).fetchall()
-        except psycopg.Error:
-            self.reset()
-            raise
-        return [
-            OutboxRow(r.outbox_id, r.outbox_batch_id, r.outbox_step, r.outbox_attempts, batch_row(r), successor_row(r))
-            for r in rows
-        ]
+        return handed_off_rows(self._run(HANDED_OFF, {"batch": batch_id})[0])
 
     def mark_sent(self, ids: Sequence[int]) -> None:
         """`store.outbox.mark_sent` (not durable) for rows published from `handed_off`: one statement, its own

@@ -35,6 +35,7 @@ from ..context import FanIn
 from ..exceptions import FanInNotConfigured
 from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, body_claim, claim, put_claim
 from ..store import batches
+from ..store.outbox import OutboxRow
 from . import report, starts, successor_runs
 
 logger = logging.getLogger("celery_fanin.hooks")
@@ -144,9 +145,10 @@ class WorkerHooks:
     Eager mode (`celery_fanin.producer.eager`) calls the same public methods for the tasks it runs inline.
     """
 
-    # Publishes the successor a report of this process created, after its commit (the relay's claim-and-publish,
-    # `relay.outbox.publish_created_successor`, set by the wiring: this layer does not import the relay's).
-    publish_successor: Callable[[FanIn, uuid.UUID], object] | None = None
+    # Publishes the successor a report of this process created, after its commit, given the rows the report
+    # returned for it (`relay.outbox.publish_created_successor`, set by the wiring: this layer does not import the
+    # relay's).
+    publish_successor: Callable[[FanIn, uuid.UUID, list[OutboxRow] | None], object] | None = None
 
     def __init__(self) -> None:
         self.received = ReceivedMarkers()
@@ -208,7 +210,7 @@ class WorkerHooks:
             )
             if rec.successor_created:
                 logger.info("batch complete batch_id=%s: successor created", marker.batch_id, extra=extra)
-                self._publish_created(fanin, marker.batch_id)
+                self._publish_created(fanin, marker.batch_id, rec.handed_off)
         elif rec.refused:
             _REFUSED.inc()
             why = "forged or misrouted message"
@@ -225,10 +227,11 @@ class WorkerHooks:
             )
         return rec
 
-    def _publish_created(self, fanin: FanIn, batch_id: str) -> None:
+    def _publish_created(self, fanin: FanIn, batch_id: str, handed_off: list[OutboxRow] | None) -> None:
         """The successor this report created goes out from here, unless the relay is to publish it (the setting
         off, or eager mode), or the report came from the worker's main process (then the relay is woken for it).
-        Nothing raises from here: a failure leaves the outbox row to the relay."""
+        `handed_off`: what the report returned of it (None: not said, the publisher reads it). Nothing raises from
+        here: a failure leaves the outbox row to the relay."""
         publish = self.publish_successor
         if publish is None or not fanin.worker_publishes_successors:
             return
@@ -241,7 +244,7 @@ class WorkerHooks:
             report.wake_relay(fanin, batch_id)
             return
         try:
-            job = functools.partial(publish, fanin, uuid.UUID(batch_id))
+            job = functools.partial(publish, fanin, uuid.UUID(batch_id), handed_off)
         except ValueError:  # not a batch id: the store counted nothing for it, so this is unreachable
             return
         job()

@@ -69,8 +69,9 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- pre-assigned task id, every later write fenced to the run's number (or, from the main process, to that task
 -- id); a nested batch's successor reports its outer child inside fanin_finish_successor. The successor a report
 -- created is published by that worker after its commit (`fanin_worker_publishes_successors`): a completed batch's
--- read and marked sent, any other through the relay's claim, marked sent or failed, and the rest of a batch past
--- its threshold abandoned; one the worker leaves to the relay is made due at once (fanin_wake_relay).
+-- returned by the report that created it (fanin_handed_off, also read on its own) and marked sent, any other
+-- through the relay's claim, marked sent or failed, and the rest of a batch past its threshold abandoned; one the
+-- worker leaves to the relay is made due at once (fanin_wake_relay).
 -- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
@@ -86,7 +87,8 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text,
                           fanin_outbox_sent(bigint[]),
                           fanin_outbox_failed(bigint, text, double precision),
                           fanin_abandon_after_threshold(uuid),
-                          fanin_wake_relay(uuid)
+                          fanin_wake_relay(uuid),
+                          fanin_handed_off(uuid)
     TO fanin_worker;
 
 -- The relay: the outbox, children no producer published, lost children (only overdue ones), expired children

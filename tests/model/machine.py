@@ -609,18 +609,20 @@ class ProtocolMachine(RuleBasedStateMachine):
     @_when(has_idle)
     def worker_publish(self, pick: int, hold: bool) -> None:
         """A worker's publish of a successor handed to it (`relay/outbox.py:publish_created_successor`): the
-        batch's handed-off rows read without a lock (`handed_off`), then marked sent (`mark_sent_async`)."""
+        batch's handed-off rows as its report returned them or its worker reads them (`fanin_handed_off`, no
+        lock), then marked sent (`mark_sent_async`)."""
 
         def fn(conn: Connection) -> int:
             batch_id = _a_handed_off_batch(conn)
             if batch_id is None:
                 return 0
-            rows = conn.execute(q("handed_off").text, {"batch": batch_id}).all()
+            rows = outbox.handed_off_rows(conn.execute(q("handed_off").text, {"batch": batch_id}).scalar_one())
             for row in rows:
-                if row.state != "complete":
-                    raise Violation(f"a {row.state} batch's successor was handed to its worker: {batch_id}")
+                state = row.batch.state if row.batch is not None else None
+                if state != "complete":
+                    raise Violation(f"a {state} batch's successor was handed to its worker: {batch_id}")
             if rows:
-                conn.execute(q("mark_sent_async").text, {"ids": [r.outbox_id for r in rows]})
+                conn.execute(q("mark_sent_async").text, {"ids": [r.id for r in rows]})
             return len(rows)
 
         def done(sent: int) -> None:

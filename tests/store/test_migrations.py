@@ -185,3 +185,44 @@ def test_0009_lets_every_role_that_settled_before_settle_after(fresh_db_url: str
                 conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
                 conn.exec_driver_sql(f'DROP ROLE "{role}"')
         engine.dispose()
+
+
+def test_0025_lets_every_role_that_reported_before_report_after(fresh_db_url: str) -> None:
+    """The workers' report statement calls fanin_handed_off from 0025 on: each role granted fanin_report_terminal
+    before the upgrade (grants.sql of an older release) may call it after the migration, before grants.sql runs
+    again; a role that could not report, and PUBLIC, may not."""
+    suffix = uuid.uuid4().hex[:8]
+    worker, other = f"fanin_upgrade_w_{suffix}", f"fanin_upgrade_o_{suffix}"
+    report = (
+        "fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer, "
+        "text)"
+    )
+    engine = make_engine(fresh_db_url)
+    try:
+        _migrated_by_an_older_release(engine, 24)
+        with engine.begin() as conn:  # and its grants run
+            for role in (worker, other):
+                conn.exec_driver_sql(f'CREATE ROLE "{role}"')  # generated identifiers
+            conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {report} TO "{worker}"')
+        assert [m.version for m in migrate.migrate(engine)] == [v for v in EXPECTED_VERSIONS if v > 24]
+        with engine.connect() as conn:
+            may = {
+                role: conn.execute(
+                    text("SELECT has_function_privilege(:r, 'fanin_handed_off(uuid)', 'EXECUTE')"), {"r": role}
+                ).scalar_one()
+                for role in (worker, other)
+            }
+            public = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_proc p, aclexplode(p.proacl) a"
+                    " WHERE p.oid = 'fanin_handed_off(uuid)'::regprocedure AND a.grantee = 0"
+                )
+            ).scalar_one()
+        assert may == {worker: True, other: False} and public == 0
+    finally:
+        with engine.begin() as conn:
+            for role in (worker, other):
+                if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
+                    conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+                    conn.exec_driver_sql(f'DROP ROLE "{role}"')
+        engine.dispose()

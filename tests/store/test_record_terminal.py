@@ -489,6 +489,53 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
         assert state.scalar_one() == "sent"
 
 
+def test_the_report_that_hands_off_a_successor_returns_it_as_a_claim_reads_it(store_engine: Engine) -> None:
+    """Migration 0025: the completing report's statement returns the successor it handed to its session
+    (`fanin_handed_off`, called after the report function in the same statement, sees what that function
+    inserted), so its worker publishes with no second read; every value the publisher uses equals what the relay's
+    claim reads for the same row, the JSON-only types (uuid, bytea, timestamptz, the timeout's seconds)
+    included. The other reports return none."""
+    from datetime import datetime, timedelta, timezone
+
+    from celery_fanin.store import outbox
+    from celery_fanin.store.reports import ReportConnection
+
+    url = store_engine.url.render_as_string(hide_password=False)
+    first, _, _ = create(store_engine, 0)
+    batch, children = new_batch(3)
+    batch = dataclasses.replace(
+        batch,
+        child_timeout=timedelta(seconds=90.25),
+        deadline_at=datetime.now(timezone.utc) + timedelta(hours=1),
+        on_expire=batches.Encoded("application/json", "utf-8", b'{"expire": "\\x00 \xc3\xa9"}'),
+        on_failure=batches.Encoded("application/x-python-serialize", "binary", bytes(range(256))),
+        round=2,
+        retry_of=first.id,
+    )
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, batch, children)
+    reports = ReportConnection(url, lambda: True, lambda: 7.5)
+    try:
+        recs = [
+            reports.record_terminal(c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name))
+            for i, c in enumerate(children)
+        ]
+        assert [r.handed_off for r in recs[:2]] == [None, None], "no successor created: nothing returned"
+        returned = recs[2].handed_off
+        assert returned is not None and len(returned) == 1
+        read = reports.handed_off(batch.id)
+        reports.wake_relay(batch.id)  # due now: the relay's claim takes it, and reads its columns as SQLAlchemy does
+    finally:
+        reports.reset()
+    with store_engine.begin() as conn:
+        [claimed] = outbox.claim(conn, 10, batch_id=batch.id)
+    for got in (returned[0], read[0]):
+        assert (got.id, got.batch_id, got.step, got.attempts) == (claimed.id, batch.id, batch.step, claimed.attempts)
+        assert got.batch == claimed.batch and got.successor == claimed.successor
+    assert claimed.batch is not None and claimed.batch.on_failure_message == batch.on_failure
+    assert claimed.batch.child_timeout_seconds == 90.25 and claimed.batch.retry_of == first.id
+
+
 def test_a_batch_past_its_failure_threshold_is_not_handed_off(store_engine: Engine, clean_db: str) -> None:
     """A batch finished by its failure threshold needs its unfinished children abandoned in the claim's
     transaction: its row is due at once (claimed as the relay claims it), whatever the handoff."""
@@ -549,6 +596,6 @@ def test_the_report_connection_sends_named_statements_as_positional_ones() -> No
     assert sql == "SELECT %s, %s, %s, '100%%' LIKE %s, '%%(x)s'"
     assert names == ("a", "b", "a", "c")
     assert batches.RECORD_TERMINAL.positional[1] == (
-        "task_id", "batch_id", "index", "task_name", "state", "result", "rct", "rce", "exc_type", "exc_message",
-        "started_at", "attempt", "worker",
+        "batch_id", "task_id", "batch_id", "index", "task_name", "state", "result", "rct", "rce", "exc_type",
+        "exc_message", "started_at", "attempt", "worker",
     )  # fmt: skip

@@ -80,8 +80,10 @@ SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.cont
 -- --- store/batches.py ---------------------------------------------------------------------------------------------
 
 -- name: report_terminal
--- A worker's terminal report: counted once, only if the child row has the message's batch, index and task name.
-SELECT counted, late, remaining, successor_created, refused
+-- A worker's terminal report: counted once, only if the child row has the message's batch, index and task name;
+-- with the successor it created, if that is handed to this session to publish (fanin_handed_off: no second read)
+SELECT counted, late, remaining, successor_created, refused,
+       CASE WHEN successor_created THEN fanin_handed_off(CAST(:batch_id AS uuid)) END AS handed_off
   FROM fanin_report_terminal(:task_id, :batch_id, :index, :task_name, :state, :result, :rct, :rce, :exc_type,
                              :exc_message, :started_at, :attempt, :worker);
 
@@ -204,22 +206,9 @@ SELECT * FROM fanin_claim_outbox(:n, ARRAY(SELECT o.id FROM fanin_outbox o WHERE
 
 -- name: handed_off
 -- A batch's successor handed to this session by its report (unsent, not yet due for the relay), with its batch's
--- and successor's rows, as the claim returns them; read, not locked (a relay claims it only once it is due)
-SELECT o.id AS outbox_id, o.batch_id AS outbox_batch_id, o.step AS outbox_step, o.attempts AS outbox_attempts,
-       b.id, b.step, b.state, b.planned, b.remaining, b.succeeded, b.failed, b.published_upto,
-       b.successor_task_id, b.successor_name, b.successor_message, b.successor_content_type,
-       b.successor_content_encoding, b.created_at, b.completed_at, b.deadline_at, b.on_expire_message,
-       b.on_expire_content_type, b.on_expire_content_encoding, b.on_failure_message, b.on_failure_content_type,
-       b.on_failure_content_encoding, extract(epoch FROM b.child_timeout) AS child_timeout_seconds, b.round,
-       b.retry_of, b.refused_reports,
-       s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
-       s.exc_type AS s_exc_type, s.exc_message AS s_exc_message, s.started_at AS s_started_at,
-       s.finished_at AS s_finished_at, s.kind AS s_kind
-  FROM fanin_outbox o
-  JOIN fanin_batches b ON b.id = o.batch_id
-  LEFT JOIN fanin_successors s ON s.batch_id = o.batch_id AND s.step = o.step
- WHERE o.batch_id = :batch AND o.sent_at IS NULL AND o.available_at > now()
- ORDER BY o.id;
+-- and successor's rows, as a jsonb array (`handed_off_rows` reads it); read, not locked (a relay claims it only
+-- once it is due)
+SELECT fanin_handed_off(:batch) AS handed_off;
 
 -- name: mark_sent
 -- Mark the rows sent and their successors `sent`, in one statement (a started successor keeps its state)

@@ -438,6 +438,34 @@ BEGIN
 END
 $$;
 
+-- A batch's successors handed to this session (unsent, not yet due for the relay), each with its batch's and
+-- successor's columns, as one jsonb array. The worker's report statement calls it when its report created a
+-- successor (VOLATILE: a new snapshot, so it sees what the report function inserted in the same statement).
+CREATE FUNCTION fanin_handed_off(p_batch uuid)
+RETURNS jsonb
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN (
+        SELECT coalesce(jsonb_agg(to_jsonb(h) ORDER BY h.outbox_id), '[]'::jsonb)
+          FROM (SELECT o.id AS outbox_id, o.batch_id AS outbox_batch_id, o.step AS outbox_step,
+                       o.attempts AS outbox_attempts,
+                       b.id, b.step, b.state, b.planned, b.remaining, b.succeeded, b.failed, b.published_upto,
+                       b.successor_task_id, b.successor_name, b.successor_message, b.successor_content_type,
+                       b.successor_content_encoding, b.created_at, b.completed_at, b.deadline_at, b.on_expire_message,
+                       b.on_expire_content_type, b.on_expire_content_encoding, b.on_failure_message,
+                       b.on_failure_content_type, b.on_failure_content_encoding,
+                       extract(epoch FROM b.child_timeout) AS child_timeout_seconds, b.round, b.retry_of,
+                       b.refused_reports,
+                       s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
+                       s.exc_type AS s_exc_type, s.exc_message AS s_exc_message, s.started_at AS s_started_at,
+                       s.finished_at AS s_finished_at, s.kind AS s_kind
+                  FROM fanin_outbox o
+                  JOIN fanin_batches b ON b.id = o.batch_id
+                  LEFT JOIN fanin_successors s ON s.batch_id = o.batch_id AND s.step = o.step
+                 WHERE o.batch_id = p_batch AND o.sent_at IS NULL AND o.available_at > now()) h);
+END
+$$;
+
 CREATE FUNCTION fanin_fail_up(p_root uuid, p_failed integer)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
