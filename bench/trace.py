@@ -80,11 +80,11 @@ def install() -> None:
     original_created = worker_hooks.publish_successor
     if original_created is not None:
 
-        def publish_created(fanin: Any, batch_id: Any, handed_off: Any = None) -> Any:
+        def publish_created(fanin: Any, batch_id: Any, handed_off: Any) -> Any:
             key = str(batch_id)
             _local.batch = key
             note(key, "pub.enter")
-            if handed_off is not None:  # the report returned it (from migration 0025 on): no read
+            if handed_off:  # the report returned the row (migration 0025): nothing is read or claimed here
                 note(key, "pub.claimed")
             try:
                 return original_created(fanin, batch_id, handed_off)

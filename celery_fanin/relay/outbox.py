@@ -125,24 +125,21 @@ def publish_outbox(
     return len(sent)
 
 
-def publish_created_successor(
-    fanin: FanIn, batch_id: uuid.UUID, handed_off: Sequence[outbox.OutboxRow] | None = None
-) -> int:
+def publish_created_successor(fanin: FanIn, batch_id: uuid.UUID, handed_off: Sequence[outbox.OutboxRow]) -> int:
     """Publish a successor from the worker whose report created it, right after that report committed, as the
     producer publishes its children. Never raises: a failure is logged and leaves the row to the relay.
 
     A completed batch's successor was handed to this worker (`fanin_successor_handoff`: the relay's claim skips
-    its outbox row for that long): the report returned it (`handed_off`; None: read it on the report connection),
-    it is published, and marked sent on the report connection, with no lock held in between, so the successor's
+    its outbox row for that long): the report returned it (`handed_off`), it is published, and marked sent on
+    the report connection, with no lock held in between, so the successor's
     delivery never waits on this worker's transaction. Any other (a
     batch past its failure threshold, whose unfinished children are abandoned in the same transaction as the
     mark; the handoff off) goes through the relay's claim (`publish_outbox`), the row locked until marked sent.
     """
     try:
-        rows = fanin.reports.handed_off(batch_id) if handed_off is None else handed_off
-        if not rows:
+        if not handed_off:
             return publish_outbox(fanin, batch_id=batch_id)
-        return _publish_handed_off(fanin, rows)
+        return _publish_handed_off(fanin, handed_off)
     except Exception:  # noqa: BLE001 - the child's report is done; the relay publishes what this could not
         logger.warning(
             "could not publish the successor of batch_id=%s after its last report; the relay will",

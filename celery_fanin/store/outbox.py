@@ -37,10 +37,6 @@ class OutboxRow:
     successor: SuccessorRow | None = field(default=None, compare=False, repr=False)
 
 
-def _uuid(v: str) -> uuid.UUID:
-    return uuid.UUID(v)
-
-
 def _bytea(v: str) -> bytes:
     return bytes.fromhex(v[2:])  # to_jsonb renders bytea in hex format: "\\x..."
 
@@ -48,9 +44,9 @@ def _bytea(v: str) -> bytes:
 # What JSON cannot carry as itself in `fanin_handed_off`'s rows, by column; the rest (text, integers, the
 # timeout's seconds) arrive as the read's own values.
 _FROM_JSON: dict[str, Callable[[str], Any]] = {
-    "outbox_batch_id": _uuid,
-    "id": _uuid,
-    "retry_of": _uuid,
+    "outbox_batch_id": uuid.UUID,
+    "id": uuid.UUID,
+    "retry_of": uuid.UUID,
     "successor_message": _bytea,
     "on_expire_message": _bytea,
     "on_failure_message": _bytea,

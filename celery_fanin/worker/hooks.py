@@ -15,7 +15,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -148,7 +148,7 @@ class WorkerHooks:
     # Publishes the successor a report of this process created, after its commit, given the rows the report
     # returned for it (`relay.outbox.publish_created_successor`, set by the wiring: this layer does not import the
     # relay's).
-    publish_successor: Callable[[FanIn, uuid.UUID, list[OutboxRow] | None], object] | None = None
+    publish_successor: Callable[[FanIn, uuid.UUID, Sequence[OutboxRow]], object] | None = None
 
     def __init__(self) -> None:
         self.received = ReceivedMarkers()
@@ -210,7 +210,7 @@ class WorkerHooks:
             )
             if rec.successor_created:
                 logger.info("batch complete batch_id=%s: successor created", marker.batch_id, extra=extra)
-                self._publish_created(fanin, marker.batch_id, rec.handed_off)
+                self._publish_created(fanin, marker.batch_id, rec.handed_off or [])
         elif rec.refused:
             _REFUSED.inc()
             why = "forged or misrouted message"
@@ -227,11 +227,11 @@ class WorkerHooks:
             )
         return rec
 
-    def _publish_created(self, fanin: FanIn, batch_id: str, handed_off: list[OutboxRow] | None) -> None:
+    def _publish_created(self, fanin: FanIn, batch_id: str, handed_off: Sequence[OutboxRow]) -> None:
         """The successor this report created goes out from here, unless the relay is to publish it (the setting
         off, or eager mode), or the report came from the worker's main process (then the relay is woken for it).
-        `handed_off`: what the report returned of it (None: not said, the publisher reads it). Nothing raises from
-        here: a failure leaves the outbox row to the relay."""
+        `handed_off`: what the report returned of it ([]: not handed off, the publisher claims it). Nothing raises
+        from here: a failure leaves the outbox row to the relay."""
         publish = self.publish_successor
         if publish is None or not fanin.worker_publishes_successors:
             return
