@@ -98,6 +98,11 @@ class Session:
         self._future = self._executor.submit(self._run, op, hold)
 
     def release(self, *, commit: bool) -> None:
+        """End the held transaction. The session is running again from here until its commit or rollback is done
+        (and its completion handed back), so that `settle` waits for it: left `holding` until its thread ended,
+        it let the model check the database while that commit landed, and the invariants saw a commit whose
+        completion the model had not had yet (a successor's run counted in the table, not in the model)."""
+        self.holding_requested = False
         self._rollback = not commit
         self._release.set()
 
