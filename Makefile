@@ -27,9 +27,10 @@ test: install
 breakages: install
 	$(BIN)/python -m pytest tests/model/test_breakages.py -m breakages
 
-## The fault-injection suite: it RESTARTS this machine's PostgreSQL, Redis and RabbitMQ (opt-in; CI runs it).
+## The fault-injection suite: it RESTARTS this machine's PostgreSQL, Redis and RabbitMQ, and holds a 60 s database
+## outage (opt-in; CI runs it).
 chaos: install
-	$(BIN)/python -m pytest tests/chaos -m chaos -s
+	$(BIN)/python -m pytest tests/chaos tests/e2e/test_outages.py -m chaos -s
 
 ## ruff, mypy, and the documentation site built with --strict (a broken link or a missing page fails it).
 lint: install

@@ -1,8 +1,9 @@
 """Outages end to end: real workers and relays whose PostgreSQL (or broker) connections go through a proxy the
 test cuts and restores (tests.faults). Nothing is restarted, so other test sessions are unaffected.
 
-The claim: a PostgreSQL outage of 60 s during a batch loses no report and runs no successor twice; the reports
-wait (`fanin_report_timeout`, 300 s by default) and every process recovers by itself once the store is back.
+The claim: a PostgreSQL outage of 60 s (20 s outside `make chaos`) during a batch loses no report and runs no
+successor twice; the reports wait (`fanin_report_timeout`, 300 s by default) and every process recovers by itself
+once the store is back.
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ def _hold_cut(proxy: TcpProxy, seconds: float, procs: list[CeleryProcess]) -> No
     wait_for(over, seconds + 10, interval=0.5, message=f"{seconds}s of outage")
 
 
+# 20 s in the default suite (more than three times the retry budget reports had before they waited for the store);
+# the full 60 s with the fault-injection suite (`make chaos`, run by CI), beside its 60 s stop of PostgreSQL itself.
 @pytest.mark.timeout(240)
-def test_a_60s_database_outage_loses_no_report_and_runs_no_successor_twice(
-    producer: Any, processes: Any, successor_runs: Runs, pg_proxy: TcpProxy, e2e_env: dict[str, str]
+@pytest.mark.parametrize("seconds", [pytest.param(20, id="20s"), pytest.param(60, id="60s", marks=pytest.mark.chaos)])
+def test_a_database_outage_loses_no_report_and_runs_no_successor_twice(
+    producer: Any, processes: Any, successor_runs: Runs, pg_proxy: TcpProxy, e2e_env: dict[str, str], seconds: int
 ) -> None:
     env = _through(pg_proxy, e2e_env)  # default settings: fanin_report_timeout is 300 s
     worker = processes.worker(extra_env=env, concurrency=4)
@@ -69,7 +73,7 @@ def test_a_60s_database_outage_loses_no_report_and_runs_no_successor_twice(
     wait_for(lambda: _children(producer, handle.batch_id).get("started") == 4, 30, message="4 children started")
     assert _children(producer, handle.batch_id) == {"failed": 1, "started": 4}
     pg_proxy.cut()  # every child ends about 3 s from now, inside the outage
-    _hold_cut(pg_proxy, 60, [worker, relay])
+    _hold_cut(pg_proxy, seconds, [worker, relay])
     assert _children(producer, handle.batch_id) == {"failed": 1, "started": 4}  # nothing got through meanwhile
     assert pg_proxy.refused > 0  # the worker and relay kept trying
     pg_proxy.restore()
