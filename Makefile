@@ -21,7 +21,7 @@ demo: install
 
 ## Run the test suite against the local PostgreSQL, Redis and RabbitMQ (it never restarts or stops them).
 test: install
-	$(BIN)/python -m pytest -m "not chaos and not breakages"
+	$(BIN)/python -m pytest -m "not chaos and not breakages" --durations=25
 
 ## Evidence that the protocol model can fail: it must find each deliberate breakage of the SQL functions (CI runs it).
 breakages: install

@@ -663,3 +663,29 @@ def test_a_chain_is_published_as_celerys_chain_publishes_it(
     if "link_error" in options:
         assert all(list(t["options"]["link_error"][0]["args"]) == ["failed"] for t in rest)
         assert list(our_body[2]["errbacks"][0]["args"]) == ["failed"]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-message"])
+def test_a_successor_is_on_redis_when_the_producer_context_exits_batched_or_not(
+    e2e_env: dict[str, str], batched: bool
+) -> None:
+    """A worker publishing the one successor its report handed it uses an unbatched producer (no Redis client made
+    for a batch of one): its message is written as it is published. A batched producer writes at the context's
+    exit. Either way it is on the broker, once, when the context has exited."""
+    import redis
+
+    url = e2e_env["FANIN_TEST_BROKER"]
+    app = Celery("tests.app", broker=url, set_as_current=False)
+    queue = f"pub-{uuid.uuid4().hex[:10]}"
+    app.conf.task_default_queue = queue
+    publish_tasks.register(app)
+    echo = app.tasks[publish_tasks.ECHO]
+    client = redis.Redis.from_url(url)
+    try:
+        with publish.producer(app, batched=batched) as prod:
+            publish.publish_successor(app, prod, uuid.uuid4(), "then", str(uuid.uuid4()), echo.s(), {"succeeded": 1})
+            assert client.llen(queue) == (0 if batched else 1)
+        assert client.llen(queue) == 1
+    finally:
+        client.delete(queue)
+        client.close()

@@ -160,7 +160,7 @@ def _publish_handed_off(fanin: FanIn, rows: Sequence[outbox.OutboxRow]) -> int:
     sooner: the relay is not woken for it), and the guard refuses that copy. Only a completed batch is handed off,
     so nothing here abandons children."""
     with contextlib.ExitStack() as stack:
-        send = _to_broker(fanin.app, stack.enter_context(publish.producer(fanin.app)))
+        send = _to_broker(fanin.app, stack.enter_context(publish.producer(fanin.app, batched=len(rows) > 1)))
         # A complete batch with no failures needs no read for its outcome (see build_outcome).
         failures = any(row.batch is not None and row.batch.failed for row in rows)
         conn = stack.enter_context(fanin.engine.connect()) if failures else None
