@@ -11,6 +11,8 @@ import psycopg
 import pytest
 from sqlalchemy import event, text
 
+from tests.workers import wait_for
+
 from .machine import engine_for
 from .sessions import Op, Session, Shared, settle
 
@@ -25,10 +27,7 @@ def test_settle_waits_for_a_released_transaction_to_commit(scratch_db: Callable[
     monitor = psycopg.connect(url, autocommit=True)
     try:
         session.submit(Op("hold", lambda conn: conn.execute(text("SELECT 1")).scalar_one()), hold=True)
-        deadline = time.monotonic() + 10
-        while not session.holding:
-            assert time.monotonic() < deadline, "the held operation did not run"
-            time.sleep(0.01)
+        wait_for(lambda: session.holding, 10, message="the held operation to run")
 
         def slow_commit(*_: Any) -> None:  # a commit that takes a while to land, as on a busy machine
             time.sleep(0.5)
