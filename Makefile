@@ -20,8 +20,12 @@ demo: install
 	$(BIN)/python -m example_app.demo
 
 ## Run the test suite against the local PostgreSQL, Redis and RabbitMQ (it never restarts or stops them).
+## TEST_PROCESSES test sessions run side by side (pytest-xdist), each with a database, a Redis database number and
+## queues of its own: most of an end-to-end test is waiting for real workers to start, work and stop, so two halve
+## the suite's time on two cores. TEST_PROCESSES=0 runs it in this one process.
+TEST_PROCESSES ?= 2
 test: install
-	$(BIN)/python -m pytest -m "not chaos and not breakages" --durations=25
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) -m "not chaos and not breakages" --durations=25
 
 ## Evidence that the protocol model can fail: it must find each deliberate breakage of the SQL functions (CI runs it).
 breakages: install

@@ -2,6 +2,10 @@
 
 Every test talks to the real services. A service that cannot be reached fails the run (it never skips): the
 suite's claims are about Postgres and a real broker, and a skipped claim is an untested one.
+
+Nothing a session uses is shared with another session on the machine (its database, its Redis database number,
+its RabbitMQ queues, its roles, its ports), so `make test` runs several side by side: each pytest-xdist worker is a
+session of its own.
 """
 
 from __future__ import annotations

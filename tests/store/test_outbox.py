@@ -172,11 +172,18 @@ def test_mark_sent_not_durable_commits_without_waiting_for_the_wal_flush(
     """Not durable, the mark's transaction (only) commits asynchronously: the lock on the successor's row, which a
     start guard may be waiting on, goes at once; the rows are marked all the same (docs/concepts/outbox.md)."""
     [outbox_id] = make_outbox_rows(1)
-    with store_engine.begin() as conn:
-        outbox.mark_sent(conn, outbox.claim(conn, 1), durable=durable)
-        assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == commit_mode
     with store_engine.connect() as conn:
+        # On for the session whatever the server's default (the embedded test server's is off), so that both
+        # the transaction's setting and its end are seen.
+        conn.execute(text("SET synchronous_commit = on"))
+        conn.commit()
+        with conn.begin():
+            outbox.mark_sent(conn, outbox.claim(conn, 1), durable=durable)
+            assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == commit_mode
         assert conn.execute(text("SHOW synchronous_commit")).scalar_one() == "on"  # that transaction's alone
+        conn.rollback()
+        conn.execute(text("RESET synchronous_commit"))
+        conn.commit()
         row = _outbox(conn, outbox_id)
     assert row["sent_at"] is not None and row["successor_state"] == "sent"
 
