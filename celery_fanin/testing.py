@@ -21,6 +21,7 @@ from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.worker import WorkController
 from psycopg import sql
+from sqlalchemy import make_url
 
 from .embedded import EmbeddedPostgres
 from .extension import FanIn
@@ -91,13 +92,65 @@ def _migrate(url: str) -> None:
         fanin.dispose()
 
 
+_MAX_IDENTIFIER = 63  # PostgreSQL's NAMEDATALEN - 1 bytes
+
+
+def worker_database_name(database: str, worker: str) -> str:
+    """The database a pytest-xdist worker uses instead of the configured one: `<database>_<worker>`, cut to fit."""
+    suffix = f"_{worker}"
+    base = database.encode()[: _MAX_IDENTIFIER - len(suffix.encode())].decode(errors="ignore")
+    return base + suffix
+
+
+@contextlib.contextmanager
+def _worker_database(url: str, worker: str) -> Iterator[str]:
+    """A database of this pytest-xdist worker's own beside the configured one, created on the same server by the
+    same role, and dropped afterwards if it was created here.
+
+    Each test empties the fan-in tables first: workers sharing one database would empty them under each other's
+    running tests. A database that already exists (made beforehand by someone allowed to) is used as it is.
+    """
+    parsed = make_url(url)
+    name = worker_database_name(parsed.database or "", worker)
+    with psycopg.connect(libpq_conninfo(url), autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+        if not exists:
+            try:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            except psycopg.errors.DuplicateDatabase:
+                exists = True  # another run made it meanwhile: used, not dropped
+            except psycopg.errors.InsufficientPrivilege as exc:
+                pytest.fail(
+                    f"celery-fanin: pytest-xdist worker {worker} needs a test database of its own, {name!r} beside "
+                    f"{parsed.database!r}, and role {parsed.username!r} may not create it ({exc}). Grant the role "
+                    f"CREATEDB, create {name!r} (and one per worker) beforehand, or run without -n.",
+                    pytrace=False,
+                )
+    worker_url = parsed.set(database=name).render_as_string(hide_password=False)
+    try:
+        yield worker_url
+    finally:
+        if not exists:
+            with psycopg.connect(libpq_conninfo(url), autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
 @pytest.fixture(scope="session")
 def fanin_database_url(pytestconfig: pytest.Config) -> Iterator[str]:
-    """A migrated database for the session: the configured test database, or an embedded server's."""
+    """A migrated database for the session: the configured test database (under pytest-xdist, one per worker
+    beside it), or an embedded server's (one per worker process anyway)."""
     url = _configured_url(pytestconfig)
     if url is not None:
-        _migrate(url)
-        yield url
+        # A pytest-xdist worker's config carries its id ("gw0", ...); its environment's PYTEST_XDIST_WORKER would
+        # also reach a pytest that a test runs in a subprocess, which is no worker.
+        worker = getattr(pytestconfig, "workerinput", {}).get("workerid")
+        if not worker:
+            _migrate(url)
+            yield url
+            return
+        with _worker_database(url, worker) as worker_url:
+            _migrate(worker_url)
+            yield worker_url
         return
     base = Path(tempfile.mkdtemp(prefix="celery-fanin-pytest-"))
     base.chmod(0o755)  # run as root, the server runs as another user, which must reach its data directory

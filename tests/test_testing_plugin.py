@@ -5,7 +5,12 @@ Each test writes a small test suite with `pytester` and runs it in a pytest subp
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+
+import psycopg
 import pytest
+from sqlalchemy import make_url
 
 pytest_plugins = ["pytester"]
 CONTRIB = "celery.contrib.pytest"  # Celery's own fixtures (celery_app, celery_config), which the live ones use
@@ -262,12 +267,12 @@ def test_off_unless_enabled(pytester: pytest.Pytester) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("broker", ["redis", "memory"])
+@pytest.mark.parametrize("broker", ["redis", "memory", "memory-xdist"])
 def test_live_worker_and_relay_fixtures_on_celery_contrib_pytest(
     pytester: pytest.Pytester, database_url: str, clean_redis: str, broker: str
 ) -> None:
     """`fanin_worker` and `fanin_relay` on Celery's own `celery_app`, configured by `celery_config`: the user's
-    Redis broker, or Celery's default in-memory one."""
+    Redis broker, or Celery's default in-memory one (also under pytest-xdist, each worker on its own database)."""
     _ini(pytester, database_url)
     if broker == "redis":
         pytester.makeconftest(
@@ -275,7 +280,8 @@ def test_live_worker_and_relay_fixtures_on_celery_contrib_pytest(
             f"    return {{'broker_url': {clean_redis!r}}}\n"
         )
     pytester.makepyfile(test_live=LIVE_TESTS)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", CONTRIB)
+    xdist = ["-n", "2"] if broker == "memory-xdist" else []
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", CONTRIB, *xdist)
     result.assert_outcomes(passed=2)
     if broker == "redis":
         import redis
@@ -306,3 +312,120 @@ def test_the_live_fixtures_say_when_celery_contrib_pytest_is_not_enabled(
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*run on celery.contrib.pytest's celery_app: enable that plugin too*"])
+
+
+XDIST_TESTS = """
+import os
+
+import psycopg
+import pytest
+from celery_fanin import BatchOutcome, fan_in_group
+
+CONFIGURED = {configured!r}
+
+
+@pytest.fixture
+def double(fanin_app):
+    @fanin_app.task
+    def double(i):
+        return 2 * i
+
+    @fanin_app.task
+    def total(outcome):
+        return BatchOutcome.from_message(outcome, app=fanin_app).succeeded
+
+    return double, total
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_each_worker_has_a_migrated_empty_database_of_its_own(fanin_database, fanin_run, double, i):
+    url = fanin_database.replace("postgresql+psycopg://", "postgresql://")
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT current_database()").fetchone() == (CONFIGURED + "_" + worker,)
+        assert conn.execute("SELECT count(*) FROM fanin_batches").fetchone() == (0,)
+    task, total = double
+    handle = fanin_run(fan_in_group([task.s(i), task.s(i + 1)], then=total.s()))
+    assert handle.status().succeeded == 2 and handle.successor().result == 2
+"""
+
+
+def _databases(prefix: str) -> set[str]:
+    from tests.conftest import _admin
+
+    with _admin() as admin:
+        rows = admin.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", (prefix + "%",)).fetchall()
+    return {r[0] for r in rows}
+
+
+@pytest.fixture
+def configured_db() -> Iterator[tuple[str, str]]:
+    """A database a user's ini names (its name, its URL), with a table of the user's own that the plugin's emptying
+    reaches (`fanin_*`) and a row in it; it and every database named after it are dropped afterwards."""
+    from tests.conftest import ADMIN_URL, _admin
+
+    name = f"fanin_plugin_{uuid.uuid4().hex[:10]}"
+    url = f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+    with _admin() as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE fanin_users_own (x int)")
+        conn.execute("INSERT INTO fanin_users_own VALUES (1)")
+    try:
+        yield name, url
+    finally:
+        with _admin() as admin:
+            for db in _databases(name):
+                admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')  # generated identifiers
+
+
+@pytest.mark.timeout(240)
+def test_under_xdist_each_worker_gets_a_database_of_its_own(
+    pytester: pytest.Pytester, configured_db: tuple[str, str]
+) -> None:
+    """With `-n 2` each worker migrates and empties `<configured>_gw0` / `_gw1`, never the configured database
+    (whose fan-in tables each test would otherwise empty under the other worker's running test); a worker's
+    database made beforehand is used and kept, one the plugin made is dropped at the end."""
+    name, url = configured_db
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}_gw1"')  # made beforehand (by someone allowed to): kept
+    _ini(pytester, url)
+    pytester.makepyfile(test_xdist=XDIST_TESTS.format(configured=name))
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(passed=6)
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT x FROM fanin_users_own").fetchall() == [(1,)]  # never emptied
+        assert conn.execute("SELECT to_regclass('fanin_batches')").fetchone() == (None,)  # never migrated
+    assert _databases(name) == {name, f"{name}_gw1"}
+
+
+@pytest.mark.timeout(240)
+def test_under_xdist_a_role_that_cannot_create_databases_is_told_what_to_do(
+    pytester: pytest.Pytester, configured_db: tuple[str, str]
+) -> None:
+    from tests.conftest import _admin
+
+    name, url = configured_db
+    role = f"fanin_nocreatedb_{uuid.uuid4().hex[:8]}"
+    with _admin() as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN NOCREATEDB')  # a generated identifier
+    try:
+        role_url = make_url(url).set(username=role).render_as_string(hide_password=False)
+        _ini(pytester, role_url)
+        pytester.makepyfile(test_xdist=XDIST_TESTS.format(configured=name))
+        result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-n", "2")
+        result.assert_outcomes(errors=6)
+        result.stdout.fnmatch_lines([f"*may not create it*Grant the role CREATEDB, create '{name}_gw*"])
+        assert _databases(name) == {name}
+    finally:
+        with _admin() as admin:
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_a_workers_database_name_fits_postgresql() -> None:
+    from celery_fanin.testing import worker_database_name
+
+    assert worker_database_name("app_test", "gw3") == "app_test_gw3"
+    long = "t" * 70
+    assert worker_database_name(long, "gw12") == "t" * 58 + "_gw12"
+    assert len(worker_database_name("é" * 40, "gw0").encode()) <= 63  # bytes, not characters, and no split letter
