@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -142,6 +142,26 @@ def redis_url() -> Iterator[str]:
     finally:
         if client.get(REDIS_CLAIM_KEY) == token.encode():
             client.delete(REDIS_CLAIM_KEY)
+
+
+@pytest.fixture
+def fresh_db() -> Iterator[Callable[[], str]]:
+    """`fresh_db()`: the URL of a new empty database (no schema at all); every one is dropped after the test."""
+    names: list[str] = []
+
+    def create() -> str:
+        name = f"fanin_fresh_{uuid.uuid4().hex[:10]}"
+        with _admin() as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
+        names.append(name)
+        return f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+
+    try:
+        yield create
+    finally:
+        with _admin() as admin:
+            for name in names:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ Each test writes a small test suite with `pytester` and runs it in a pytest subp
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -359,24 +359,20 @@ def _databases(prefix: str) -> set[str]:
 
 
 @pytest.fixture
-def configured_db() -> Iterator[tuple[str, str]]:
+def configured_db(fresh_db: Callable[[], str]) -> Iterator[tuple[str, str]]:
     """A database a user's ini names (its name, its URL), with a table of the user's own that the plugin's emptying
-    reaches (`fanin_*`) and a row in it; it and every database named after it are dropped afterwards."""
-    from tests.conftest import ADMIN_URL, _admin
+    reaches (`fanin_*`) and a row in it; the workers' databases named after it are dropped afterwards too."""
+    from tests.conftest import _admin
 
-    name = f"fanin_plugin_{uuid.uuid4().hex[:10]}"
-    url = f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
-    with _admin() as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
+    url = fresh_db()
+    name = str(make_url(url).database)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE fanin_users_own (x int)")
         conn.execute("INSERT INTO fanin_users_own VALUES (1)")
-    try:
-        yield name, url
-    finally:
-        with _admin() as admin:
-            for db in _databases(name):
-                admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')  # generated identifiers
+    yield name, url
+    with _admin() as admin:
+        for db in _databases(name) - {name}:  # `fresh_db` drops the configured one
+            admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')  # generated identifiers
 
 
 @pytest.mark.timeout(240)

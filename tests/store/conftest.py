@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import uuid
 from collections.abc import Callable, Iterator
 
 import psycopg
@@ -20,26 +19,6 @@ from .helpers import Tasks, define_tasks, make_engine
 
 def _admin() -> psycopg.Connection:
     return psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=5)
-
-
-@pytest.fixture
-def fresh_db() -> Iterator[Callable[[], str]]:
-    """`fresh_db()`: the URL of a new empty database (no schema at all); every one is dropped after the test."""
-    names: list[str] = []
-
-    def create() -> str:
-        name = f"fanin_fresh_{uuid.uuid4().hex[:10]}"
-        with _admin() as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')  # a generated identifier, not input
-        names.append(name)
-        return f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}"
-
-    try:
-        yield create
-    finally:
-        with _admin() as admin:
-            for name in names:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
