@@ -13,12 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
-from urllib.parse import unquote
 
 import psycopg
 from celery import Celery
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import redact
@@ -26,6 +24,7 @@ from .exceptions import FanInDatabaseError, FanInNotConfigured, summarise
 from .store import migrate
 from .store.pooler import transaction_pooled
 from .store.reports import ReportConnection, connect_options
+from .store.urls import sqlalchemy_url
 
 F = TypeVar("F", bound="FanIn")
 
@@ -192,24 +191,15 @@ def _seconds(name: str, value: Any) -> Any:
 
 
 def normalise_database_url(url: str) -> str:
-    """Accept `postgresql://` and `postgres://` URLs and select the psycopg 3 driver SQLAlchemy needs."""
+    """Accept `postgresql://` and `postgres://` URLs, with one host or several (in SQLAlchemy's `?host=a:5432&host=
+    b:5432` form or libpq's `a:5432,b:5432`), and select the psycopg 3 driver SQLAlchemy needs."""
     redact.remember(url)  # before anything can quote it back (a parse error, a driver error)
     try:
-        parsed = make_url(url.replace("postgres://", "postgresql://", 1) if url.startswith("postgres://") else url)
-        parsed.port  # noqa: B018  (parsed on access: a bad port is a configuration error here, not later)
+        parsed = sqlalchemy_url(url)
     except (ValueError, ArgumentError) as exc:
         raise FanInNotConfigured(f"fanin_database_url is not a valid URL: {redact.redact(str(exc))}") from None
     if parsed.get_backend_name() != "postgresql":
         raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
-    if parsed.drivername in ("postgresql", "postgresql+psycopg2"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.host and parsed.host[:3].lower() == "%2f":
-        # libpq's URI form of a Unix-socket directory (`postgresql://user@%2Fvar%2Frun/db`, as the embedded server's
-        # URLs are): SQLAlchemy hands the host to the driver undecoded, so it goes in the query, where it is decoded.
-        query = {**parsed.query, "host": unquote(parsed.host)}
-        parsed = URL.create(
-            parsed.drivername, parsed.username, parsed.password, None, parsed.port, parsed.database, query
-        )
     return parsed.render_as_string(hide_password=False)
 
 

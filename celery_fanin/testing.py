@@ -21,7 +21,6 @@ from celery import Celery
 from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.worker import WorkController
 from psycopg import sql
-from sqlalchemy import make_url
 
 from .embedded import EmbeddedPostgres
 from .extension import FanIn
@@ -30,6 +29,7 @@ from .producer.group import FanInGroup
 from .producer.result import EagerFanInResult
 from .relay.loop import Relay
 from .store.reports import libpq_conninfo
+from .store.urls import sqlalchemy_url
 from .worker import hooks
 
 CONTRIB_PLUGIN = "celery.contrib.pytest"
@@ -110,7 +110,7 @@ def _worker_database(url: str, worker: str) -> Iterator[str]:
     Each test empties the fan-in tables first: workers sharing one database would empty them under each other's
     running tests. A database that already exists (made beforehand by someone allowed to) is used as it is.
     """
-    parsed = make_url(url)
+    parsed = sqlalchemy_url(url)  # either several-host form too
     name = worker_database_name(parsed.database or "", worker)
     with psycopg.connect(libpq_conninfo(url), autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None

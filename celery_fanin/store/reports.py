@@ -22,7 +22,6 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
-from sqlalchemy.engine import make_url
 
 from .batches import (
     RECORD_STARTS,
@@ -41,6 +40,9 @@ from .batches import (
 from .outbox import HANDED_OFF, MARK_SENT_ASYNC, OutboxRow, handed_off_rows
 from .statements import Statement
 from .successors import CLAIM_RUN, COUNT_DUPLICATE
+from .urls import libpq_conninfo, sqlalchemy_url
+
+__all__ = ["CONNECT_OPTIONS", "ReportConnection", "connect_options", "libpq_conninfo"]
 
 # Every connection the library opens itself: give up connecting after 10 s, and let TCP find a peer that vanished
 # without closing (a network cut, a host gone) in well under a minute, instead of a report hanging on it for the
@@ -57,13 +59,8 @@ CONNECT_OPTIONS: dict[str, int] = {
 
 def connect_options(url: str) -> dict[str, int]:
     """`CONNECT_OPTIONS` less those the URL sets itself (the URL wins)."""
-    given = make_url(url).query
+    given = sqlalchemy_url(url).query
     return {k: v for k, v in CONNECT_OPTIONS.items() if k not in given}
-
-
-def libpq_conninfo(sqlalchemy_url: str) -> str:
-    """The libpq URI for a SQLAlchemy PostgreSQL URL (drops the `+psycopg` driver suffix)."""
-    return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 class ReportConnection:
