@@ -21,6 +21,7 @@ from celery.exceptions import Reject
 from celery.worker.control import inspect_command
 
 from celery_fanin import BatchOutcome, FanIn
+from celery_fanin.store.reports import libpq_conninfo
 
 BROKER_URL = os.environ.get("FANIN_TEST_BROKER", "redis://127.0.0.1:6379/15")
 
@@ -113,10 +114,8 @@ CREATE TABLE IF NOT EXISTS e2e_successor_runs (
 
 def _db() -> psycopg.Connection:
     # FANIN_TEST_RUNS_URL: the database without the fault proxy a test may put in front of FANIN_DATABASE_URL.
-    url = (os.environ.get("FANIN_TEST_RUNS_URL") or os.environ["FANIN_DATABASE_URL"]).replace(
-        "postgresql+psycopg://", "postgresql://"
-    )
-    return psycopg.connect(url, autocommit=True)
+    url = os.environ.get("FANIN_TEST_RUNS_URL") or os.environ["FANIN_DATABASE_URL"]
+    return psycopg.connect(libpq_conninfo(url), autocommit=True)  # several hosts too (tests/ha)
 
 
 def _redis() -> redis.Redis:

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 from kombu import Connection
 
+from celery_fanin.store.reports import libpq_conninfo
 from tests import app as tasks
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -32,7 +33,7 @@ def on_broker(env: dict[str, str], broker: str) -> Iterator[dict[str, str]]:
     env = {**env, "FANIN_TEST_QUEUE": queue}
     if broker == "rabbitmq":
         env["FANIN_TEST_BROKER"] = RABBITMQ_URL
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+    with psycopg.connect(libpq_conninfo(env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
         conn.execute(tasks.ATTEMPTS_DDL)
         conn.execute("TRUNCATE e2e_attempts")
     _reset_broker_pools()

@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from celery_fanin.store.reports import libpq_conninfo
 from tests.workers import CeleryProcess, start_relay, start_worker
 
 
@@ -148,7 +149,8 @@ def successor_runs(e2e_env: dict[str, str]) -> Callable[[str], list[dict[str, An
     """The runs the successor body itself recorded for a batch."""
 
     def runs(batch_id: str) -> list[dict[str, Any]]:
-        with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        # a URL of several hosts too (tests/ha), read as the library reads it
+        with psycopg.connect(libpq_conninfo(e2e_env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT label, outcome, values FROM e2e_successor_runs WHERE batch_id = %s ORDER BY id", (batch_id,)
             ).fetchall()

@@ -1,0 +1,145 @@
+"""A PostgreSQL failover mid-batch (issue 39): a primary with a synchronous standby of the test's own
+(tests/cluster.py), every process given a URL that names both, the primary stopped as a crash would stop it and the
+standby promoted while a real worker reports and a real relay listens.
+
+The claim: every process finds the new primary by itself (no restart), the relay listens again, no report is lost
+and none is counted twice, the successor runs once, and the producer that made a batch before the failover makes
+and finishes one after it. The time from the primary's stop until the batch makes progress again, and how many
+reports were retried, are printed (RELIABILITY.md quotes them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from celery_fanin import fan_in_group
+from celery_fanin.protocol import OUTBOX_CHANNEL
+from celery_fanin.store.reports import libpq_conninfo
+from tests import app as tasks
+from tests.cluster import Cluster, cluster
+from tests.e2e.brokers import on_broker
+from tests.workers import RELAY_PUBLISHES, wait_for
+
+pytestmark = [pytest.mark.e2e]
+
+Runs = Callable[[str], list[dict[str, Any]]]
+CHILDREN = 300
+
+
+def migrate(made: Cluster) -> None:
+    from celery import Celery
+
+    from celery_fanin import FanIn
+
+    app = Celery("fanin-ha-migrate", set_as_current=False)
+    app.conf.fanin_database_url = made.sqlalchemy_url
+    fanin = FanIn(app)
+    fanin.migrate()
+    fanin.dispose()
+    with made.primary.connect() as conn:
+        conn.execute(tasks.RUNS_TABLE_DDL)
+
+
+@pytest.fixture
+def ha_cluster() -> Iterator[Cluster]:
+    """A primary with a synchronous standby, migrated; stopped and deleted after the test."""
+    with cluster(synchronous=True) as made:
+        migrate(made)
+        yield made
+
+
+@pytest.fixture
+def e2e_env(ha_cluster: Cluster, clean_redis: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The e2e environment on the cluster: on Redis with SQLAlchemy's several-host URL, on RabbitMQ with libpq's,
+    so that each form is run end to end."""
+    broker = getattr(request, "param", "redis")
+    url = ha_cluster.sqlalchemy_url if broker == "redis" else ha_cluster.libpq_url
+    with on_broker({"FANIN_DATABASE_URL": url, "FANIN_TEST_BROKER": clean_redis}, broker) as env:
+        yield env
+
+
+def read(made: Cluster, sql: str, *params: Any) -> list[tuple[Any, ...]] | None:
+    """Rows from whichever server takes writes now, or None while none does (mid-failover)."""
+    try:
+        with psycopg.connect(libpq_conninfo(made.libpq_url), autocommit=True, connect_timeout=2) as conn:
+            return conn.execute(sql, params).fetchall()
+    except psycopg.OperationalError:
+        return None
+
+
+def children(made: Cluster, batch_id: str) -> dict[str, int] | None:
+    """The states of a batch's children, its leaves' included (a batch of 300 is a root over leaves of 150)."""
+    found = read(
+        made,
+        "SELECT c.state, count(*) FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id"
+        " WHERE b.id = %s OR b.parent_id = %s GROUP BY c.state",
+        batch_id,
+        batch_id,
+    )
+    return None if found is None else {state: n for state, n in found}
+
+
+def succeeded(made: Cluster, batch_id: str) -> int:
+    return (children(made, batch_id) or {}).get("succeeded", 0)
+
+
+def listening(made: Cluster) -> bool:
+    """A session on the current primary LISTENs for the outbox (the relay's)."""
+    found = read(
+        made,
+        "SELECT count(*) FROM pg_stat_activity WHERE query = %s AND pid <> pg_backend_pid()",
+        f"LISTEN {OUTBOX_CHANNEL}",
+    )
+    return bool(found and found[0][0] >= 1)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("e2e_env", ["redis", "rabbitmq"], indirect=True)
+def test_a_failover_mid_batch_loses_nothing_and_runs_no_successor_twice(
+    ha_cluster: Cluster, e2e_env: dict[str, str], processes: Any, producer: Any, successor_runs: Runs
+) -> None:
+    # Successors only through the relay, so that the relay's path after the failover is the one tested.
+    worker = processes.worker(extra_env=RELAY_PUBLISHES, concurrency=4)
+    assert f"transport:   {e2e_env['FANIN_TEST_BROKER'].split(':')[0]}://" in worker.output()
+    relay = processes.relay(process=True)
+    before = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("before")).apply_async()
+    assert before.wait(timeout=30).successor_state == "succeeded"
+    assert listening(ha_cluster)
+
+    batch = fan_in_group([tasks.sleepy.s(0.05) for _ in range(CHILDREN)], then=tasks.record_run.s("big")).apply_async()
+    wait_for(
+        lambda: succeeded(ha_cluster, batch.batch_id) >= CHILDREN // 5,
+        60,
+        message="a fifth of the batch done",
+    )
+    stopped = ha_cluster.fail_over()
+    # The new primary starts from what the old one had committed (synchronous: all of it); progress is more.
+    at_stop = succeeded(ha_cluster, batch.batch_id)
+    wait_for(
+        lambda: succeeded(ha_cluster, batch.batch_id) > at_stop,
+        60,
+        interval=0.05,
+        message="the batch to make progress on the new primary",
+    )
+    resumed = time.monotonic() - stopped
+
+    # The same producer, with the engine it used before the failover, makes and finishes a batch after it.
+    after = fan_in_group([tasks.ok.s(i) for i in range(20)], then=tasks.record_run.s("after")).apply_async()
+    for handle, planned in ((batch, CHILDREN), (after, 20)):
+        status = handle.wait(timeout=90)
+        assert (status.succeeded, status.failed, status.remaining, status.planned) == (planned, 0, 0, planned)
+        assert status.successor_state == "succeeded" and status.successor_runs == 1
+        assert children(ha_cluster, handle.batch_id) == {"succeeded": planned}  # none lost, none counted twice
+        runs = successor_runs(handle.batch_id)
+        assert len(runs) == 1 and runs[0]["outcome"]["succeeded"] == planned
+    wait_for(lambda: listening(ha_cluster), 10, message="the relay LISTENing on the new primary")
+    assert worker.proc.poll() is None and relay.proc.poll() is None  # nobody restarted
+    log = worker.output()
+    assert "gave up" not in log
+    retried = log.count("failed (attempt 1,")  # each report that met the failover, once
+    print(f"\nfailover: progress {resumed:.2f}s after the primary's stop; {retried} reports retried")
