@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import redis
 
 from celery_fanin import fan_in_group
 from celery_fanin.protocol import OUTBOX_CHANNEL
@@ -46,9 +47,10 @@ def migrate(made: Cluster) -> None:
 
 
 @pytest.fixture
-def ha_cluster() -> Iterator[Cluster]:
-    """A primary with a synchronous standby, migrated; stopped and deleted after the test."""
-    with cluster(synchronous=True) as made:
+def ha_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A primary with a synchronous standby (parametrized False: asynchronous), migrated; stopped and deleted after
+    the test."""
+    with cluster(synchronous=getattr(request, "param", True)) as made:
         migrate(made)
         yield made
 
@@ -143,3 +145,68 @@ def test_a_failover_mid_batch_loses_nothing_and_runs_no_successor_twice(
     assert "gave up" not in log
     retried = log.count("failed (attempt 1,")  # each report that met the failover, once
     print(f"\nfailover: progress {resumed:.2f}s after the primary's stop; {retried} reports retried")
+
+
+def on_standby(made: Cluster, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    with made.standby.connect() as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def successor_state(made: Cluster, batch_id: str) -> str | None:
+    found = read(made, "SELECT successor_state FROM fanin_nodes WHERE id = %s", batch_id)
+    return found[0][0] if found else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ha_cluster", [pytest.param(False, id="async")], indirect=True)
+def test_asynchronous_replication_loses_the_last_commits_and_still_converges(
+    ha_cluster: Cluster, e2e_env: dict[str, str], processes: Any, producer: Any, successor_runs: Runs
+) -> None:
+    """What asynchronous replication costs (docs/how-to/high-availability.md): the commits the old primary
+    acknowledged after the standby's last receipt are gone after the promotion. Here they are the children's
+    terminal reports and the successor's whole run (admission, finish, its own record): on the new primary the
+    children are still `started` and there is no successor. Nothing hangs: child_timeout counts them `lost`
+    (failed; `on_lost="redrive"` would run them again), the batch completes, and its successor runs again.
+    `succeeded + failed == planned` holds; exactly once does not (the successor's body ran twice, and four children
+    that succeeded are counted failed): that needs a synchronous standby."""
+    env = {"FANIN_TEST_REAPER_INTERVAL": "0.5"}
+    processes.worker(extra_env=env, concurrency=4)
+    processes.relay(extra_env=env)
+    batch = fan_in_group(
+        [tasks.sleepy.s(2) for _ in range(4)], then=tasks.slow_once_successor.s("async", 0.2), child_timeout=8
+    ).apply_async()
+    # The children's starts reach the standby; then it receives nothing more.
+    wait_for(
+        lambda: (
+            on_standby(
+                ha_cluster,
+                "SELECT count(*) FROM fanin_children WHERE batch_id = %s AND state = 'started'",
+                batch.batch_id,
+            )
+            == [(4,)]
+        ),
+        30,
+        message="the four starts replicated",
+    )
+    ha_cluster.detach_standby()
+    wait_for(
+        lambda: successor_state(ha_cluster, batch.batch_id) == "succeeded",
+        30,
+        message="the batch done on the old primary",
+    )
+    assert len(successor_runs(batch.batch_id)) == 1
+    broker = redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"])
+    body_runs = f"e2e:slow_once_successor:{batch.batch_id}"  # counted by the body itself, outside PostgreSQL
+    assert int(broker.get(body_runs) or 0) == 1
+
+    ha_cluster.fail_over()
+    # The new primary never saw the reports nor the successor.
+    assert children(ha_cluster, batch.batch_id) == {"started": 4}
+    assert successor_state(ha_cluster, batch.batch_id) is None and successor_runs(batch.batch_id) == []
+    status = batch.wait(timeout=60)  # child_timeout (8 s after the starts) and the relay's reaper end it
+    assert (status.succeeded, status.failed, status.remaining, status.planned) == (0, 4, 0, 4)
+    assert status.succeeded + status.failed == status.planned
+    assert children(ha_cluster, batch.batch_id) == {"lost": 4}
+    assert status.successor_state == "succeeded" and status.successor_runs == 1  # the store's count: one run
+    assert int(broker.get(body_runs) or 0) == 2  # the body's: two, one on each side of the failover
+    assert [r["outcome"]["failed"] for r in successor_runs(batch.batch_id)] == [4]
