@@ -10,6 +10,9 @@ reports were retried, are printed (RELIABILITY.md quotes them).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +27,7 @@ from celery_fanin.store.reports import libpq_conninfo
 from tests import app as tasks
 from tests.cluster import Cluster, cluster
 from tests.e2e.brokers import on_broker
-from tests.workers import RELAY_PUBLISHES, wait_for
+from tests.workers import RELAY_PUBLISHES, ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e]
 
@@ -210,3 +213,24 @@ def test_asynchronous_replication_loses_the_last_commits_and_still_converges(
     assert status.successor_state == "succeeded" and status.successor_runs == 1  # the store's count: one run
     assert int(broker.get(body_runs) or 0) == 2  # the body's: two, one on each side of the failover
     assert [r["outcome"]["failed"] for r in successor_runs(batch.batch_id)] == [4]
+
+
+@pytest.mark.timeout(90)
+def test_status_and_ls_read_from_a_standby(ha_cluster: Cluster, e2e_env: dict[str, str], producer: Any) -> None:
+    """The read-only views may be pointed at a standby (`target_session_attrs=prefer-standby`): with the primary
+    stopped and nothing promoted, `fanin status` and `fanin ls` still show a batch, from the standby."""
+    batch = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("ro")).apply_async()
+    ha_cluster.primary.stop("immediate")  # synchronous: the batch's commit is on the standby already
+    url = ha_cluster.libpq_url.replace("target_session_attrs=read-write", "target_session_attrs=prefer-standby")
+    env = {**e2e_env, "FANIN_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+    for args in (["status", batch.batch_id], ["ls"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.app", "fanin", *args],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stderr
+        assert batch.batch_id[:8] in done.stdout, done.stdout
