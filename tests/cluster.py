@@ -181,6 +181,21 @@ class Cluster:
             self.primary.reload()
         self.wait_streaming()
 
+    def migrate(self) -> None:
+        """celery-fanin's schema, and the table the tests' successors record their runs in."""
+        from celery import Celery
+
+        from celery_fanin import FanIn
+        from tests.app import RUNS_TABLE_DDL
+
+        app = Celery("fanin-ha-migrate", set_as_current=False)
+        app.conf.fanin_database_url = self.sqlalchemy_url
+        fanin = FanIn(app)
+        fanin.migrate()
+        fanin.dispose()
+        with self.primary.connect() as conn:
+            conn.execute(RUNS_TABLE_DDL)
+
     def wait_streaming(self, timeout: float = 30) -> None:
         """Until the primary sees the standby streaming (and, if synchronous, as its synchronous standby)."""
         want = "sync" if self.synchronous else "async"
@@ -203,6 +218,27 @@ class Cluster:
         stopped = time.monotonic()
         self.standby.promote()
         return stopped
+
+    def rejoin(self) -> None:
+        """After `fail_over`: the old primary made a standby of the new one (a fresh `pg_basebackup -R` into its
+        directory, on its own port), and the roles swapped, so that the cluster can fail over again. The URLs name
+        both ports, so they stay valid."""
+        old, new = self.primary, self.standby
+        if old.running:
+            old.stop("immediate")
+        shutil.rmtree(old.data)
+        new.run(
+            str(BIN / "pg_basebackup"),
+            *("-h", "127.0.0.1", "-p", str(new.port), "-U", USER, "-D", str(old.data)),
+            *("-R", "-X", "stream", "--no-sync", "-c", "fast"),
+        )
+        old.configure({"port": str(old.port), "cluster_name": "'standby'", "synchronous_standby_names": "''"})
+        old.start()
+        self.primary, self.standby = new, old
+        if self.synchronous:
+            new.configure({"synchronous_standby_names": "'standby'"})
+            new.reload()
+        self.wait_streaming()
 
     def detach_standby(self) -> None:
         """Stop the standby's WAL receiver: an empty primary_conninfo, reloaded (PostgreSQL 13+ restarts the

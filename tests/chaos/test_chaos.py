@@ -5,9 +5,12 @@ SIGKILL of a whole worker (one prefork worker runs with acks_late and task_rejec
 is a thread pool) and a replacement started; SIGKILL of a relay and a new one started; a second relay started or
 stopped; PostgreSQL restarted; PostgreSQL down for 60 s; the broker restarted (Redis without persistence: every
 queued message is lost; RabbitMQ: stop_app/start_app); child messages published a second time; and successors
-published again (duplicate deliveries, of running and of finished successors). Every successor retries itself
-once. Each fault is verified to have happened (the process is gone, the server's start time or connection
-changed); a fault that cannot be applied fails the run.
+published again (duplicate deliveries, of running and of finished successors). The `redis-failover` run adds
+PostgreSQL failovers: on a primary and a synchronous standby of the test's own (tests/cluster.py; every process
+given a URL naming both), the primary stopped with `immediate`, the standby promoted and the old primary rebuilt
+as the new standby, again and again; its restarts and its outage act on whichever server is primary. Every
+successor retries itself once. Each fault is verified to have happened (the process is gone, the server's start
+time or connection changed); a fault that cannot be applied fails the run.
 
 Afterwards, for every batch in the database: its successor's body ran exactly once (recorded by the successor
 itself), succeeded + failed == planned, the counters equal what the child rows say (no child counted twice),
@@ -19,6 +22,7 @@ CI runs the default size (about three minutes per broker); `--chaos-scale 5` run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -43,6 +47,8 @@ from sqlalchemy.engine import make_url
 from celery_fanin import FanIn, FanInDatabaseError, codec, fan_in_group
 from celery_fanin.broker import publish
 from celery_fanin.store.batches import Encoded
+from celery_fanin.store.reports import libpq_conninfo
+from tests.cluster import Cluster, cluster
 from tests.faults import release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
 
@@ -68,14 +74,19 @@ class Run:
 class Chaos:
     """The processes under test and the faults applied to them."""
 
-    def __init__(self, env: dict[str, str], tmp: Path, rng: random.Random, run: Run) -> None:
+    def __init__(self, env: dict[str, str], tmp: Path, rng: random.Random, run: Run, pg: Cluster | None = None) -> None:
         self.env = {**env, "FANIN_TEST_REAPER_INTERVAL": "1", "FANIN_TEST_SUCCESSOR_TIMEOUT": "10"}
-        # The faults restart this machine's PostgreSQL and broker: they must be the ones this run uses.
-        db = make_url(env["FANIN_DATABASE_URL"])
-        if (db.host, db.port or 5432) not in (("127.0.0.1", 5432), ("localhost", 5432)):
-            raise AssertionError(f"the chaos suite restarts the local PostgreSQL cluster; this run uses {db.host}")
-        self.admin_url = db.set(drivername="postgresql").render_as_string(hide_password=False)
-        self.pg_version = os.listdir("/etc/postgresql")[0]
+        # The PostgreSQL faults act on the test's own cluster (`pg`), else on this machine's PostgreSQL, which must
+        # then be the one this run uses; the broker's restart is always this machine's.
+        self.pg = pg
+        if pg is not None:
+            self.admin_url = libpq_conninfo(pg.libpq_url)
+        else:
+            db = make_url(env["FANIN_DATABASE_URL"])
+            if (db.host, db.port or 5432) not in (("127.0.0.1", 5432), ("localhost", 5432)):
+                raise AssertionError(f"the chaos suite restarts the local PostgreSQL cluster; this run uses {db.host}")
+            self.admin_url = db.set(drivername="postgresql").render_as_string(hide_password=False)
+            self.pg_version = os.listdir("/etc/postgresql")[0]
         broker = (
             make_url(env["FANIN_TEST_BROKER"].replace("redis://", "postgresql://", 1))
             if run.broker == "redis"
@@ -170,12 +181,20 @@ class Chaos:
             assert victim.proc.poll() is not None, "the second relay did not stop"
 
     def _postgres_started_at(self) -> Any:
+        """When the server that takes writes started (a restart, or a failover, changes it)."""
         with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as conn:
             row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
         assert row is not None
         return row[0]
 
     def _pg_ctl(self, action: str, *extra: str) -> None:
+        if self.pg is not None:  # the test's own cluster: the server that is primary now
+            server = self.pg.primary
+            if action in ("stop", "restart"):
+                server.stop(extra[-1] if extra else "fast")
+            if action in ("start", "restart"):
+                server.start()
+            return
         subprocess.run(
             ["pg_ctlcluster", "--skip-systemctl-redirect", self.pg_version, "main", action, *extra],
             check=True,
@@ -198,6 +217,16 @@ class Chaos:
         self._pg_ctl("start")
         after = wait_for(self._started_at_or_none, 60, 0.2, "PostgreSQL back")
         assert after != before
+
+    def fail_over(self) -> None:
+        """The primary stopped as a crash would, the standby promoted; then the old primary rebuilt as the new
+        primary's synchronous standby, so that the next failover has one to promote."""
+        assert self.pg is not None
+        before = self._postgres_started_at()
+        self.pg.fail_over()
+        after = wait_for(self._started_at_or_none, 60, 0.2, "the promoted standby taking writes")
+        assert after != before, "the same server is primary"
+        self.pg.rejoin()
 
     def _started_at_or_none(self) -> Any:
         try:
@@ -266,7 +295,7 @@ class Chaos:
 
     def duplicate_children(self, producer: Any) -> None:
         """Publish some unfinished children's stored messages again, as a broker redelivery would."""
-        with psycopg.connect(self.env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        with psycopg.connect(libpq_conninfo(self.env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT batch_id, idx, task_id, message, content_type, content_encoding FROM fanin_children "
                 "WHERE state IN ('pending', 'started') ORDER BY random() LIMIT 5"
@@ -281,7 +310,7 @@ class Chaos:
 
     def duplicate_successors(self) -> None:
         """Put sent successors' outbox rows back in line: the relay publishes them again (running or finished)."""
-        with psycopg.connect(self.env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        with psycopg.connect(libpq_conninfo(self.env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
             n = conn.execute(
                 "UPDATE fanin_outbox SET sent_at = NULL WHERE id IN (SELECT id FROM fanin_outbox"
                 " WHERE sent_at IS NOT NULL ORDER BY random() LIMIT 3)"
@@ -315,16 +344,28 @@ def _create_batches(
         stop.wait(rng.uniform(0.2, 1.5))
 
 
-@pytest.fixture(params=["redis", "rabbitmq"])
+@pytest.fixture(params=["redis", "rabbitmq", "redis-failover"])
 def broker_env(request: pytest.FixtureRequest, e2e_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The run's environment; `redis-failover` on a cluster of the test's own instead of the machine's
+    PostgreSQL (the test finds it as `request.node.chaos_cluster`)."""
+    queue = {"FANIN_TEST_QUEUE": f"chaos-{uuid.uuid4().hex[:8]}"}
     if request.param == "redis":
-        yield {**e2e_env, "FANIN_TEST_QUEUE": f"chaos-{uuid.uuid4().hex[:8]}"}
+        yield {**e2e_env, **queue}
+    elif request.param == "rabbitmq":
+        yield {**e2e_env, "FANIN_TEST_BROKER": RABBITMQ_URL, **queue}
     else:
-        yield {**e2e_env, "FANIN_TEST_BROKER": RABBITMQ_URL, "FANIN_TEST_QUEUE": f"chaos-{uuid.uuid4().hex[:8]}"}
+        with cluster(synchronous=True) as pg:
+            pg.migrate()
+            request.node.chaos_cluster = pg
+            yield {**e2e_env, "FANIN_DATABASE_URL": pg.sqlalchemy_url, **queue}
 
 
-def _ensure_services(broker: str) -> None:
-    """Leave the machine's services running whatever happened (a failed restart must not break later tests)."""
+def _ensure_services(broker: str, pg: Cluster | None = None) -> None:
+    """Leave the machine's services running whatever happened (a failed restart must not break later tests), and
+    the test's own cluster with a primary."""
+    if pg is not None and not pg.primary.running:
+        with contextlib.suppress(Exception):  # reported by the fault that failed, and by the checks after
+            pg.primary.start()
     version = os.listdir("/etc/postgresql")[0]
     subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start"], capture_output=True)
     if subprocess.run(["redis-cli", "ping"], capture_output=True).returncode != 0:
@@ -358,8 +399,10 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
     seed_opt = request.config.getoption("--chaos-seed")
     seed = int(seed_opt) if seed_opt is not None else random.randrange(1_000_000)
     broker = "rabbitmq" if broker_env.get("FANIN_TEST_BROKER", "").startswith("amqp") else "redis"
+    pg: Cluster | None = getattr(request.node, "chaos_cluster", None)
     run = Run(seed, scale, broker)
-    print(f"\nchaos: broker={broker} seed={seed} scale={scale} (replay with --chaos-seed {seed})")
+    where = "a cluster of its own, failing over" if pg else "this machine's"
+    print(f"\nchaos: broker={broker} PostgreSQL={where} seed={seed} scale={scale} (replay with --chaos-seed {seed})")
     rng = random.Random(seed)
     n_batches, width, duration = int(12 * scale), int(100 * min(scale, 5)), 60 * scale
 
@@ -368,7 +411,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
     capp.conf.task_default_queue = broker_env["FANIN_TEST_QUEUE"]
     capp.conf.fanin_database_url = broker_env["FANIN_DATABASE_URL"]
     FanIn(capp)
-    chaos = Chaos(broker_env, tmp_path, rng, run)
+    chaos = Chaos(broker_env, tmp_path, rng, run, pg)
     stop = threading.Event()
     try:
         chaos.start_worker("acks_late")
@@ -389,6 +432,8 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             "publish children twice": (lambda: chaos.duplicate_children(capp), 3),
             "publish successors again": (chaos.duplicate_successors, 2),
         }
+        if pg is not None:
+            faults["postgres failover"] = (chaos.fail_over, 3)
         names = list(faults)
         weights = [faults[n][1] for n in names]
         # Every kind once, in a random order, then random draws; the 60 s outage once, a third of the way in.
@@ -413,7 +458,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
                 continue
             except Exception as exc:  # a fault that cannot be applied is a failed run, not a quieter one
                 failures.append(f"{name}: {type(exc).__name__}: {exc}")
-                _ensure_services(broker)
+                _ensure_services(broker, pg)
             else:
                 run.faults[name] += 1
             if first and name == first[0]:
@@ -424,7 +469,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         producer.join(120)
         assert not producer.is_alive(), "the producer did not finish creating batches"
         # Faults over: every component is up again; wait for the recovery timeouts to finish every batch.
-        _ensure_services(broker)
+        _ensure_services(broker, pg)
         chaos.supervise()
         if len(chaos.relays) == 0:
             chaos.start_relay()
@@ -434,7 +479,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         _check(results, run)
     finally:
         stop.set()
-        _ensure_services(broker)
+        _ensure_services(broker, pg)
         chaos.stop_all()
         release_producer_app(capp)  # not capp.pool.force_close_all(): that pool is shared with later tests' apps
 
@@ -457,7 +502,7 @@ def _wait_until_finished(url: str, timeout: float) -> list[dict[str, Any]]:
 
 
 def _batch_rows(url: str) -> list[dict[str, Any]]:
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(libpq_conninfo(url), autocommit=True) as conn:
         rows = conn.execute(
             """
             SELECT b.id::text, b.state, b.planned, b.remaining, b.succeeded, b.failed, s.state, s.runs, s.duplicates,
