@@ -151,3 +151,24 @@ def test_unreadable_several_host_urls_are_configuration_errors(url: str) -> None
         libpq_conninfo(url)
     with pytest.raises(FanInNotConfigured):
         normalise_database_url(url)
+
+
+def test_the_dashboards_engine_reaches_every_host() -> None:
+    """The dashboard's read-only engine (its own connect arguments over the URL) keeps the host list."""
+    from celery import Celery
+
+    from celery_fanin import FanIn
+    from celery_fanin.web.app import read_only_engine
+
+    app = Celery("fanin-urls", set_as_current=False)
+    app.conf.fanin_database_url = (
+        "postgresql://app@10.0.0.1:5432,10.0.0.2:5433/jobs?target_session_attrs=prefer-standby"
+    )
+    engine = read_only_engine(FanIn(app), pool_size=1, statement_timeout=5)
+    try:
+        _, params = engine.dialect.create_connect_args(engine.url)
+        assert (params["host"], params["port"]) == ("10.0.0.1,10.0.0.2", "5432,5433")
+        assert params["target_session_attrs"] == "prefer-standby"
+    finally:
+        engine.dispose()
+        FanIn.of(app).dispose()
