@@ -21,7 +21,7 @@ import psycopg
 import pytest
 import redis
 
-from celery_fanin import fan_in_group
+from celery_fanin import fan_in_group, retry
 from celery_fanin.protocol import OUTBOX_CHANNEL
 from celery_fanin.store.reports import libpq_conninfo
 from tests import app as tasks
@@ -250,3 +250,32 @@ def test_failing_over_and_back_again(
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     assert children(ha_cluster, batch.batch_id) == {"succeeded": CHILDREN}
     assert len(successor_runs(batch.batch_id)) == 1
+
+
+# SQLSTATE 25006 is made transient (and the session dropped) on the branch of issue 38's hole 5 (dberrors); until
+# that is merged a report that meets it is refused as permanent, and this test fails as the issue describes.
+@pytest.mark.xfail(
+    not retry.is_transient(psycopg.errors.ReadOnlySqlTransaction()),
+    reason="25006 is not retried yet (issue 38 hole 5)",
+    strict=True,
+)
+@pytest.mark.timeout(120)
+def test_a_worker_whose_url_reaches_a_read_only_server_waits_for_it_to_take_writes(
+    ha_cluster: Cluster, e2e_env: dict[str, str], processes: Any, producer: Any, successor_runs: Runs
+) -> None:
+    """A worker whose one-host URL reaches the standby (a DNS name that still points at a server in recovery):
+    each report meets SQLSTATE 25006 ("cannot execute ... in a read-only transaction"), waits and reconnects; once
+    that server is promoted every report lands. None is dropped, the successor runs once."""
+    standby_only = f"postgresql+psycopg://postgres@127.0.0.1:{ha_cluster.standby.port}/fanin"
+    worker = processes.worker(extra_env={"FANIN_DATABASE_URL": standby_only}, concurrency=2)
+    processes.relay(process=True)  # on the several-host URL
+    batch = fan_in_group([tasks.ok.s(i) for i in range(6)], then=tasks.record_run.s("read-only")).apply_async()
+    wait_for(lambda: "read-only transaction" in worker.output(), 30, message="a report refused by the standby")
+    assert "not a transient error" not in worker.output()  # retried, not refused
+    assert children(ha_cluster, batch.batch_id) == {"pending": 6}  # nothing got through meanwhile
+    ha_cluster.fail_over()
+    status = batch.wait(timeout=60)
+    assert (status.succeeded, status.failed, status.remaining, status.planned) == (6, 0, 0, 6)
+    assert status.successor_state == "succeeded" and status.successor_runs == 1
+    assert len(successor_runs(batch.batch_id)) == 1
+    assert "gave up" not in worker.output() and "not a transient error" not in worker.output()
