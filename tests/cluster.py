@@ -82,6 +82,19 @@ class Server:
     def start(self) -> None:
         self.run(str(BIN / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(self.data), "-l", str(self.log))
 
+    def first_start(self) -> None:
+        """Start on its port, or on another if someone took that one since `free_port` picked it (another test
+        session on the machine may be picking ports at the same moment)."""
+        for attempt in range(3):
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if attempt == 2 or "already in use" not in self.output():
+                    raise
+            self.port = free_port()
+            self.configure({"port": str(self.port)})
+
     def stop(self, mode: str = "fast") -> None:
         self.run(str(BIN / "pg_ctl"), "stop", "-w", "-t", "60", "-m", mode, "-D", str(self.data))
 
@@ -143,7 +156,7 @@ class Cluster:
                 "unix_socket_directories": f"'{self.base}'",
             }
         )
-        self.primary.start()
+        self.primary.first_start()
         with self.primary.connect("postgres") as conn:
             conn.execute(f"CREATE DATABASE {DATABASE}")  # a constant
         self.primary.run(
@@ -172,7 +185,7 @@ class Cluster:
                 "synchronous_standby_names": "''",
             }
         )
-        self.standby.start()
+        self.standby.first_start()
         if self.synchronous:
             # Every commit waits for the standby's flush: what the exactly-once promise needs
             # (docs/how-to/high-availability.md). Set once the standby streams (the database above would wait for
