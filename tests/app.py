@@ -566,3 +566,28 @@ if os.environ.get("FANIN_TEST_BEAT_EVERY"):
             float(os.environ["FANIN_TEST_BEAT_EVERY"]),
         )
     }
+
+
+# --- copies of a message (tests/e2e/test_message_copies.py) ----------------------------------------------------
+
+
+@app.task
+def slow_step(outcome: dict[str, Any], key: str, seconds: float) -> dict[str, Any]:
+    """A chain's first task after a successor: counts its run under `key`, sleeps, passes the outcome on."""
+    _attempt(key)
+    sleepy(seconds)
+    return outcome
+
+
+@app.task
+def gated_step(outcome: dict[str, Any], key: str) -> dict[str, Any]:
+    """A chain's first task after a successor: holds until the test opens the gate (`gated`), passes the outcome on."""
+    gated(key)
+    return outcome
+
+
+@app.task
+def gated_successor(outcome: dict[str, Any], label: str, key: str) -> dict[str, Any]:
+    """A successor that holds its pool process until the test opens the gate (`gated`), then records its run."""
+    gated(key)
+    return record_run(outcome, label)

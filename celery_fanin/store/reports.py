@@ -28,6 +28,7 @@ from .batches import (
     RECORD_STARTS,
     RECORD_TERMINAL,
     RECOVERY_TERMINAL,
+    REPORT_UNRUN,
     SUCCESSOR_PUBLISHER_SQL,
     WAKE_RELAY,
     Claim,
@@ -109,11 +110,16 @@ class ReportConnection:
         exc_message: str | None = None,
         start: Start | None = None,
         claim: Claim | None = None,
+        unrun: bool = False,
     ) -> TerminalRecord:
         """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
-        start, if it was not written yet). The hooks always pass `claim`: what the message says the child is."""
+        start, if it was not written yet). The hooks always pass `claim`: what the message says the child is.
+        `unrun`: the report is about a copy that never ran (`fanin_report_unrun`): a started child is not ended."""
         params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
-        row = self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
+        if unrun and claim is not None:
+            row = self._run(REPORT_UNRUN, params)
+        else:
+            row = self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
         rec = terminal_record(row)
         if len(row) > 5 and row[5] is not None:  # it created a successor: the one handed to this session, if any
             rec = replace(rec, handed_off=handed_off_rows(row[5]))

@@ -38,6 +38,11 @@ REPORT = (
     "fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer, text)"
 )
 SETTLE = "fanin_settle(uuid, integer, integer)"
+CLAIM_RUN = "fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text, text, text, text)"
+FINISH = (
+    "fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text, text, text, integer, text,"
+    " text)"
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,51 @@ BREAKAGES = [
         "a successor run is admitted without the guard (whatever the successor's state)",
         "AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
         "AND (true",
-        function="fanin_claim_run(uuid, text, text, integer, double precision, double precision, text, text)",
+        function=CLAIM_RUN,
+    ),
+    Breakage(
+        "liveness: a report on a started child is dropped (`state = 'pending'` for `state IN ('pending', 'started')`)",
+        "WHERE task_id = p_task_id AND state IN ('pending', 'started')",
+        "WHERE task_id = p_task_id AND state = 'pending'",
+        function=REPORT,
+    ),
+    Breakage(
+        # Only concurrent sessions find it: the counter is read by a subquery of the statement's snapshot, so a
+        # report that waited on another's row lock writes back a count from before that one (a lost update).
+        "a race: the counter is decremented from a value read before the row lock (read, then write)",
+        "SET remaining = t.remaining - 1,",
+        "SET remaining = (SELECT x.remaining FROM fanin_batches x WHERE x.id = p_batch) - 1,",
+        function=SETTLE,
+    ),
+    Breakage(
+        "issue 38 hole 1: a replaced successor admits any copy of its message (no carrier check)",
+        "AND (s.carrier IS NULL OR s.carrier = p_carrier)",
+        "AND true",
+        function=CLAIM_RUN,
+    ),
+    Breakage(
+        "issue 38 hole 1: the stall scan republishes a replaced successor",
+        "WHERE s.batch_id = p_batch AND s.step = p_step AND s.carrier IS NULL",
+        "WHERE s.batch_id = p_batch AND s.step = p_step",
+        function="fanin_republish_successor(uuid, text, double precision, double precision)",
+    ),
+    Breakage(
+        "issue 38 hole 3: an event about a copy that never ran ends a live run",
+        "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
+        "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced', 'running')",
+        function=FINISH,
+    ),
+    Breakage(
+        "issue 38 hole 3: a main-process event ends a run held by another process (no owner fence)",
+        "AND left(s.run_owner, length(p_ran_in)) = p_ran_in",
+        "",
+        function=FINISH,
+    ),
+    Breakage(
+        "issue 38 hole 6: the caller's word that a live run is dead is taken (no key check)",
+        "OR (p_owner_key IS NOT NULL AND s.run_owner = p_dead_owner AND s.run_owner_key = v_key)",
+        "OR (s.run_owner = p_dead_owner)",
+        function=CLAIM_RUN,
     ),
 ]
 
