@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from celery import Celery
+
+from celery_fanin import codec
+from celery_fanin.broker import publish
+from celery_fanin.store.batches import Encoded
 
 CHILDREN = "publish children twice"
 SUCCESSORS = "publish successors again"
@@ -56,8 +61,17 @@ def unfinished_children(conn: psycopg.Connection[Any], limit: int) -> list[tuple
     ).fetchall()
 
 
+def publish_children_again(app: Celery, rows: Sequence[tuple[Any, ...]]) -> Copies:
+    """Publish `rows` (from `unfinished_children`) a second time, as a broker redelivery would; the application."""
+    with publish.producer(app) as prod:
+        for batch_id, idx, task_id, body, ct, ce, _late in rows:
+            sig = codec.decode_signature(app, Encoded(ct, ce, bytes(body)))
+            publish.publish_children(app, prod, batch_id, [(idx, task_id, sig)])
+    return children_copied(rows)
+
+
 def children_copied(rows: Sequence[tuple[Any, ...]]) -> Copies:
-    """The application that published `rows` (from `unfinished_children`) again."""
+    """The application that published `rows` (from `unfinished_children`) again: their late reports then."""
     return Copies(CHILDREN, {row[2]: row[-1] for row in rows})
 
 

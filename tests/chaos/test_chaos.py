@@ -43,9 +43,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from celery_fanin import FanIn, FanInDatabaseError, codec, fan_in_group
-from celery_fanin.broker import publish
-from celery_fanin.store.batches import Encoded
+from celery_fanin import FanIn, FanInDatabaseError, fan_in_group
 from tests.chaos import copies
 from tests.faults import release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
@@ -279,12 +277,7 @@ class Chaos:
             rows = copies.unfinished_children(conn, 5)
         if not rows:
             raise Skipped("no unfinished child to publish again")
-        app = producer
-        with publish.producer(app) as prod:
-            for batch_id, idx, task_id, body, ct, ce, _late in rows:
-                sig = codec.decode_signature(app, Encoded(ct, ce, bytes(body)))
-                publish.publish_children(app, prod, batch_id, [(idx, task_id, sig)])
-        self.copies.add(copies.children_copied(rows))
+        self.copies.add(copies.publish_children_again(producer, rows))
 
     def duplicate_successors(self) -> None:
         """Put sent successors' outbox rows back in line: the relay publishes them again (running or finished)."""
