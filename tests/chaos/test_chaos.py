@@ -7,7 +7,10 @@ stopped; PostgreSQL restarted; PostgreSQL down for 60 s; the broker restarted (R
 queued message is lost; RabbitMQ: stop_app/start_app); child messages published a second time; and successors
 published again (duplicate deliveries, of running and of finished successors). Every successor retries itself
 once. Each fault is verified to have happened (the process is gone, the server's start time or connection
-changed); a fault that cannot be applied fails the run.
+changed); a fault that cannot be applied fails the run. A second copy counts only once its effect is seen: a late
+report on a child published twice, a refused duplicate on a successor published again (tests/chaos/copies.py);
+each kind is applied again (or, in the first round, kept among the kinds still to apply) until one of its
+applications was seen, for up to CONFIRM_WITHIN seconds past the faults' end.
 
 Afterwards, for every batch in the database: its successor's body ran exactly once (recorded by the successor
 itself), succeeded + failed == planned, the counters equal what the child rows say (no child counted twice),
@@ -40,9 +43,8 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from celery_fanin import FanIn, FanInDatabaseError, codec, fan_in_group
-from celery_fanin.broker import publish
-from celery_fanin.store.batches import Encoded
+from celery_fanin import FanIn, FanInDatabaseError, fan_in_group
+from tests.chaos import copies
 from tests.faults import release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
 
@@ -50,6 +52,9 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 RABBITMQ_URL = os.environ.get("FANIN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 MODES = ("ok", "ok", "ok", "fail", "flaky", "slow")
+# Seconds the fault loop may go on past its end for kinds not applied yet, or (a second copy) not seen to take
+# effect yet; then the run fails.
+CONFIRM_WITHIN = 180.0
 
 
 class Skipped(Exception):
@@ -90,6 +95,8 @@ class Chaos:
         self.workers: dict[str, CeleryProcess] = {}
         self.relays: list[CeleryProcess] = []
         self.all: list[CeleryProcess] = []
+        # The second copies made, counted once their effect is seen.
+        self.copies = copies.Ledger(lambda made: copies.read_counts(env["FANIN_DATABASE_URL"], made))
         self._n = 0
 
     def _log(self, name: str) -> Path:
@@ -267,27 +274,18 @@ class Chaos:
     def duplicate_children(self, producer: Any) -> None:
         """Publish some unfinished children's stored messages again, as a broker redelivery would."""
         with psycopg.connect(self.env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT batch_id, idx, task_id, message, content_type, content_encoding FROM fanin_children "
-                "WHERE state IN ('pending', 'started') ORDER BY random() LIMIT 5"
-            ).fetchall()
+            rows = copies.unfinished_children(conn, 5)
         if not rows:
             raise Skipped("no unfinished child to publish again")
-        app = producer
-        with publish.producer(app) as prod:
-            for batch_id, idx, task_id, body, ct, ce in rows:
-                sig = codec.decode_signature(app, Encoded(ct, ce, bytes(body)))
-                publish.publish_children(app, prod, batch_id, [(idx, task_id, sig)])
+        self.copies.add(copies.publish_children_again(producer, rows))
 
     def duplicate_successors(self) -> None:
         """Put sent successors' outbox rows back in line: the relay publishes them again (running or finished)."""
         with psycopg.connect(self.env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-            n = conn.execute(
-                "UPDATE fanin_outbox SET sent_at = NULL WHERE id IN (SELECT id FROM fanin_outbox"
-                " WHERE sent_at IS NOT NULL ORDER BY random() LIMIT 3)"
-            ).rowcount
-        if n == 0:
+            again = copies.send_successors_again(conn, 3)
+        if again is None:
             raise Skipped("no successor sent yet")
+        self.copies.add(again)
 
     def stop_all(self) -> None:
         for proc in self.all:
@@ -386,41 +384,58 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             "start/stop second relay": (chaos.toggle_second_relay, 2),
             "restart postgres": (chaos.restart_postgres, 1),
             f"restart {broker}": (chaos.restart_broker, 1),
-            "publish children twice": (lambda: chaos.duplicate_children(capp), 3),
-            "publish successors again": (chaos.duplicate_successors, 2),
+            copies.CHILDREN: (lambda: chaos.duplicate_children(capp), 3),
+            copies.SUCCESSORS: (chaos.duplicate_successors, 2),
         }
         names = list(faults)
         weights = [faults[n][1] for n in names]
-        # Every kind once, in a random order, then random draws; the 60 s outage once, a third of the way in.
+        # Every kind once, in a random order, then random draws; the 60 s outage once, a third of the way in. A
+        # kind that makes second copies stays in `first` until one of its copies was seen to take effect; while its
+        # last copies may still do so (`patience`), the other kinds go first, or random draws.
         first = rng.sample(names, len(names))
         failures: list[str] = []
         outage_at = time.monotonic() + duration / 3
         deadline = time.monotonic() + duration + chaos.outage
-        while time.monotonic() < deadline or first:
+        while time.monotonic() < deadline or (first and time.monotonic() < deadline + CONFIRM_WITHIN):
             chaos.supervise()
+            chaos.copies.refresh()
+            seen = chaos.copies.seen()
+            first = [n for n in first if not seen[n]]
+            if not first and time.monotonic() >= deadline:
+                break
             if outage_at is not None and time.monotonic() >= outage_at:
                 outage_at = None
                 name, apply = "postgres down 60 s", chaos.postgres_outage
             else:
-                name = first[0] if first else rng.choices(names, weights)[0]
+                due = [n for n in first if not (n in copies.EFFECTS and chaos.copies.waiting(n))]
+                if first and not due and time.monotonic() >= deadline:
+                    time.sleep(0.5)  # the faults are over: only copies that may still take effect are awaited
+                    continue
+                name = due[0] if due else rng.choices(names, weights)[0]
                 apply = faults[name][0]
             try:
                 apply()
             except Skipped:
-                if first and name == first[0]:
-                    first.append(first.pop(0))  # try the other kinds first; this one comes round again
+                if name in first:
+                    first.remove(name)
+                    first.append(name)  # try the other kinds first; this one comes round again
                 time.sleep(0.5)
                 continue
             except Exception as exc:  # a fault that cannot be applied is a failed run, not a quieter one
                 failures.append(f"{name}: {type(exc).__name__}: {exc}")
                 _ensure_services(broker)
             else:
-                run.faults[name] += 1
-            if first and name == first[0]:
-                first.pop(0)
+                if name not in copies.EFFECTS:  # a copy is counted once its effect is seen (above, and below)
+                    run.faults[name] += 1
+            if name in first and name not in copies.EFFECTS:
+                first.remove(name)
             time.sleep(rng.uniform(1.0, 3.0))
         assert not failures, "faults that could not be applied:\n" + "\n".join(failures)
-        assert outage_at is None and all(run.faults[n] >= 1 for n in names), f"faults applied: {dict(run.faults)}"
+        applied = run.faults + chaos.copies.seen()
+        assert outage_at is None and not first and all(applied[n] >= 1 for n in names), (
+            f"faults applied (second copies: seen to take effect) {dict(applied)}; still to apply or see after "
+            f"{CONFIRM_WITHIN:.0f}s more: {first}"
+        )
         producer.join(120)
         assert not producer.is_alive(), "the producer did not finish creating batches"
         # Faults over: every component is up again; wait for the recovery timeouts to finish every batch.
@@ -430,6 +445,12 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             chaos.start_relay()
         FanIn.of(capp).dispose()
         results = _wait_until_finished(broker_env["FANIN_DATABASE_URL"], timeout=240 * max(1.0, scale))
+        chaos.copies.refresh()  # for the report: copies seen since the loop ended too
+        made, seen = chaos.copies.applied(), chaos.copies.seen()
+        for name, effect in copies.EFFECTS.items():
+            run.faults[name] = seen[name]
+            if made[name] > seen[name]:
+                run.faults[f"{name}: no {effect} seen"] = made[name] - seen[name]
         _report(run, results)
         _check(results, run)
     finally:

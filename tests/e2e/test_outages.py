@@ -147,7 +147,9 @@ def test_worker_and_relay_recover_from_a_broker_cut(
     again the worker consumes the children and the relay publishes the successor, neither restarted."""
     with proxy_for(e2e_env["FANIN_TEST_BROKER"], 6379) as broker:
         env = {"FANIN_TEST_BROKER": broker.url(e2e_env["FANIN_TEST_BROKER"])}
-        worker = processes.worker(extra_env=env)
+        # The worker leaves its successors to the relay: one that published its own left the relay nothing to
+        # recover, and this test could not fail on the relay's side.
+        worker = processes.worker(extra_env={**env, **RELAY_PUBLISHES})
         relay = processes.relay(extra_env=env)
         first = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("before")).apply_async()
         assert first.wait(timeout=30).successor_state == "succeeded"
@@ -158,4 +160,11 @@ def test_worker_and_relay_recover_from_a_broker_cut(
         broker.restore()
         status = second.wait(timeout=60)
         assert (status.succeeded, status.successor_state, status.successor_runs) == (3, "succeeded", 1)
+        assert status.successor_duplicates == 0
         assert len(successor_runs(second.batch_id)) == 1
+        # The relay sent both successors, each once (it logs a publish after the commit that marks it sent).
+        published = f"published successor batch_id={second.batch_id} "
+        wait_for(lambda: published in relay.output(), 20, message="the relay's publish of the second successor")
+        log = relay.output()
+        assert log.count(f"published successor batch_id={first.batch_id} ") == 1
+        assert log.count(published) == 1
