@@ -379,7 +379,10 @@ class WorkerHooks:
         self.received.add(request.id, marker, request)
 
     def task_prerun(self, sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
-        """Queue a child's start, written off the child's path by `starts`."""
+        """Queue a child's start, written off the child's path by `starts`.
+
+        With `fanin_track_started = False` a child whose message carries `expires` is still recorded: the relay's
+        expiry sweep counts a child with no start as one no worker took (docs/concepts/terminal-outcomes.md)."""
         task = task or sender
         if task is None or task_id is None:
             return
@@ -387,9 +390,11 @@ class WorkerHooks:
         if marker is None or marker.is_successor:
             return
         fanin = _fanin_for(task.app)
-        if fanin is None or not fanin.setting("track_started"):
+        if fanin is None:
             return
         request = task.request
+        if not fanin.setting("track_started") and not getattr(request, "expires", None):
+            return
         if not request.is_eager and claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None)):
             return  # refused by `_guard`, next: not started
         child_id = marker.child_id(task_id)  # a chain child started when its first task did
