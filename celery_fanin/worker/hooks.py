@@ -379,10 +379,7 @@ class WorkerHooks:
         self.received.add(request.id, marker, request)
 
     def task_prerun(self, sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
-        """Queue a child's start, written off the child's path by `starts`.
-
-        With `fanin_track_started = False` a child whose message carries `expires` is still recorded: the relay's
-        expiry sweep counts a child with no start as one no worker took (docs/concepts/terminal-outcomes.md)."""
+        """Queue a child's start, written off the child's path by `starts`."""
         task = task or sender
         if task is None or task_id is None:
             return
@@ -394,6 +391,8 @@ class WorkerHooks:
             return
         request = task.request
         if not fanin.setting("track_started") and not getattr(request, "expires", None):
+            # Off, but a child with `expires` is recorded still: the relay's expiry sweep takes a child with no start
+            # for one no worker took (docs/concepts/terminal-outcomes.md).
             return
         if not request.is_eager and claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None)):
             return  # refused by `_guard`, next: not started
