@@ -195,14 +195,14 @@ def test_a_start_held_up_by_a_short_cut_keeps_the_expiry_sweep_off_a_running_chi
     warm = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("warm")).apply_async()
     assert warm.wait(timeout=30).successor_state == "succeeded"  # the worker is up and has used the store
     pg_proxy.cut()
-    handle = fan_in_group([tasks.sleepy.s(18).set(expires=4)], then=tasks.record_run.s("expiring")).apply_async()
+    handle = fan_in_group([tasks.sleepy.s(24).set(expires=4)], then=tasks.record_run.s("expiring")).apply_async()
     wait_for(lambda: "writing start records failed" in worker.output(), 20, message="the start meeting the cut")
     _hold_cut(pg_proxy, 3, [worker, relay])
     assert _children(producer, handle.batch_id) == {"pending": 1}  # nothing got through meanwhile
     pg_proxy.restore()
     wait_for(lambda: _children(producer, handle.batch_id) != {"pending": 1}, 15, message="the start written")
     assert _children(producer, handle.batch_id) == {"started": 1}
-    # The sweep may count it from 1 + 8 s past `expires`; two of its rounds later, the child still runs (18 s).
+    # The sweep may count it from 1 + 8 s past `expires`; two of its rounds later, the child still runs (24 s).
     wait_for(lambda: _past_expiry_by(producer, handle.batch_id, 11), 20, message="the sweep's grace to pass")
     assert _children(producer, handle.batch_id) == {"started": 1}, "the sweep counted a running child"
     status = handle.wait(timeout=30)
