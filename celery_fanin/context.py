@@ -120,7 +120,8 @@ class Settings:
     # How often the relay looks for lost children and passed deadlines, and reconciles counters.
     reaper_interval: float = 10.0
     # Seconds past a child's `expires` after which the relay counts it as revoked if no worker took it: a broker
-    # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it.
+    # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it. The relay waits this plus
+    # report_timeout, the time a worker keeps retrying the start of a child it took (relay.maintenance.expiry_grace).
     expires_grace: float = 30.0
     reconcile_interval: float = 300.0
     # Seconds an open (streaming) batch may stay without a live producer before the relay seals it.
@@ -140,6 +141,15 @@ class Settings:
         budget = self.outcome_max_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
+        # The relay's expiry sweep waits their sum past a child's `expires` (relay.maintenance.expiry_grace).
+        for name in ("expires_grace", "report_timeout"):
+            value = getattr(self, name)
+            try:
+                valid = not isinstance(value, bool) and float(value) >= 0  # NaN compares False
+            except (TypeError, ValueError):
+                valid = False
+            if not valid:
+                raise FanInNotConfigured(f"fanin_{name} must be a number of seconds >= 0, not {value!r}")
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:

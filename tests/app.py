@@ -34,6 +34,8 @@ app.conf.update(
     fanin_successor_lease=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE", "60")),
     fanin_successor_lease_grace=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE_GRACE", "60")),
     fanin_expires_grace=float(os.environ.get("FANIN_TEST_EXPIRES_GRACE", "30")),
+    fanin_report_timeout=float(os.environ.get("FANIN_TEST_REPORT_TIMEOUT", "300")),
+    fanin_track_started=os.environ.get("FANIN_TEST_TRACK_STARTED", "1") == "1",
     fanin_open_batch_grace=float(os.environ.get("FANIN_TEST_OPEN_BATCH_GRACE", "300")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),

@@ -434,9 +434,13 @@ class WorkerHooks:
         if marker is None or marker.is_successor:
             return
         fanin = _fanin_for(task.app)
-        if fanin is None or not fanin.setting("track_started"):
+        if fanin is None:
             return
         request = task.request
+        if not fanin.setting("track_started") and not getattr(request, "expires", None):
+            # Off, but a child with `expires` is recorded still: the relay's expiry sweep takes a child with no start
+            # for one no worker took (docs/concepts/terminal-outcomes.md).
+            return
         if not request.is_eager and claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None)):
             return  # refused by `_guard`, next: not started
         child_id = marker.child_id(task_id)  # a chain child started when its first task did

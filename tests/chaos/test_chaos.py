@@ -5,12 +5,14 @@ SIGKILL of a whole worker (one prefork worker runs with acks_late and task_rejec
 is a thread pool) and a replacement started; SIGKILL of a relay and a new one started; a second relay started or
 stopped; PostgreSQL restarted; PostgreSQL down for 60 s; the broker restarted (Redis without persistence: every
 queued message is lost; RabbitMQ: stop_app/start_app); child messages published a second time; and successors
-published again (duplicate deliveries, of running and of finished successors). Every successor retries itself
-once. Each fault is verified to have happened (the process is gone, the server's start time or connection
-changed); a fault that cannot be applied fails the run. A second copy counts only once its effect is seen: a late
-report on a child published twice, a refused duplicate on a successor published again (tests/chaos/copies.py);
-each kind is applied again (or, in the first round, kept among the kinds still to apply) until one of its
-applications was seen, for up to CONFIRM_WITHIN seconds past the faults' end.
+published again (duplicate deliveries, of running and of finished successors); a 3 s cut between PostgreSQL and a
+worker of its own (through a proxy the test owns) while children with `expires` shorter than their run start on it
+(the relay's `fanin_expires_grace` is 1 s: a start lost in the cut would let its sweep count a running child
+revoked). Every successor retries itself once. Each fault is verified to have happened (the process is gone, the
+server's start time or connection changed); a fault that cannot be applied fails the run. A second copy counts only
+once its effect is seen: a late report on a child published twice, a refused duplicate on a successor published
+again (tests/chaos/copies.py); each kind is applied again (or, in the first round, kept among the kinds still to
+apply) until one of its applications was seen, for up to CONFIRM_WITHIN seconds past the faults' end.
 
 Afterwards, for every batch in the database: its successor's body ran exactly once (recorded by the successor
 itself), succeeded + failed == planned, the counters equal what the child rows say (no child counted twice),
@@ -45,7 +47,7 @@ from sqlalchemy.engine import make_url
 
 from celery_fanin import FanIn, FanInDatabaseError, fan_in_group
 from tests.chaos import copies
-from tests.faults import release_producer_app
+from tests.faults import TcpProxy, release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -74,7 +76,13 @@ class Chaos:
     """The processes under test and the faults applied to them."""
 
     def __init__(self, env: dict[str, str], tmp: Path, rng: random.Random, run: Run) -> None:
-        self.env = {**env, "FANIN_TEST_REAPER_INTERVAL": "1", "FANIN_TEST_SUCCESSOR_TIMEOUT": "10"}
+        # expires_grace 1 s: the relay's expiry sweep acts as early as it may (1 s + fanin_report_timeout).
+        self.env = {
+            **env,
+            "FANIN_TEST_REAPER_INTERVAL": "1",
+            "FANIN_TEST_SUCCESSOR_TIMEOUT": "10",
+            "FANIN_TEST_EXPIRES_GRACE": "1",
+        }
         # The faults restart this machine's PostgreSQL and broker: they must be the ones this run uses.
         db = make_url(env["FANIN_DATABASE_URL"])
         if (db.host, db.port or 5432) not in (("127.0.0.1", 5432), ("localhost", 5432)):
@@ -98,6 +106,11 @@ class Chaos:
         # The second copies made, counted once their effect is seen.
         self.copies = copies.Ledger(lambda made: copies.read_counts(env["FANIN_DATABASE_URL"], made))
         self._n = 0
+        # The worker of the "short cut while children start" fault: its own queue, its store through `pg_proxy`.
+        self.pg_proxy: TcpProxy | None = None
+        self.cut_worker: CeleryProcess | None = None
+        self.cut_queue = f"{env.get('FANIN_TEST_QUEUE', 'celery')}-expiring"
+        self._cut_batches = 0
 
     def _log(self, name: str) -> Path:
         self._n += 1
@@ -109,6 +122,14 @@ class Chaos:
         proc = start_worker({**self.env, **extra}, self._log(f"worker-{kind}"), concurrency=2, pool=pool)
         self.workers[kind] = proc
         self.all.append(proc)
+
+    def start_cut_worker(self) -> None:
+        """A worker on a queue of its own whose PostgreSQL connections go through a proxy only the fault cuts (not
+        in `workers`: the other faults leave it alone, so the children the fault publishes start at once)."""
+        self.pg_proxy = TcpProxy.for_url(self.env["FANIN_DATABASE_URL"], 5432)
+        env = {**self.env, "FANIN_DATABASE_URL": self.pg_proxy.url(self.env["FANIN_DATABASE_URL"])}
+        self.cut_worker = start_worker(env, self._log("worker-cut"), concurrency=2, extra=["-Q", self.cut_queue])
+        self.all.append(self.cut_worker)
 
     def start_relay(self) -> None:
         proc = start_relay(self.env, self._log("relay"))
@@ -287,9 +308,43 @@ class Chaos:
             raise Skipped("no successor sent yet")
         self.copies.add(again)
 
+    def short_cut_while_children_start(self, producer: Any) -> None:
+        """Cut the cut worker's store for 3 s (far below `fanin_report_timeout`) while two children with `expires`
+        shorter than their run start on it; then each is counted by its own success, not by the expiry sweep."""
+        assert self.pg_proxy is not None and self.cut_worker is not None
+        self._cut_batches += 1
+        n = self._cut_batches
+        failed_writes = self.cut_worker.output().count("writing start records failed")
+        children = [
+            producer.signature("tests.app.sleepy", args=(8,)).set(expires=3, queue=self.cut_queue) for _ in range(2)
+        ]
+        self.pg_proxy.cut()
+        try:
+            handle = fan_in_group(
+                children, then=producer.signature("tests.app.chaos_successor", args=(-n,)), app=producer
+            ).apply_async()
+            wait_for(
+                lambda: (
+                    self.cut_worker is not None
+                    and self.cut_worker.output().count("writing start records failed") > failed_writes
+                ),
+                20,
+                0.1,
+                "a start meeting the cut",
+            )
+            time.sleep(3)  # the fault is the passing of time with the worker cut off from the store
+        finally:
+            self.pg_proxy.restore()
+        # The effect: past the sweep's grace as it would have been (1 s), the children run on, counted by their
+        # own reports (the batch's successor is checked with every other batch at the end).
+        status = handle.wait(timeout=60)
+        assert (status.succeeded, status.failed) == (2, 0), f"a running child with expires was miscounted: {status}"
+
     def stop_all(self) -> None:
         for proc in self.all:
             proc.stop()
+        if self.pg_proxy is not None:
+            self.pg_proxy.close()
 
 
 def _create_batches(
@@ -372,6 +427,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         chaos.start_worker("acks_late")
         chaos.start_worker("acks_early")
         chaos.start_worker("threads")
+        chaos.start_cut_worker()
         chaos.start_relay()
         producer = threading.Thread(
             target=_create_batches, args=(capp, run, n_batches, width, random.Random(seed + 1), stop)
@@ -386,6 +442,7 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             f"restart {broker}": (chaos.restart_broker, 1),
             copies.CHILDREN: (lambda: chaos.duplicate_children(capp), 3),
             copies.SUCCESSORS: (chaos.duplicate_successors, 2),
+            "short db cut while children with expires start": (lambda: chaos.short_cut_while_children_start(capp), 1),
         }
         names = list(faults)
         weights = [faults[n][1] for n in names]
