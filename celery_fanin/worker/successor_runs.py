@@ -168,7 +168,7 @@ def take_back(live: LiveRun) -> None:
     lease = live.fanin.settings.successor_lease
     try:
         back = _store(live.fanin, "successor run taken back", lambda conn: successors.take_back(conn, live.run, lease))
-    except SQLAlchemyError:
+    except (retry.GaveUp, SQLAlchemyError):  # GaveUp too: an outage (or a lock held) past report_timeout
         back = False
     if back:
         live.ended = False
