@@ -6,6 +6,7 @@ read-only session) and by the workers' report connection. End to end, with a rea
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import uuid
@@ -16,7 +17,7 @@ import psycopg
 import pytest
 from celery import Celery
 from psycopg import errors as pg_errors
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy import exc as sa_exc
 
 from celery_fanin import retry
@@ -24,6 +25,10 @@ from celery_fanin.context import FanIn
 from celery_fanin.store import successors
 from celery_fanin.store.batches import Start
 from celery_fanin.worker import successor_runs
+from tests.session_roles import session_role
+from tests.workers import wait_for
+
+from .helpers import create
 
 
 def _lock_timeout(run: Callable[[str], object], database_url: str) -> None:
@@ -167,3 +172,36 @@ def test_the_report_connection_reconnects_after_a_read_only_session(short_report
     assert retry.call(record, what="recording a start", timeout=5) == 0
     assert pids[0] == stale and len(pids) == 2 and pids[1] != stale
     reports.reset()
+
+
+@pytest.mark.timeout(60)
+def test_a_successor_admission_that_meets_a_lock_timeout_is_retried_not_refused(
+    clean_db: str, store_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run guard's statement (`successor_runs.admit`, on the report connection of a worker whose role has
+    `lock_timeout`) waits on the successor's row another session holds: 55P03, retried until the row is free, and
+    the delivery admitted. Before, it was refused as if the store were broken (the relay republished it later)."""
+    caplog.set_level(logging.INFO, logger="celery_fanin")
+    batch, _, _ = create(store_engine, 0)
+    with session_role(clean_db, {"lock_timeout": "100ms"}) as role:
+        worker_app = Celery("fanin-lock-timeout-worker", set_as_current=False)
+        worker_app.conf.fanin_database_url = role.url
+        fanin = FanIn(worker_app)
+        admitted: list[successor_runs.LiveRun | None] = []
+        with store_engine.connect() as holder, holder.begin():
+            holder.execute(text("SELECT 1 FROM fanin_successors WHERE batch_id = :id FOR UPDATE"), {"id": batch.id})
+            delivery = threading.Thread(
+                target=lambda: admitted.append(
+                    successor_runs.admit(fanin, str(batch.id), batch.step, batch.successor_task_id, 0)
+                )
+            )
+            delivery.start()
+            wait_for(lambda: "LockNotAvailable" in caplog.text, 15, message="the admission to meet 55P03")
+        delivery.join(30)
+        try:
+            assert admitted and admitted[0] is not None, "the delivery was refused"
+            assert admitted[0].run == successors.Run(batch.id, batch.step, 1, 0)
+        finally:
+            if admitted and admitted[0] is not None:
+                successor_runs.abandon(admitted[0])
+            fanin.dispose()
