@@ -16,12 +16,14 @@ import pytest
 
 from celery_fanin import fan_in_group
 from tests import app as tasks
+from tests.e2e.brokers import BROKERS, broker_env
 from tests.session_roles import SessionRole, session_role
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e]
 
 Runs = Callable[[str], list[dict[str, Any]]]
+__all__ = ["broker_env"]  # the `e2e_env` fixture, on the broker each test is parametrized with
 
 
 @pytest.fixture
@@ -33,9 +35,11 @@ def role(request: pytest.FixtureRequest, e2e_env: dict[str, str]) -> Iterator[Se
 
 def _worker_as(role: SessionRole, processes: Any, e2e_env: dict[str, str]) -> Any:
     # The successor's own record of its runs goes in as the admin: it is the test's witness, not the code under test.
-    return processes.worker(
+    worker = processes.worker(
         extra_env={"FANIN_DATABASE_URL": role.url, "FANIN_TEST_RUNS_URL": e2e_env["FANIN_DATABASE_URL"]}
     )
+    assert f"transport:   {e2e_env['FANIN_TEST_BROKER'].split(':')[0]}://" in worker.output()
+    return worker
 
 
 def _states(role: SessionRole, batch_id: str) -> dict[str, int]:
@@ -70,6 +74,7 @@ def _done(role: SessionRole, handle: Any, runs: Runs, worker: Any, error: str) -
 
 
 @pytest.mark.timeout(120)
+@BROKERS
 @pytest.mark.parametrize(
     ("role", "error"),
     [
