@@ -28,8 +28,8 @@ T = TypeVar("T")
 # lock_not_available (`lock_timeout`) and 57014 query_canceled (`statement_timeout`, or a `pg_cancel_backend`):
 # the same statement succeeds once the lock's holder or the load is gone; and 25006 read_only_sql_transaction, a
 # session on a server that is read-only now (a demoted primary, a standby behind the DNS name), which is retried
-# on a new connection: the report connection drops its connection after any error, and `READ_ONLY` marks it a
-# disconnect for the SQLAlchemy engines (`context.FanIn.engine`), so that their pools discard it. Our own code
+# on a new connection: the report connection drops its connection after any error, and `reconnect_on_read_only`
+# makes it a disconnect for the SQLAlchemy engines (`context.FanIn.engine`), so that their pools discard it. Our code
 # never cancels its own statements: psycopg's cancel on Ctrl-C or a worker's shutdown raises KeyboardInterrupt or
 # SystemExit, which `call` does not catch, so a 57014 always comes from the server's timeout or another session.
 READ_ONLY = "25006"
