@@ -21,7 +21,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from . import redact
+from . import redact, retry
 from .exceptions import FanInDatabaseError, FanInNotConfigured, summarise
 from .store import migrate
 from .store.pooler import transaction_pooled
@@ -304,13 +304,16 @@ class FanIn:
                         # Inherited across fork: drop the parent's connections without closing its sockets.
                         self._engine.dispose(close=False)
                     # pool_pre_ping: a connection the server dropped (a restart, a network cut) is found dead at
-                    # checkout and replaced, instead of failing the first statement sent on it.
-                    self._engine = create_engine(
-                        self.database_url,
-                        pool_size=self.settings.pool_size,
-                        pool_pre_ping=True,
-                        isolation_level="READ COMMITTED",
-                        connect_args=connect_options(self.database_url),
+                    # checkout and replaced, instead of failing the first statement sent on it; one that finds the
+                    # server read-only (25006, a failover) is discarded too (`retry.reconnect_on_read_only`).
+                    self._engine = retry.reconnect_on_read_only(
+                        create_engine(
+                            self.database_url,
+                            pool_size=self.settings.pool_size,
+                            pool_pre_ping=True,
+                            isolation_level="READ COMMITTED",
+                            connect_args=connect_options(self.database_url),
+                        )
                     )
                     self._engine_pid = pid
         return self._engine

@@ -165,6 +165,8 @@ class ReportConnection:
         try:
             row = cursor.execute(text, [params[name] for name in names]).fetchone()
         except psycopg.Error:
+            # Whatever the error: a broken connection, but also a read-only session (25006, a failover), which
+            # stays on that server until it reconnects; the next attempt opens a new one.
             self.reset()
             raise
         assert row is not None  # every statement sent here returns exactly one row

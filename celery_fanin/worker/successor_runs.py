@@ -216,7 +216,7 @@ def take_back(live: LiveRun) -> None:
             "successor run taken back",
             lambda conn: successors.take_back(conn, live.run, lease, live.carrier),
         )
-    except SQLAlchemyError:
+    except (retry.GaveUp, SQLAlchemyError):  # GaveUp too: an outage (or a lock held) past report_timeout
         back = False
     if back:
         live.ended = False
