@@ -19,7 +19,7 @@ from celery import Celery
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from . import redact
+from . import redact, retry
 from .exceptions import FanInDatabaseError, FanInNotConfigured, summarise
 from .store import migrate
 from .store.pooler import transaction_pooled
@@ -119,7 +119,8 @@ class Settings:
     # How often the relay looks for lost children and passed deadlines, and reconciles counters.
     reaper_interval: float = 10.0
     # Seconds past a child's `expires` after which the relay counts it as revoked if no worker took it: a broker
-    # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it.
+    # may drop an expired message unconsumed (RabbitMQ), and then no worker reports it. The relay waits this plus
+    # report_timeout, the time a worker keeps retrying the start of a child it took (relay.maintenance.expiry_grace).
     expires_grace: float = 30.0
     reconcile_interval: float = 300.0
     # Seconds an open (streaming) batch may stay without a live producer before the relay seals it.
@@ -139,6 +140,15 @@ class Settings:
         budget = self.outcome_max_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
+        # The relay's expiry sweep waits their sum past a child's `expires` (relay.maintenance.expiry_grace).
+        for name in ("expires_grace", "report_timeout"):
+            value = getattr(self, name)
+            try:
+                valid = not isinstance(value, bool) and float(value) >= 0  # NaN compares False
+            except (TypeError, ValueError):
+                valid = False
+            if not valid:
+                raise FanInNotConfigured(f"fanin_{name} must be a number of seconds >= 0, not {value!r}")
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:
@@ -284,13 +294,16 @@ class FanIn:
                         # Inherited across fork: drop the parent's connections without closing its sockets.
                         self._engine.dispose(close=False)
                     # pool_pre_ping: a connection the server dropped (a restart, a network cut) is found dead at
-                    # checkout and replaced, instead of failing the first statement sent on it.
-                    self._engine = create_engine(
-                        self.database_url,
-                        pool_size=self.settings.pool_size,
-                        pool_pre_ping=True,
-                        isolation_level="READ COMMITTED",
-                        connect_args=connect_options(self.database_url),
+                    # checkout and replaced, instead of failing the first statement sent on it; one that finds the
+                    # server read-only (25006, a failover) is discarded too (`retry.reconnect_on_read_only`).
+                    self._engine = retry.reconnect_on_read_only(
+                        create_engine(
+                            self.database_url,
+                            pool_size=self.settings.pool_size,
+                            pool_pre_ping=True,
+                            isolation_level="READ COMMITTED",
+                            connect_args=connect_options(self.database_url),
+                        )
                     )
                     self._engine_pid = pid
         return self._engine

@@ -17,6 +17,9 @@ HEADER_CHAIN = "fanin_chain"
 HEADER_TASK = "fanin_task"
 # On a child created with `compensated(sig, undo)`: the undo's signature, stored with the child's message.
 HEADER_UNDO = "fanin_undo"
+# On a successor's replacement (`Task.replace`): the token its run guard admits from then on, instead of any copy of
+# the message it replaced (which keeps the same task id).
+HEADER_CARRIER = "fanin_carrier"
 # On a compensation task: the task id of the work it undoes (`task.request.fanin_undo_of`), its idempotency key.
 HEADER_UNDO_OF = "fanin_undo_of"
 
@@ -41,6 +44,7 @@ CLAIMED = (
     HEADER_TASK,
     HEADER_SUCCESSOR,
     HEADER_STEP,
+    HEADER_CARRIER,
 )
 
 # The library's own tasks (`celery_fanin.builtin_tasks`). Messages in flight and users' routes name them: never
@@ -105,10 +109,16 @@ def put_claim(body: Any, headers: Any) -> None:
 class Marker:
     """The fan-in headers of one task message: a child (batch + index) or a successor (batch + step)."""
 
-    __slots__ = ("batch_id", "index", "step", "chain", "task_name")
+    __slots__ = ("batch_id", "index", "step", "chain", "task_name", "carrier")
 
     def __init__(
-        self, batch_id: str, index: int | None, step: str | None, chain: str | None = None, task_name: str | None = None
+        self,
+        batch_id: str,
+        index: int | None,
+        step: str | None,
+        chain: str | None = None,
+        task_name: str | None = None,
+        carrier: str | None = None,
     ) -> None:
         self.batch_id = batch_id
         self.index = index
@@ -117,6 +127,7 @@ class Marker:
         # The task the child was published as, which its report claims (None: unknown, a chain from before
         # HEADER_TASK existed): the message's own task name, or HEADER_TASK on a chain's tasks and replacements.
         self.task_name = task_name
+        self.carrier = carrier  # a successor's replacement: the token its run guard admits (HEADER_CARRIER)
 
     def child_id(self, task_id: str) -> str:
         """The task id of the child this message reports for: its own, or its chain's."""
@@ -142,7 +153,8 @@ class Marker:
         get = data.get if hasattr(data, "get") else (lambda k, d=None: getattr(data, k, d))
         successor = get(HEADER_SUCCESSOR, None)
         if successor:
-            return cls(str(successor), None, str(get(HEADER_STEP, "")))
+            carrier = get(HEADER_CARRIER, None)
+            return cls(str(successor), None, str(get(HEADER_STEP, "")), carrier=str(carrier) if carrier else None)
         batch_id = get(HEADER_BATCH, None)
         if batch_id:
             index = get(HEADER_INDEX, None)

@@ -13,18 +13,30 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import psycopg
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import ExceptionContext
 
 logger = logging.getLogger("celery_fanin.retry")
 
 T = TypeVar("T")
 
-# SQLSTATE classes and codes that say "try again": 08 connection exception, 53 insufficient resources (too many
-# connections, out of memory or disk), 57P01-57P05 the server shutting down or starting up, 40001 serialization
-# failure and 40P01 deadlock (the transaction was rolled back and can simply run again).
+# SQLSTATE classes and codes that say "try again" (the table in docs/concepts/worker.md, "Which errors are
+# transient"; tests/test_retry.py checks that the two agree): 08 connection exception, 53 insufficient resources
+# (too many connections, out of memory or disk), 57P01-57P05 the server shutting down or starting up, 40001
+# serialization failure and 40P01 deadlock (the transaction was rolled back and can simply run again), 55P03
+# lock_not_available (`lock_timeout`) and 57014 query_canceled (`statement_timeout`, or a `pg_cancel_backend`):
+# the same statement succeeds once the lock's holder or the load is gone; and 25006 read_only_sql_transaction, a
+# session on a server that is read-only now (a demoted primary, a standby behind the DNS name), which is retried
+# on a new connection: the report connection drops its connection after any error, and `reconnect_on_read_only`
+# makes it a disconnect for the SQLAlchemy engines (`context.FanIn.engine`), so that their pools discard it. Our code
+# never cancels its own statements: psycopg's cancel on Ctrl-C or a worker's shutdown raises KeyboardInterrupt or
+# SystemExit, which `call` does not catch, so a 57014 always comes from the server's timeout or another session.
+READ_ONLY = "25006"
 _TRANSIENT_CLASSES = frozenset({"08", "53"})
-_TRANSIENT_CODES = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "40001", "40P01"})
+_TRANSIENT_CODES = frozenset(
+    {"57P01", "57P02", "57P03", "57P04", "57P05", "40001", "40P01", "55P03", "57014", READ_ONLY}
+)
 # libpq's text for a login the server refused for good (in the server's lc_messages; English by default).
 _REFUSED_LOGIN = (
     "does not exist",
@@ -56,6 +68,20 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, psycopg.Error):
         return False  # InterfaceError and the like: a misuse of the connection
     return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def reconnect_on_read_only(engine: Engine) -> Engine:
+    """Make `engine` treat 25006 (a read-only session) as a lost connection: the connection is invalidated, and the
+    pool's other connections with it (SQLAlchemy's `handle_error` event, `is_disconnect`), so that the next attempt
+    connects anew and reaches the server that takes writes now. The setting applies at a session's start: a
+    connection kept in the pool would stay on the read-only server for good, its pre-ping passing every time."""
+    event.listen(engine, "handle_error", _read_only_is_a_disconnect)
+    return engine
+
+
+def _read_only_is_a_disconnect(context: ExceptionContext) -> None:
+    if getattr(context.original_exception, "sqlstate", None) == READ_ONLY:
+        context.is_disconnect = True
 
 
 @dataclass(frozen=True)

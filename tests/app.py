@@ -35,6 +35,8 @@ app.conf.update(
     fanin_successor_lease=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE", "60")),
     fanin_successor_lease_grace=float(os.environ.get("FANIN_TEST_SUCCESSOR_LEASE_GRACE", "60")),
     fanin_expires_grace=float(os.environ.get("FANIN_TEST_EXPIRES_GRACE", "30")),
+    fanin_report_timeout=float(os.environ.get("FANIN_TEST_REPORT_TIMEOUT", "300")),
+    fanin_track_started=os.environ.get("FANIN_TEST_TRACK_STARTED", "1") == "1",
     fanin_open_batch_grace=float(os.environ.get("FANIN_TEST_OPEN_BATCH_GRACE", "300")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),
@@ -565,3 +567,28 @@ if os.environ.get("FANIN_TEST_BEAT_EVERY"):
             float(os.environ["FANIN_TEST_BEAT_EVERY"]),
         )
     }
+
+
+# --- copies of a message (tests/e2e/test_message_copies.py) ----------------------------------------------------
+
+
+@app.task
+def slow_step(outcome: dict[str, Any], key: str, seconds: float) -> dict[str, Any]:
+    """A chain's first task after a successor: counts its run under `key`, sleeps, passes the outcome on."""
+    _attempt(key)
+    sleepy(seconds)
+    return outcome
+
+
+@app.task
+def gated_step(outcome: dict[str, Any], key: str) -> dict[str, Any]:
+    """A chain's first task after a successor: holds until the test opens the gate (`gated`), passes the outcome on."""
+    gated(key)
+    return outcome
+
+
+@app.task
+def gated_successor(outcome: dict[str, Any], label: str, key: str) -> dict[str, Any]:
+    """A successor that holds its pool process until the test opens the gate (`gated`), then records its run."""
+    gated(key)
+    return record_run(outcome, label)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import threading
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -52,6 +54,12 @@ TRANSIENT = [
     pg_errors.TooManyConnections("too many clients"),  # 53300
     pg_errors.SerializationFailure("could not serialize access"),  # 40001
     pg_errors.DeadlockDetected("deadlock detected"),  # 40P01
+    pg_errors.LockNotAvailable("canceling statement due to lock timeout"),  # 55P03: lock_timeout
+    pg_errors.QueryCanceled("canceling statement due to statement timeout"),  # 57014: statement_timeout
+    pg_errors.QueryCanceled("canceling statement due to user request"),  # 57014: pg_cancel_backend
+    pg_errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"),  # 25006: a failover
+    _sa(pg_errors.LockNotAvailable("canceling statement due to lock timeout")),
+    _sa(pg_errors.ReadOnlySqlTransaction("read-only"), cls=sa_exc.InternalError),
     _sa(psycopg.OperationalError("connection refused")),
     _sa(pg_errors.AdminShutdown("terminating")),
     _sa(psycopg.InterfaceError("connection already closed"), invalidated=True, cls=sa_exc.InterfaceError),
@@ -63,8 +71,9 @@ TRANSIENT = [
 PERMANENT = [
     pg_errors.UndefinedTable("relation does not exist"),  # a schema out of date
     pg_errors.InsufficientPrivilege("permission denied"),
+    pg_errors.UniqueViolation("duplicate key value"),  # a constraint: a bug, not an outage
+    pg_errors.ModifyingSqlDataNotPermitted("a routine that may not modify data"),  # 2F002: a bug, not 25006
     pg_errors.InvalidPassword("password authentication failed"),  # 28P01: an OperationalError, yet permanent
-    pg_errors.QueryCanceled("canceling statement due to statement timeout"),
     psycopg.InterfaceError("the cursor is closed"),  # a misuse, not an outage
     # A refused login has no SQLSTATE (libpq's text only): configuration, not an outage.
     psycopg.OperationalError('connection failed: FATAL:  database "x" does not exist'),
@@ -161,3 +170,52 @@ def test_stop_event_ends_the_wait() -> None:
     with pytest.raises(retry.GaveUp):
         retry.call(fn, what="x", timeout=60, stop=stop)  # type: ignore[arg-type]
     assert len(calls) == 1
+
+
+# --- the table of docs/concepts/worker.md ("Which errors are transient") against `is_transient` ----------------
+
+WORKER_MD = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "worker.md"
+
+
+def _documented() -> dict[str, bool]:
+    """SQLSTATE (a code, or a two-character class) -> whether the table says it is retried."""
+    text = WORKER_MD.read_text()
+    table = text.split("### Which errors are transient", 1)[1].split("\n\n")[2]
+    rows: dict[str, bool] = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        retried = cells[-1].startswith("retried")
+        assert retried or cells[-1].startswith("raised"), line
+        codes = re.findall(r"`([0-9A-Z]{5})`", cells[0])
+        classes = re.findall(r"^class `([0-9A-Z]{2})`$", cells[0])
+        for code in codes + classes:
+            rows[code] = retried
+    return rows
+
+
+def test_the_documented_table_lists_every_code_the_code_retries() -> None:
+    documented = _documented()
+    assert {c for c, retried in documented.items() if retried} == retry._TRANSIENT_CLASSES | retry._TRANSIENT_CODES
+    assert {"55P03", "57014", "25006"} <= set(documented)
+
+
+def test_every_sqlstate_is_transient_exactly_when_the_table_says_so() -> None:
+    """All of psycopg's SQLSTATEs (every one PostgreSQL defines), each as the error psycopg raises for it."""
+    documented = _documented()
+    classes = {cls for cls in pg_errors._sqlcodes.values() if cls.sqlstate}  # keyed by code and by name
+    assert len(classes) > 200
+    for cls in classes:
+        sqlstate = str(cls.sqlstate)
+        expected = documented.get(sqlstate, documented.get(sqlstate[:2], False))
+        assert retry.is_transient(cls("x")) is expected, f"{sqlstate} {cls.__name__}: the table says {expected}"
+
+
+def test_an_interrupt_is_never_retried() -> None:
+    """Our own cancels: psycopg cancels a statement interrupted by Ctrl-C or a worker's shutdown, swallows the
+    57014 it caused and raises the interrupt, which `call` lets through at once."""
+    clock = FakeClock()
+    for interrupt in (KeyboardInterrupt(), SystemExit(1)):
+        calls, fn = _failing([interrupt])
+        with pytest.raises(type(interrupt)):
+            retry.call(fn, what="x", timeout=60, sleep=clock.sleep, clock=clock)  # type: ignore[arg-type]
+        assert len(calls) == 1 and clock.sleeps == []

@@ -432,12 +432,14 @@ EXECUTES = {
         "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,"
         "integer,text)",
         "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
-        "fanin_claim_run(uuid,text,text,integer,double precision,double precision,text,text)",
+        # a main-process event about a copy that never ran (counted only while no copy started the child)
+        "fanin_report_unrun(text,uuid,integer,text,text,text,text)",
+        "fanin_claim_run_v2(uuid,text,text,integer,double precision,double precision,text,text,text,text)",
         "fanin_count_duplicate(uuid,text)",
-        "fanin_hand_over(uuid,text,integer,text,timestamp with time zone)",
-        "fanin_take_back(uuid,text,integer,double precision)",
+        "fanin_hand_over_v2(uuid,text,integer,text,timestamp with time zone,text)",
+        "fanin_take_back_v2(uuid,text,integer,double precision,text)",
         "fanin_renew_leases(uuid[],text[],integer[],double precision)",
-        "fanin_finish_successor(uuid,text,text,integer,text,bytea,text,text,text,text)",
+        "fanin_finish_successor_v2(uuid,text,text,integer,text,bytea,text,text,text,text,text,integer,text,text)",
         # the successor a worker's report created, published by that worker (fanin_worker_publishes_successors)
         "fanin_claim_outbox(integer,bigint[])",
         "fanin_outbox_sent(bigint[])",
@@ -630,11 +632,14 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
         assert last is not None and last[3] is True, "the last report created the successor"
         status = finished.status()
         fbid, step, stid = finished.batch_id, status.step, status.successor_task_id
-        finish = "SELECT fanin_finish_successor('{b}', '{s}', {t}, {r}, 'succeeded', NULL, NULL, NULL, NULL, NULL)"
+        finish = (
+            "SELECT fanin_finish_successor_v2('{b}', '{s}', {t}, {r}, 'succeeded', NULL, NULL, NULL, NULL, NULL, NULL,"
+            " NULL, NULL, NULL)"
+        )
         # Not started yet: no run to be fenced to (run 0 is nobody's), and the main-process path needs its task id.
         assert _one(worker, finish.format(b=fbid, s=step, t="NULL", r=0)) == (False,)
         assert _one(worker, finish.format(b=fbid, s=step, t="'forged'", r="NULL")) == (False,)
-        claim = f"SELECT run FROM fanin_claim_run('{fbid}', '{step}', '{{t}}', 0, 60, 60, 'w', NULL)"
+        claim = f"SELECT run FROM fanin_claim_run_v2('{fbid}', '{step}', '{{t}}', 0, 60, 60, 'w', 'k', NULL, NULL)"
         assert _one(worker, claim.format(t="forged")) == (None,), "a run is admitted only under its task id"
         assert _one(worker, claim.format(t=stid)) == (1,)
         assert _one(worker, claim.format(t=stid)) == (None,), "and only once while it runs"
@@ -652,7 +657,9 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
         _refused(relay, f"SELECT fanin_add_children('{bid}', '{{}}', '{{}}', 5, 5, NULL)")
         _refused(relay, f"SELECT fanin_ensure_successor('{bid}', 'then')")
         _refused(relay, finish.format(b=fbid, s=step, t=f"'{stid}'", r="NULL"))
-        _refused(relay, f"SELECT run FROM fanin_claim_run('{fbid}', '{step}', '{stid}', 0, 60, 60, 'w', NULL)")
+        _refused(
+            relay, f"SELECT run FROM fanin_claim_run_v2('{fbid}', '{step}', '{stid}', 0, 60, 60, 'w', 'k', NULL, NULL)"
+        )
 
         # --- the producer: counters of its open batches only, a successor only for a finished batch ----------
         assert _one(producer_url, f"SELECT * FROM fanin_cancel_open('{bid}')") is None, "not open: not cancelled"

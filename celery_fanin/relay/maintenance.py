@@ -85,12 +85,26 @@ def _redrive(fanin: FanIn, child: recovery.OverdueChild) -> None:
             publish.publish_children(app, prod, child.batch_id, [(child.idx, child.task_id, stand_in)])
 
 
+def expiry_grace(fanin: FanIn) -> float:
+    """Seconds past a child's `expires` before the sweep may count it: `fanin_expires_grace` + `fanin_report_timeout`.
+
+    "Still pending" means "no worker took it" only once any start could have landed. A worker that took the
+    message before it expired queues the child's start when the body begins (a pool's own queue may hold it a
+    while: `fanin_expires_grace`), then keeps retrying it through an outage for up to its `fanin_report_timeout`
+    (`worker.starts`). Past both, a pending child was never taken (or its worker died before writing the start).
+    """
+    settings = fanin.settings
+    return max(0.0, float(settings.expires_grace)) + max(0.0, float(settings.report_timeout))
+
+
 def revoke_expired_children(fanin: FanIn, limit: int = 500) -> list[str]:
-    """Count as `revoked` (expired) every pending child whose `expires` passed over `fanin_expires_grace` ago.
+    """Count as `revoked` (expired) every pending child whose `expires` passed over `expiry_grace` ago.
 
     A broker may drop an expired message unconsumed (RabbitMQ: Celery gives it a TTL), and then no worker ever
-    reports it; where a worker does see it (Redis), its report and this one race and the child counts once."""
-    grace = float(fanin.settings.expires_grace)
+    reports it; where a worker does see it (Redis), its report and this one race and the child counts once. A
+    child a worker took is `started` by then (its start is written through an outage shorter than
+    `fanin_report_timeout`), so the sweep leaves it to its own report."""
+    grace = expiry_grace(fanin)
     with fanin.engine.connect() as conn:
         due = recovery.expired_children(conn, grace, limit)
         conn.commit()

@@ -409,6 +409,8 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 # the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by task id).
 RECORD_TERMINAL = q("report_terminal")
 RECOVERY_TERMINAL = q("record_terminal")
+# The same from a worker's main process about a copy that never ran: counted only while no copy started the child.
+REPORT_UNRUN = q("report_unrun")
 RECORD_TERMINAL_SQL, RECOVERY_TERMINAL_SQL = RECORD_TERMINAL.psycopg, RECOVERY_TERMINAL.psycopg
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
 RECORD_STARTS = q("record_starts")

@@ -27,6 +27,7 @@ from .batches import (
     RECORD_STARTS,
     RECORD_TERMINAL,
     RECOVERY_TERMINAL,
+    REPORT_UNRUN,
     SUCCESSOR_PUBLISHER_SQL,
     WAKE_RELAY,
     Claim,
@@ -106,11 +107,16 @@ class ReportConnection:
         exc_message: str | None = None,
         start: Start | None = None,
         claim: Claim | None = None,
+        unrun: bool = False,
     ) -> TerminalRecord:
         """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
-        start, if it was not written yet). The hooks always pass `claim`: what the message says the child is."""
+        start, if it was not written yet). The hooks always pass `claim`: what the message says the child is.
+        `unrun`: the report is about a copy that never ran (`fanin_report_unrun`): a started child is not ended."""
         params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
-        row = self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
+        if unrun and claim is not None:
+            row = self._run(REPORT_UNRUN, params)
+        else:
+            row = self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
         rec = terminal_record(row)
         if len(row) > 5 and row[5] is not None:  # it created a successor: the one handed to this session, if any
             rec = replace(rec, handed_off=handed_off_rows(row[5]))
@@ -156,6 +162,8 @@ class ReportConnection:
         try:
             row = cursor.execute(text, [params[name] for name in names]).fetchone()
         except psycopg.Error:
+            # Whatever the error: a broken connection, but also a read-only session (25006, a failover), which
+            # stays on that server until it reconnects; the next attempt opens a new one.
             self.reset()
             raise
         assert row is not None  # every statement sent here returns exactly one row

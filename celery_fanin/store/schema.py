@@ -102,6 +102,7 @@ children = Table(
     Column("late_reports", Integer, nullable=False),
     Column("expires_at", DateTime(timezone=True)),
     Column("eta_at", DateTime(timezone=True)),
+    Column("duplicates", Integer, nullable=False),
 )
 
 successors = Table(
@@ -127,6 +128,8 @@ successors = Table(
     Column("lease_until", DateTime(timezone=True)),
     Column("attempt", Integer, nullable=False),
     Column("run_owner", Text),
+    Column("carrier", Text),
+    Column("run_owner_key", Text),
 )
 
 outbox = Table(

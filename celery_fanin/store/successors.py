@@ -65,6 +65,8 @@ def claim_params(
     lease: float,
     grace: float,
     owner: str,
+    owner_key: str | None = None,
+    carrier: str | None = None,
     dead_owner: str | None = None,
 ) -> dict[str, object]:
     """The parameters of `claim_run`'s statement (the same names in both placeholder styles)."""
@@ -76,6 +78,8 @@ def claim_params(
         "lease": lease,
         "grace": grace,
         "owner": owner,
+        "owner_key": owner_key,
+        "carrier": carrier,
         "dead_owner": dead_owner,
     }
 
@@ -97,18 +101,31 @@ def claim_run(
     lease: float,
     grace: float,
     owner: str,
+    owner_key: str | None = None,
+    carrier: str | None = None,
     dead_owner: str | None = None,
 ) -> Run | Refusal:
     """Admit one delivery of a successor, or say why not: one statement.
 
     Admitted: a successor never started, one handed over (retrying, requeued, replaced), or one whose run is dead:
     its lease lapsed over `grace` seconds ago (its worker died or lost the database for that long), or the caller
-    saw that the process holding it, `dead_owner`, is gone. Refused: a successor with a live run, a final one, a
-    delivery whose task id is not the successor's, or no such successor. READ COMMITTED makes two deliveries
-    racing for one row wait for each other and re-check: one wins.
+    holds the key (`owner_key`) of the worker whose run it was and saw that its process, `dead_owner`, is gone.
+    Once the successor was replaced, only the replacement's `carrier` is admitted. Refused: a successor with a live
+    run, a final one, a copy of a replaced message, a delivery whose task id is not the successor's, or no such
+    successor; the holder of a live run is named only to a caller with its worker's key. READ COMMITTED makes two
+    deliveries racing for one row wait for each other and re-check: one wins.
     """
     params = claim_params(
-        batch_id, step, task_id, retries, lease=lease, grace=grace, owner=owner, dead_owner=dead_owner
+        batch_id,
+        step,
+        task_id,
+        retries,
+        lease=lease,
+        grace=grace,
+        owner=owner,
+        owner_key=owner_key,
+        carrier=carrier,
+        dead_owner=dead_owner,
     )
     return claimed(batch_id, step, conn.execute(q("claim_run").text, params).one())
 
@@ -118,8 +135,11 @@ def count_duplicate(conn: Connection, batch_id: uuid.UUID, step: str) -> None:
     conn.execute(q("count_duplicate").text, {"id": batch_id, "step": step})
 
 
-def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = None) -> bool:
-    """End `run` without finishing the successor: `retrying` (due at `due_at`), `requeued` or `replaced`.
+def hand_over(
+    conn: Connection, run: Run, state: str, due_at: datetime | None = None, carrier: str | None = None
+) -> bool:
+    """End `run` without finishing the successor: `retrying` (due at `due_at`), `requeued` or `replaced` (by the
+    replacement whose `carrier` token is the only delivery admitted from then on).
 
     Written before the next delivery can exist (the retry and the replacement are published after this commits),
     so that delivery finds the successor free. False if the run was fenced off (its lease was taken over).
@@ -128,16 +148,17 @@ def hand_over(conn: Connection, run: Run, state: str, due_at: datetime | None = 
         raise ValueError(f"not a hand-over state: {state!r}")
     found = conn.execute(
         q("hand_over").text,
-        {"id": run.batch_id, "step": run.step, "run": run.number, "state": state, "due": due_at},
+        {"id": run.batch_id, "step": run.step, "run": run.number, "state": state, "due": due_at, "carrier": carrier},
     ).scalar_one()
     return bool(found)
 
 
-def take_back(conn: Connection, run: Run, lease: float) -> bool:
-    """Undo `hand_over` when the retry or replacement was never published (Celery raised instead)."""
+def take_back(conn: Connection, run: Run, lease: float, carrier: str | None = None) -> bool:
+    """Undo `hand_over` when the retry or replacement was never published (Celery raised instead); `carrier`: the
+    token the run's own delivery came with, admitted again."""
     found = conn.execute(
         q("take_back").text,
-        {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease},
+        {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease, "carrier": carrier},
     ).scalar_one()
     return bool(found)
 
@@ -169,14 +190,21 @@ def record_state(
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
+    carrier: str | None = None,
+    retries: int | None = None,
+    ran_in: str | None = None,
+    owner_key: str | None = None,
 ) -> bool:
     """Move the successor to a final state; a final state is never left again. True if this call moved it.
 
-    `run` fences the write to that run (the pool process reporting its own body's end). Without it (the worker's
-    main process: a hard time limit, a lost pool process, a revoke, an undecodable or unknown message) a
-    successor not yet final is moved if `task_id` is the one its batch assigned it (`fanin_finish_successor`). A
-    nested batch (one that stands for a child of an outer batch) reports that child in the same transaction: its
-    return value is the child's result, its failure the child's.
+    `run` fences the write to that run (the pool process reporting its own body's end). Without it, the worker's
+    main process speaks of one copy of the message, whose `task_id` must be the successor's
+    (`fanin_finish_successor_v2`): a copy that ran in the pool process `ran_in` (``host:machine:pid:``, a hard time
+    limit, a lost or terminated process) ends only that process's run, and only with its worker's `owner_key`; a
+    copy that never ran (expired, revoked unstarted, unknown, undecodable) ends only a successor no run holds, that
+    it could still have started (its `carrier`, its `retries`). An event that moves nothing is counted as a
+    duplicate. A nested batch (one that stands for a child of an outer batch) reports that child in the same
+    transaction: its return value is the child's result, its failure the child's.
     """
     if state not in FINAL_STATES:
         raise ValueError(f"not a final successor state: {state!r}")
@@ -193,6 +221,10 @@ def record_state(
             "result": result.body if result else None,
             "rct": result.content_type if result else None,
             "rce": result.content_encoding if result else None,
+            "carrier": carrier,
+            "retries": retries,
+            "ran_in": ran_in,
+            "owner_key": owner_key,
         },
     ).scalar_one()
     return bool(found)
@@ -203,7 +235,8 @@ def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) ->
 
     Published (or handed over) and not started `timeout` seconds after they were due: the message was lost (a
     broker restart, an early-acked message requeued by Reject, a retry whose worker died before publishing it).
-    Running with a dead run (see `claim_run`): the worker died mid-body and nothing redelivered it.
+    Running with a dead run (see `claim_run`): the worker died mid-body and nothing redelivered it. Never a
+    replaced successor: a copy of its message would only be refused (docs/concepts/exactly-once.md).
     """
     rows = conn.execute(
         q("stalled").text,

@@ -33,7 +33,16 @@ from prometheus_client import Counter
 from ..codec import encode_result
 from ..context import FanIn
 from ..exceptions import FanInNotConfigured
-from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, body_claim, claim, put_claim
+from ..protocol import (
+    BODY_CLAIM,
+    HEADER_CARRIER,
+    ChildState,
+    Marker,
+    SuccessorState,
+    body_claim,
+    claim,
+    put_claim,
+)
 from ..store import batches
 from ..store.outbox import OutboxRow
 from . import report, starts, successor_runs
@@ -88,6 +97,12 @@ class ReceivedMarkers:
         with self._lock:
             entry = self._data.pop(task_id, None)
         return entry[0] if entry is not None else None
+
+    def request(self, task_id: str) -> Any:
+        """The main process's request for this task id's message, while Celery holds it (else None)."""
+        with self._lock:
+            entry = self._data.get(task_id)
+        return entry[1]() if entry is not None else None
 
     def __len__(self) -> int:
         return len(self._data)
@@ -177,8 +192,12 @@ class WorkerHooks:
         has_value: bool = False,
         exc: BaseException | None = None,
         start: batches.Start | None = None,
+        unrun: bool = False,
     ) -> batches.TerminalRecord | None:
-        """Record a child's terminal outcome: the one path from every hook (and eager mode) to the store."""
+        """Record a child's terminal outcome: the one path from every hook (and eager mode) to the store.
+
+        `unrun`: the outcome of a copy that never ran (the main process's revoke, expiry, unknown task or undecodable
+        message), which ends the child only while no copy has started it (`fanin_report_unrun`)."""
         result = None
         if has_value:
             try:
@@ -191,7 +210,14 @@ class WorkerHooks:
             fanin,
             f"terminal outcome of task {task_id}",
             lambda reports: reports.record_terminal(
-                task_id, state, result=result, exc_type=exc_type, exc_message=exc_message, start=start, claim=claim
+                task_id,
+                state,
+                result=result,
+                exc_type=exc_type,
+                exc_message=exc_message,
+                start=start,
+                claim=claim,
+                unrun=unrun,
             ),
             batch_id=marker.batch_id,
         )
@@ -216,6 +242,15 @@ class WorkerHooks:
             why = "forged or misrouted message"
             what = (task_id, marker.index, marker.batch_id, marker.task_name, why)
             logger.warning("report refused: task_id=%s is not child %s of batch %s as task %s (%s)", *what, extra=extra)
+        elif unrun and not rec.late:
+            logger.warning(
+                "copy of task_id=%s that never ran (%s) not counted: another copy started child %s of batch %s",
+                task_id,
+                state,
+                marker.index,
+                marker.batch_id,
+                extra=extra,
+            )
         else:
             logger.info(
                 "late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
@@ -291,8 +326,12 @@ class WorkerHooks:
         value: Any = None,
         live: successor_runs.LiveRun | None = None,
         task_id: str | None = None,
+        ran_in: int | None = None,
+        retries: int | None = None,
     ) -> bool:
-        """Record a successor's final state: fenced to `live`'s run, or from the main process by its `task_id`."""
+        """Record a successor's final state: fenced to `live`'s run, or from the main process about one copy of its
+        message (`task_id`): one that ran in pool process `ran_in`, or one that never ran (the marker's carrier and
+        `retries` say which copy); such an event ends nothing another copy runs (`successor_runs.record_final`)."""
         exc_type, exc_message = _exc_fields(exc)
         result = None
         if state == SuccessorState.SUCCEEDED:
@@ -315,6 +354,9 @@ class WorkerHooks:
                 result=result,
                 exc_type=exc_type,
                 exc_message=exc_message,
+                carrier=marker.carrier,
+                retries=retries,
+                ran_in=ran_in,
             ),
         )
         return bool(done)
@@ -328,7 +370,7 @@ class WorkerHooks:
         that `max_retries` bounds the retries of the successor, not of each copy.
         """
         retries = int(getattr(request, "retries", 0) or 0)
-        live = successor_runs.admit(fanin, marker.batch_id, marker.step or "", task_id, retries)
+        live = successor_runs.admit(fanin, marker.batch_id, marker.step or "", task_id, retries, marker.carrier)
         if live is None:
             return None
         successor_runs.attach(request, live)
@@ -344,12 +386,17 @@ class WorkerHooks:
         child: ChildState,
         successor: SuccessorState,
         exc: BaseException | None,
+        *,
+        ran_in: int | None,
+        retries: Any = None,
     ) -> None:
-        """A main-process path ended the message: its child's terminal state, or its successor's final one."""
+        """A main-process path ended one copy of the message: one that ran in pool process `ran_in`, or (None) one
+        that never ran. Its child's terminal state, or its successor's final one, as far as that copy may end it."""
         if marker.is_successor:
-            self.record_successor(fanin, marker, successor, exc, task_id=task_id)
+            tries = int(retries) if isinstance(retries, int) or (isinstance(retries, str) and retries.isdigit()) else 0
+            self.record_successor(fanin, marker, successor, exc, task_id=task_id, ran_in=ran_in, retries=tries)
         else:
-            self.record_child(fanin, marker.child_id(task_id), marker, child, exc=exc)
+            self.record_child(fanin, marker.child_id(task_id), marker, child, exc=exc, unrun=ran_in is None)
 
     # --- one method per signal ----------------------------------------------------------------------------------
 
@@ -387,9 +434,13 @@ class WorkerHooks:
         if marker is None or marker.is_successor:
             return
         fanin = _fanin_for(task.app)
-        if fanin is None or not fanin.setting("track_started"):
+        if fanin is None:
             return
         request = task.request
+        if not fanin.setting("track_started") and not getattr(request, "expires", None):
+            # Off, but a child with `expires` is recorded still: the relay's expiry sweep takes a child with no start
+            # for one no worker took (docs/concepts/terminal-outcomes.md).
+            return
         if not request.is_eager and claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None)):
             return  # refused by `_guard`, next: not started
         child_id = marker.child_id(task_id)  # a chain child started when its first task did
@@ -447,13 +498,16 @@ class WorkerHooks:
             return
         # Celery 5.7 fires task_failure twice for a hard time limit, once without a request: keep the marker for the
         # repeat, which is then recorded as a late report; the entry still goes when Celery lets the request go.
+        held = self.received.request(task_id)
         lookup = self.received.get if isinstance(exception, TimeLimitExceeded) else self.received.pop
         marker = lookup(task_id) or Marker.from_mapping(getattr(sender, "request", None))
         fanin = _fanin_for(getattr(sender, "app", None))
         if marker is None or fanin is None:
             return
         state = ChildState.TIME_LIMIT if isinstance(exception, TimeLimitExceeded) else ChildState.WORKER_LOST
-        self._ended(fanin, task_id, marker, state, SuccessorState.FAILED, exception)
+        # This copy ran in a pool process (a time limit, a lost process): that process's run, whichever it was.
+        pid = _ran_in(held) or _ran_in(getattr(sender, "request", None)) or 0
+        self._ended(fanin, task_id, marker, state, SuccessorState.FAILED, exception, ran_in=pid)
 
     @report.in_event_loop
     def task_revoked(
@@ -475,7 +529,23 @@ class WorkerHooks:
             self.refuse(fanin, request.id, marker, why)
             return
         reason = "expired" if expired else "terminated" if terminated else "revoked"
-        self._ended(fanin, request.id, marker, ChildState.REVOKED, SuccessorState.REVOKED, _Revoked(reason))
+        if expired:
+            # Celery put the id in this worker's revoked set for this copy's own expiry, not for a revoke: another
+            # copy (a live run's retry, a redelivery) must still be judged on its own.
+            worker_state.revoked.discard(request.id)
+        # Only a terminated copy ran; an expired or revoked one was discarded before a pool process took it.
+        ran_in = (_ran_in(request) or 0) if terminated else None
+        retries = (getattr(request, "request_dict", None) or {}).get("retries")
+        self._ended(
+            fanin,
+            request.id,
+            marker,
+            ChildState.REVOKED,
+            SuccessorState.REVOKED,
+            _Revoked(reason),
+            ran_in=ran_in,
+            retries=retries,
+        )
 
     @report.in_event_loop
     def task_unknown(
@@ -492,7 +562,8 @@ class WorkerHooks:
         fanin = _fanin_for(getattr(sender, "app", None))
         if marker is None or fanin is None or not id or _unverified(fanin, "unknown task", id, exc):
             return
-        self._ended(fanin, id, marker, ChildState.UNKNOWN, SuccessorState.FAILED, exc)
+        retries = (getattr(message, "headers", None) or {}).get("retries")
+        self._ended(fanin, id, marker, ChildState.UNKNOWN, SuccessorState.FAILED, exc, ran_in=None, retries=retries)
 
     @report.in_event_loop
     def task_rejected(
@@ -505,7 +576,10 @@ class WorkerHooks:
         task_id = headers.get("id")
         if marker is None or fanin is None or not task_id or _unverified(fanin, "rejected", task_id, exc):
             return
-        self._ended(fanin, task_id, marker, ChildState.REJECTED, SuccessorState.FAILED, exc)
+        retries = headers.get("retries")
+        self._ended(
+            fanin, task_id, marker, ChildState.REJECTED, SuccessorState.FAILED, exc, ran_in=None, retries=retries
+        )
 
     def worker_init(self, sender: Any = None, **_: Any) -> None:
         """Refuse a pooled database URL, then guard the app's tasks and count undecodable messages."""
@@ -519,6 +593,7 @@ class WorkerHooks:
                 raise SystemExit(1) from exc
             guard_tasks(app)  # type: ignore[arg-type]
             self._report_decode_errors()
+            successor_runs.new_worker_key()  # before the pool starts: its processes inherit it
 
     def worker_process_init(self, **_: Any) -> None:
         """Guard the tasks of a pool process started as a fresh interpreter (spawn), and rebuild their tracers."""
@@ -603,6 +678,13 @@ _SIGNALS = (
 worker_hooks = WorkerHooks()
 
 
+def _ran_in(request: Any) -> int | None:
+    """The pool process a main-process request ran in (prefork's `worker_pid`; the main process itself for the
+    thread pools and solo), or None if none took it."""
+    pid = getattr(request, "worker_pid", None)
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
 def _request_claim(request: Any) -> Any:
     """The claim in a request's body: a main-process `Request` holds the decoded body, a pool's context has the
     body's embed lifted onto it (and no header of that name: `task_received` dropped it)."""
@@ -658,11 +740,15 @@ def _due_at(eta: datetime | None, countdown: float | None) -> datetime:
 
 @contextmanager
 def _handed_over(
-    live: successor_runs.LiveRun, state: str, ends: type[BaseException], due_at: datetime | None = None
+    live: successor_runs.LiveRun,
+    state: str,
+    ends: type[BaseException],
+    due_at: datetime | None = None,
+    carrier: str | None = None,
 ) -> Iterator[None]:
     """Hand the run over for the call inside, which publishes the next delivery and ends with `ends`; if it
     raises anything else, nothing was handed on and the run is taken back."""
-    successor_runs.hand_over(live, state, due_at)
+    successor_runs.hand_over(live, state, due_at, carrier)
     try:
         yield
     except ends:
@@ -725,7 +811,11 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
         live = successor_runs.request_run(self.request) if marker.is_successor else None
         if live is None or live.ended:
             return on_replace(self, sig)
-        with _handed_over(live, SuccessorState.REPLACED, Ignore):
+        # From here on only the carrier is admitted: a copy of this message (a redelivery, the relay's, a stall
+        # republish) has the same task id but not this token.
+        token = uuid.uuid4().hex
+        carrier.options["headers"][HEADER_CARRIER] = token
+        with _handed_over(live, SuccessorState.REPLACED, Ignore, carrier=token):
             return on_replace(self, sig)
 
     on_replace_guarded._fanin_guard = True  # type: ignore[attr-defined]

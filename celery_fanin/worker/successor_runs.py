@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import uuid
@@ -36,11 +37,12 @@ T = TypeVar("T")
 class LiveRun:
     """A run this process admitted and has not ended yet; `ended` once it is finished, handed over or fenced."""
 
-    __slots__ = ("fanin", "run", "ended", "fenced")
+    __slots__ = ("fanin", "run", "carrier", "ended", "fenced")
 
-    def __init__(self, fanin: FanIn, run: successors.Run) -> None:
+    def __init__(self, fanin: FanIn, run: successors.Run, carrier: str | None = None) -> None:
         self.fanin = fanin
         self.run = run
+        self.carrier = carrier  # the token this run's delivery came with (a replacement's carrier), or None
         self.ended = False
         self.fenced = False
 
@@ -60,33 +62,69 @@ def _store(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
     return retry.call(once, what=what, timeout=float(fanin.setting("report_timeout")))
 
 
-def _pid_namespace() -> str:
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+PID_NAMESPACE = "/proc/self/ns/pid"
+
+
+def machine_id(boot_id: str = BOOT_ID, pid_namespace: str = PID_NAMESPACE) -> str:
+    """This machine's processes as a name: the kernel's boot id (random at every boot, so two hosts, two VMs from one
+    image, or one host before and after a reboot differ) and the PID namespace's inode (which tells containers of
+    one kernel apart). The hostname is not enough: VMs cloned from one image and containers sharing the host's PID
+    namespace have the same one, and the init namespace's inode is the same number on every Linux kernel.
+    Empty when either is unreadable: no holder is then ever judged gone locally."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
+        with open(boot_id) as f:
+            boot = f.read().strip()
+        pidns = os.stat(pid_namespace).st_ino
     except OSError:
-        return ""  # no way to tell this machine's processes apart from another's: never judged locally
+        return ""
+    return f"{boot}/{pidns}" if boot and ":" not in boot else ""
 
 
-_PIDNS = _pid_namespace()
+_MACHINE = machine_id()
+# A worker's key: made by its main process at start (`new_worker_key`, from `worker_init`) and inherited by its pool
+# processes (by fork, or through the environment when they are spawned). A run is stored with the key's digest;
+# only a caller holding the key may end that run before its lease lapses, so another worker's credentials cannot.
+WORKER_KEY_ENV = "CELERY_FANIN_WORKER_KEY"
+
+
+def new_worker_key() -> None:
+    """Give this worker (this process and the pool processes it starts from now on) a key of its own."""
+    os.environ[WORKER_KEY_ENV] = secrets.token_hex(16)
+
+
+def worker_key() -> str:
+    key = os.environ.get(WORKER_KEY_ENV)
+    if not key:  # not a worker (eager mode, a script): a key of this process's own
+        new_worker_key()
+        key = os.environ[WORKER_KEY_ENV]
+    return key
 
 
 def owner() -> str:
-    """Who holds a run: host, PID namespace, process and thread (also read back by `_gone`)."""
-    return f"{socket.gethostname()}:{_PIDNS}:{os.getpid()}:{threading.get_ident()}"
+    """Who holds a run: host, machine (`machine_id`), process and thread (also read back by `_gone`)."""
+    return f"{process_prefix(os.getpid())}{threading.get_ident()}"
+
+
+def process_prefix(pid: int) -> str:
+    """The start of `owner()` for every thread of process `pid` of this machine: what a worker's main process
+    names a run of its pool process by (`record_final`'s `ran_in`)."""
+    return f"{socket.gethostname()}:{_MACHINE}:{pid}:"
 
 
 def _gone(holder: str | None) -> bool:
-    """Whether `holder` is a process of this machine (same host and PID namespace) that no longer exists.
+    """Whether `holder` is a process of this machine (same host and `machine_id`) that no longer exists.
 
     A pool process killed mid-body (OOM, SIGKILL) leaves a live-looking lease; with `acks_late` Celery redelivers
     its message at once, usually to the same worker. Seeing that the holder is gone lets that delivery run now
-    instead of after the lease lapses. Anything not provably gone is treated as alive.
+    instead of after the lease lapses. Anything not provably gone is treated as alive. (The store names a holder
+    only to a caller with its worker's key, and lets only that caller take its run over early.)
     """
-    if not holder or not _PIDNS:
+    if not holder or not _MACHINE:
         return False
     host, _, rest = holder.rpartition(":")[0].partition(":")
-    pidns, _, pid = rest.partition(":")
-    if host != socket.gethostname() or pidns != _PIDNS or not pid.isdigit():
+    machine, _, pid = rest.partition(":")
+    if host != socket.gethostname() or machine != _MACHINE or not pid.isdigit():
         return False
     try:
         os.kill(int(pid), 0)
@@ -97,7 +135,9 @@ def _gone(holder: str | None) -> bool:
     return False
 
 
-def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) -> LiveRun | None:
+def admit(
+    fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int, carrier: str | None = None
+) -> LiveRun | None:
     """Start a run for this delivery, or None for a duplicate (or when the store cannot be reached: refusing is
     safe, since the relay republishes a successor that never starts).
 
@@ -109,10 +149,13 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
     bid = uuid.UUID(batch_id)
     # Three settings read alone: `fanin.settings` reads every one of them (~0.1 ms), on the successor's path.
     lease, grace, me = float(fanin.setting("successor_lease")), float(fanin.setting("successor_lease_grace")), owner()
+    key = worker_key()
 
     def claim() -> successors.Run | None:
         reports = fanin.reports
-        params = successors.claim_params(bid, step, task_id, retries, lease=lease, grace=grace, owner=me)
+        params = successors.claim_params(
+            bid, step, task_id, retries, lease=lease, grace=grace, owner=me, owner_key=key, carrier=carrier
+        )
         got = successors.claimed(bid, step, reports.claim_run(params))
         if isinstance(got, successors.Refusal) and got.state == SuccessorState.RUNNING and _gone(got.owner):
             params["dead_owner"] = got.owner
@@ -130,7 +173,7 @@ def admit(fanin: FanIn, batch_id: str, step: str, task_id: str, retries: int) ->
         return None
     if run is None:
         return None
-    live = LiveRun(fanin, run)
+    live = LiveRun(fanin, run, carrier)
     _heartbeat.add(live)
     return live
 
@@ -146,14 +189,15 @@ def count_refused(fanin: FanIn, batch_id: str, step: str) -> None:
         successors.count_duplicate(conn, bid, step)
 
 
-def hand_over(live: LiveRun, state: str, due_at: datetime | None = None) -> bool:
-    """End the run and leave the successor to its next delivery (see `store.successors.hand_over`)."""
+def hand_over(live: LiveRun, state: str, due_at: datetime | None = None, carrier: str | None = None) -> bool:
+    """End the run and leave the successor to its next delivery (see `store.successors.hand_over`): for a
+    replacement, only the delivery bringing `carrier`."""
     _heartbeat.remove(live)
     try:
         moved = _store(
             live.fanin,
             f"handing over successor of batch {live.run.batch_id}",
-            lambda conn: successors.hand_over(conn, live.run, state, due_at),
+            lambda conn: successors.hand_over(conn, live.run, state, due_at, carrier),
         )
     except (retry.GaveUp, SQLAlchemyError):
         moved = False  # the run's lease lapses; the relay republishes the successor once it is dead
@@ -167,8 +211,12 @@ def take_back(live: LiveRun) -> None:
     """The retry or replacement was never published: the run goes on, under its lease again."""
     lease = live.fanin.settings.successor_lease
     try:
-        back = _store(live.fanin, "successor run taken back", lambda conn: successors.take_back(conn, live.run, lease))
-    except SQLAlchemyError:
+        back = _store(
+            live.fanin,
+            "successor run taken back",
+            lambda conn: successors.take_back(conn, live.run, lease, live.carrier),
+        )
+    except (retry.GaveUp, SQLAlchemyError):  # GaveUp too: an outage (or a lock held) past report_timeout
         back = False
     if back:
         live.ended = False
@@ -192,9 +240,14 @@ def record_final(
     result: Encoded | None = None,
     exc_type: str | None = None,
     exc_message: str | None = None,
+    carrier: str | None = None,
+    retries: int | None = None,
+    ran_in: int | None = None,
 ) -> bool:
     """One attempt at recording a final state (`store.successors.record_state`); the caller retries. Unfenced
-    (no `run`), the delivery's `task_id` must be the successor's."""
+    (no `run`), the worker's main process speaks of one copy of the message, whose `task_id` must be the
+    successor's: one that ran in its pool process `ran_in` (a pid of this machine) or, without it, one that never
+    ran (its `carrier` and `retries` say which copy it was)."""
     with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         return successors.record_state(
             conn,
@@ -206,6 +259,10 @@ def record_final(
             result=result,
             exc_type=exc_type,
             exc_message=exc_message,
+            carrier=carrier,
+            retries=retries,
+            ran_in=None if ran_in is None else process_prefix(ran_in),
+            owner_key=None if ran_in is None else worker_key(),
         )
 
 

@@ -5,12 +5,19 @@ SIGKILL of a whole worker (one prefork worker runs with acks_late and task_rejec
 is a thread pool) and a replacement started; SIGKILL of a relay and a new one started; a second relay started or
 stopped; PostgreSQL restarted; PostgreSQL down for 60 s; the broker restarted (Redis without persistence: every
 queued message is lost; RabbitMQ: stop_app/start_app); child messages published a second time; and successors
-published again (duplicate deliveries, of running and of finished successors). The `redis-failover` run adds
-PostgreSQL failovers: on a primary and a synchronous standby of the test's own (tests/cluster.py; every process
-given a URL naming both), the primary stopped with `immediate`, the standby promoted and the old primary rebuilt
-as the new standby, again and again; its restarts and its outage act on whichever server is primary. Every
-successor retries itself once. Each fault is verified to have happened (the process is gone, the server's start
-time or connection changed); a fault that cannot be applied fails the run.
+published again (duplicate deliveries, of running and of finished successors); a 3 s cut between PostgreSQL and a
+worker of its own (through a proxy the test owns) while children with `expires` shorter than their run start on it
+(the relay's `fanin_expires_grace` is 1 s: a start lost in the cut would let its sweep count a running child
+revoked). Every successor retries itself once. Each fault is verified to have happened (the process is gone, the
+server's start time or connection changed); a fault that cannot be applied fails the run. A second copy counts only
+once its effect is seen: a late report on a child published twice, a refused duplicate on a successor published
+again (tests/chaos/copies.py); each kind is applied again (or, in the first round, kept among the kinds still to
+apply) until one of its applications was seen, for up to CONFIRM_WITHIN seconds past the faults' end.
+
+The `redis-failover` run adds PostgreSQL failovers: on a primary and a synchronous standby of the test's own
+(tests/cluster.py; every process given a URL naming both), the primary stopped with `immediate`, the standby
+promoted and the old primary rebuilt as the new standby, again and again; its restarts and its outage act on
+whichever server is primary (it has no cut worker: its proxy fronts one server).
 
 Afterwards, for every batch in the database: its successor's body ran exactly once (recorded by the successor
 itself), succeeded + failed == planned, the counters equal what the child rows say (no child counted twice),
@@ -44,18 +51,20 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-from celery_fanin import FanIn, FanInDatabaseError, codec, fan_in_group
-from celery_fanin.broker import publish
-from celery_fanin.store.batches import Encoded
+from celery_fanin import FanIn, FanInDatabaseError, fan_in_group
 from celery_fanin.store.reports import libpq_conninfo
+from tests.chaos import copies
 from tests.cluster import Cluster, cluster
-from tests.faults import release_producer_app
+from tests.faults import TcpProxy, release_producer_app
 from tests.workers import CeleryProcess, start_relay, start_worker, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 RABBITMQ_URL = os.environ.get("FANIN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 MODES = ("ok", "ok", "ok", "fail", "flaky", "slow")
+# Seconds the fault loop may go on past its end for kinds not applied yet, or (a second copy) not seen to take
+# effect yet; then the run fails.
+CONFIRM_WITHIN = 180.0
 
 
 class Skipped(Exception):
@@ -75,7 +84,13 @@ class Chaos:
     """The processes under test and the faults applied to them."""
 
     def __init__(self, env: dict[str, str], tmp: Path, rng: random.Random, run: Run, pg: Cluster | None = None) -> None:
-        self.env = {**env, "FANIN_TEST_REAPER_INTERVAL": "1", "FANIN_TEST_SUCCESSOR_TIMEOUT": "10"}
+        # expires_grace 1 s: the relay's expiry sweep acts as early as it may (1 s + fanin_report_timeout).
+        self.env = {
+            **env,
+            "FANIN_TEST_REAPER_INTERVAL": "1",
+            "FANIN_TEST_SUCCESSOR_TIMEOUT": "10",
+            "FANIN_TEST_EXPIRES_GRACE": "1",
+        }
         # The PostgreSQL faults act on the test's own cluster (`pg`), else on this machine's PostgreSQL, which must
         # then be the one this run uses; the broker's restart is always this machine's.
         self.pg = pg
@@ -101,7 +116,14 @@ class Chaos:
         self.workers: dict[str, CeleryProcess] = {}
         self.relays: list[CeleryProcess] = []
         self.all: list[CeleryProcess] = []
+        # The second copies made, counted once their effect is seen.
+        self.copies = copies.Ledger(lambda made: copies.read_counts(libpq_conninfo(env["FANIN_DATABASE_URL"]), made))
         self._n = 0
+        # The worker of the "short cut while children start" fault: its own queue, its store through `pg_proxy`.
+        self.pg_proxy: TcpProxy | None = None
+        self.cut_worker: CeleryProcess | None = None
+        self.cut_queue = f"{env.get('FANIN_TEST_QUEUE', 'celery')}-expiring"
+        self._cut_batches = 0
 
     def _log(self, name: str) -> Path:
         self._n += 1
@@ -113,6 +135,14 @@ class Chaos:
         proc = start_worker({**self.env, **extra}, self._log(f"worker-{kind}"), concurrency=2, pool=pool)
         self.workers[kind] = proc
         self.all.append(proc)
+
+    def start_cut_worker(self) -> None:
+        """A worker on a queue of its own whose PostgreSQL connections go through a proxy only the fault cuts (not
+        in `workers`: the other faults leave it alone, so the children the fault publishes start at once)."""
+        self.pg_proxy = TcpProxy.for_url(self.env["FANIN_DATABASE_URL"], 5432)
+        env = {**self.env, "FANIN_DATABASE_URL": self.pg_proxy.url(self.env["FANIN_DATABASE_URL"])}
+        self.cut_worker = start_worker(env, self._log("worker-cut"), concurrency=2, extra=["-Q", self.cut_queue])
+        self.all.append(self.cut_worker)
 
     def start_relay(self) -> None:
         proc = start_relay(self.env, self._log("relay"))
@@ -296,31 +326,56 @@ class Chaos:
     def duplicate_children(self, producer: Any) -> None:
         """Publish some unfinished children's stored messages again, as a broker redelivery would."""
         with psycopg.connect(libpq_conninfo(self.env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT batch_id, idx, task_id, message, content_type, content_encoding FROM fanin_children "
-                "WHERE state IN ('pending', 'started') ORDER BY random() LIMIT 5"
-            ).fetchall()
+            rows = copies.unfinished_children(conn, 5)
         if not rows:
             raise Skipped("no unfinished child to publish again")
-        app = producer
-        with publish.producer(app) as prod:
-            for batch_id, idx, task_id, body, ct, ce in rows:
-                sig = codec.decode_signature(app, Encoded(ct, ce, bytes(body)))
-                publish.publish_children(app, prod, batch_id, [(idx, task_id, sig)])
+        self.copies.add(copies.publish_children_again(producer, rows))
 
     def duplicate_successors(self) -> None:
         """Put sent successors' outbox rows back in line: the relay publishes them again (running or finished)."""
         with psycopg.connect(libpq_conninfo(self.env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
-            n = conn.execute(
-                "UPDATE fanin_outbox SET sent_at = NULL WHERE id IN (SELECT id FROM fanin_outbox"
-                " WHERE sent_at IS NOT NULL ORDER BY random() LIMIT 3)"
-            ).rowcount
-        if n == 0:
+            again = copies.send_successors_again(conn, 3)
+        if again is None:
             raise Skipped("no successor sent yet")
+        self.copies.add(again)
+
+    def short_cut_while_children_start(self, producer: Any) -> None:
+        """Cut the cut worker's store for 3 s (far below `fanin_report_timeout`) while two children with `expires`
+        shorter than their run start on it; then each is counted by its own success, not by the expiry sweep."""
+        assert self.pg_proxy is not None and self.cut_worker is not None
+        self._cut_batches += 1
+        n = self._cut_batches
+        failed_writes = self.cut_worker.output().count("writing start records failed")
+        children = [
+            producer.signature("tests.app.sleepy", args=(8,)).set(expires=3, queue=self.cut_queue) for _ in range(2)
+        ]
+        self.pg_proxy.cut()
+        try:
+            handle = fan_in_group(
+                children, then=producer.signature("tests.app.chaos_successor", args=(-n,)), app=producer
+            ).apply_async()
+            wait_for(
+                lambda: (
+                    self.cut_worker is not None
+                    and self.cut_worker.output().count("writing start records failed") > failed_writes
+                ),
+                20,
+                0.1,
+                "a start meeting the cut",
+            )
+            time.sleep(3)  # the fault is the passing of time with the worker cut off from the store
+        finally:
+            self.pg_proxy.restore()
+        # The effect: past the sweep's grace as it would have been (1 s), the children run on, counted by their
+        # own reports (the batch's successor is checked with every other batch at the end).
+        status = handle.wait(timeout=60)
+        assert (status.succeeded, status.failed) == (2, 0), f"a running child with expires was miscounted: {status}"
 
     def stop_all(self) -> None:
         for proc in self.all:
             proc.stop()
+        if self.pg_proxy is not None:
+            self.pg_proxy.close()
 
 
 def _create_batches(
@@ -417,6 +472,8 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
         chaos.start_worker("acks_late")
         chaos.start_worker("acks_early")
         chaos.start_worker("threads")
+        if pg is None:  # its proxy fronts one server: a cluster's failover would leave it on the old primary
+            chaos.start_cut_worker()
         chaos.start_relay()
         producer = threading.Thread(
             target=_create_batches, args=(capp, run, n_batches, width, random.Random(seed + 1), stop)
@@ -429,43 +486,62 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             "start/stop second relay": (chaos.toggle_second_relay, 2),
             "restart postgres": (chaos.restart_postgres, 1),
             f"restart {broker}": (chaos.restart_broker, 1),
-            "publish children twice": (lambda: chaos.duplicate_children(capp), 3),
-            "publish successors again": (chaos.duplicate_successors, 2),
+            copies.CHILDREN: (lambda: chaos.duplicate_children(capp), 3),
+            copies.SUCCESSORS: (chaos.duplicate_successors, 2),
+            "short db cut while children with expires start": (lambda: chaos.short_cut_while_children_start(capp), 1),
         }
         if pg is not None:
+            del faults["short db cut while children with expires start"]
             faults["postgres failover"] = (chaos.fail_over, 3)
         names = list(faults)
         weights = [faults[n][1] for n in names]
-        # Every kind once, in a random order, then random draws; the 60 s outage once, a third of the way in.
+        # Every kind once, in a random order, then random draws; the 60 s outage once, a third of the way in. A
+        # kind that makes second copies stays in `first` until one of its copies was seen to take effect; while its
+        # last copies may still do so (`patience`), the other kinds go first, or random draws.
         first = rng.sample(names, len(names))
         failures: list[str] = []
         outage_at = time.monotonic() + duration / 3
         deadline = time.monotonic() + duration + chaos.outage
-        while time.monotonic() < deadline or first:
+        while time.monotonic() < deadline or (first and time.monotonic() < deadline + CONFIRM_WITHIN):
             chaos.supervise()
+            chaos.copies.refresh()
+            seen = chaos.copies.seen()
+            first = [n for n in first if not seen[n]]
+            if not first and time.monotonic() >= deadline:
+                break
             if outage_at is not None and time.monotonic() >= outage_at:
                 outage_at = None
                 name, apply = "postgres down 60 s", chaos.postgres_outage
             else:
-                name = first[0] if first else rng.choices(names, weights)[0]
+                due = [n for n in first if not (n in copies.EFFECTS and chaos.copies.waiting(n))]
+                if first and not due and time.monotonic() >= deadline:
+                    time.sleep(0.5)  # the faults are over: only copies that may still take effect are awaited
+                    continue
+                name = due[0] if due else rng.choices(names, weights)[0]
                 apply = faults[name][0]
             try:
                 apply()
             except Skipped:
-                if first and name == first[0]:
-                    first.append(first.pop(0))  # try the other kinds first; this one comes round again
+                if name in first:
+                    first.remove(name)
+                    first.append(name)  # try the other kinds first; this one comes round again
                 time.sleep(0.5)
                 continue
             except Exception as exc:  # a fault that cannot be applied is a failed run, not a quieter one
                 failures.append(f"{name}: {type(exc).__name__}: {exc}")
                 _ensure_services(broker, pg)
             else:
-                run.faults[name] += 1
-            if first and name == first[0]:
-                first.pop(0)
+                if name not in copies.EFFECTS:  # a copy is counted once its effect is seen (above, and below)
+                    run.faults[name] += 1
+            if name in first and name not in copies.EFFECTS:
+                first.remove(name)
             time.sleep(rng.uniform(1.0, 3.0))
         assert not failures, "faults that could not be applied:\n" + "\n".join(failures)
-        assert outage_at is None and all(run.faults[n] >= 1 for n in names), f"faults applied: {dict(run.faults)}"
+        applied = run.faults + chaos.copies.seen()
+        assert outage_at is None and not first and all(applied[n] >= 1 for n in names), (
+            f"faults applied (second copies: seen to take effect) {dict(applied)}; still to apply or see after "
+            f"{CONFIRM_WITHIN:.0f}s more: {first}"
+        )
         producer.join(120)
         assert not producer.is_alive(), "the producer did not finish creating batches"
         # Faults over: every component is up again; wait for the recovery timeouts to finish every batch.
@@ -475,6 +551,12 @@ def test_chaos(broker_env: dict[str, str], tmp_path: Path, request: pytest.Fixtu
             chaos.start_relay()
         FanIn.of(capp).dispose()
         results = _wait_until_finished(broker_env["FANIN_DATABASE_URL"], timeout=240 * max(1.0, scale))
+        chaos.copies.refresh()  # for the report: copies seen since the loop ended too
+        made, seen = chaos.copies.applied(), chaos.copies.seen()
+        for name, effect in copies.EFFECTS.items():
+            run.faults[name] = seen[name]
+            if made[name] > seen[name]:
+                run.faults[f"{name}: no {effect} seen"] = made[name] - seen[name]
         _report(run, results)
         _check(results, run)
     finally:

@@ -142,7 +142,8 @@ def test_a_child_expired_before_any_worker_took_it_is_counted_revoked(
 ) -> None:
     """RabbitMQ drops the expired message unconsumed (no task_revoked); Redis delivers it and the worker revokes
     it. Either way the child is counted `revoked` (expired) once, within the grace plus a reaper interval."""
-    processes.relay({**broker_env, "FANIN_TEST_EXPIRES_GRACE": "1"})
+    # The sweep waits fanin_expires_grace + fanin_report_timeout past `expires` (a start may be retried that long).
+    processes.relay({**broker_env, "FANIN_TEST_EXPIRES_GRACE": "1", "FANIN_TEST_REPORT_TIMEOUT": "1"})
     handle = fan_in_group(
         [
             _sig(app, "ok", 1).set(expires=1),

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 import redis
 
-from celery_fanin import fan_in_group, retry
+from celery_fanin import fan_in_group
 from celery_fanin.protocol import OUTBOX_CHANNEL
 from celery_fanin.store.reports import libpq_conninfo
 from tests import app as tasks
@@ -252,13 +252,6 @@ def test_failing_over_and_back_again(
     assert len(successor_runs(batch.batch_id)) == 1
 
 
-# SQLSTATE 25006 is made transient (and the session dropped) on the branch of issue 38's hole 5 (dberrors); until
-# that is merged a report that meets it is refused as permanent, and this test fails as the issue describes.
-@pytest.mark.xfail(
-    not retry.is_transient(psycopg.errors.ReadOnlySqlTransaction()),
-    reason="25006 is not retried yet (issue 38 hole 5)",
-    strict=True,
-)
 @pytest.mark.timeout(120)
 def test_a_worker_whose_url_reaches_a_read_only_server_waits_for_it_to_take_writes(
     ha_cluster: Cluster, e2e_env: dict[str, str], processes: Any, producer: Any, successor_runs: Runs

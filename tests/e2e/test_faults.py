@@ -3,6 +3,7 @@ failure thresholds and reconciliation, with real workers and the relay."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -324,13 +325,21 @@ def test_successor_message_lost_is_published_again(
 ) -> None:
     import redis
 
-    relay = processes.relay(extra_env={"FANIN_TEST_SUCCESSOR_TIMEOUT": "2"})
+    # The stall scan publishes it again 5 s after it was sent, by when the worker started below is consuming: its
+    # copy is admitted at once, long before a second republish (5 s later again) could make a duplicate.
+    relay = processes.relay(extra_env={"FANIN_TEST_SUCCESSOR_TIMEOUT": "5"})
     handle = fan_in_group([], then=tasks.record_run.s("lost-successor")).apply_async()
     wait_for(lambda: handle.status().successor_state == "sent", 20, message="the successor sent")
-    redis.Redis.from_url(clean_redis).delete("celery")  # the broker loses it (a restart without persistence)
+    # The broker loses it (a restart without persistence): the queue read and deleted in one transaction, so what
+    # was lost is known to be the successor's one message, and nothing of it is left to deliver.
+    with redis.Redis.from_url(clean_redis).pipeline(transaction=True) as pipe:
+        queued, deleted = pipe.lrange("celery", 0, -1).delete("celery").execute()
+    assert deleted == 1
+    assert [json.loads(m)["headers"]["id"] for m in queued] == [handle.status().successor_task_id]
     processes.worker()
     status = handle.wait(timeout=60)
     assert status.successor_state == "succeeded" and status.successor_runs == 1
+    assert status.successor_duplicates == 0  # the copy the relay published again is the only one delivered
     assert len(successor_runs(handle.batch_id)) == 1
     assert "stalled" in relay.output()
 

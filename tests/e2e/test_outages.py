@@ -147,7 +147,9 @@ def test_worker_and_relay_recover_from_a_broker_cut(
     again the worker consumes the children and the relay publishes the successor, neither restarted."""
     with proxy_for(e2e_env["FANIN_TEST_BROKER"], 6379) as broker:
         env = {"FANIN_TEST_BROKER": broker.url(e2e_env["FANIN_TEST_BROKER"])}
-        worker = processes.worker(extra_env=env)
+        # The worker leaves its successors to the relay: one that published its own left the relay nothing to
+        # recover, and this test could not fail on the relay's side.
+        worker = processes.worker(extra_env={**env, **RELAY_PUBLISHES})
         relay = processes.relay(extra_env=env)
         first = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("before")).apply_async()
         assert first.wait(timeout=30).successor_state == "succeeded"
@@ -158,4 +160,68 @@ def test_worker_and_relay_recover_from_a_broker_cut(
         broker.restore()
         status = second.wait(timeout=60)
         assert (status.succeeded, status.successor_state, status.successor_runs) == (3, "succeeded", 1)
+        assert status.successor_duplicates == 0
         assert len(successor_runs(second.batch_id)) == 1
+        # The relay sent both successors, each once (it logs a publish after the commit that marks it sent).
+        published = f"published successor batch_id={second.batch_id} "
+        wait_for(lambda: published in relay.output(), 20, message="the relay's publish of the second successor")
+        log = relay.output()
+        assert log.count(f"published successor batch_id={first.batch_id} ") == 1
+        assert log.count(published) == 1
+
+
+def _past_expiry_by(producer: Any, batch_id: str, seconds: float) -> bool:
+    """The batch's expiring child's `expires` passed more than `seconds` ago, by the database's clock (the relay's)."""
+    with FanIn.of(producer).engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT bool_and(expires_at + make_interval(secs => :s) < now()) FROM fanin_children "
+                    "WHERE batch_id = :b AND expires_at IS NOT NULL"
+                ),
+                {"b": batch_id, "s": seconds},
+            ).scalar_one()
+        )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("track_started", ["1", "0"], ids=["track_started", "track_started_off"])
+def test_a_start_held_up_by_a_short_cut_keeps_the_expiry_sweep_off_a_running_child(
+    producer: Any, processes: Any, successor_runs: Runs, pg_proxy: TcpProxy, e2e_env: dict[str, str], track_started: str
+) -> None:
+    """Issue 38, hole 4: a child with `expires` shorter than its run starts while its worker cannot reach
+    PostgreSQL (a 3 s cut, shorter than `fanin_report_timeout`). Its start is kept and written once the store is
+    back, and the relay's expiry sweep (expires_grace 1 s, so it waits 1 + report_timeout past `expires`) never
+    counts it revoked: the batch ends with the child's own success. Before, the start was dropped after three quick
+    attempts, the sweep counted the child `revoked` 1 s past its expiry, and its success arrived as a late report.
+
+    With `fanin_track_started = False` the start of a child with `expires` is still written (the sweep needs it);
+    before, none was, and the sweep counted every such child still running past its expiry plus the grace."""
+    timeouts = {"FANIN_TEST_REPORT_TIMEOUT": "8", "FANIN_TEST_EXPIRES_GRACE": "1"}
+    env = {**_through(pg_proxy, e2e_env), **timeouts, "FANIN_TEST_TRACK_STARTED": track_started}
+    worker = processes.worker(extra_env=env)
+    relay = processes.relay(extra_env=timeouts)  # straight to the database: its sweep runs every second throughout
+    warm = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("warm")).apply_async()
+    assert warm.wait(timeout=30).successor_state == "succeeded"  # the worker is up and has used the store
+    pg_proxy.cut()
+    handle = fan_in_group([tasks.sleepy.s(24).set(expires=4)], then=tasks.record_run.s("expiring")).apply_async()
+    wait_for(lambda: "writing start records failed" in worker.output(), 20, message="the start meeting the cut")
+    _hold_cut(pg_proxy, 3, [worker, relay])
+    assert _children(producer, handle.batch_id) == {"pending": 1}  # nothing got through meanwhile
+    pg_proxy.restore()
+    wait_for(lambda: _children(producer, handle.batch_id) != {"pending": 1}, 15, message="the start written")
+    assert _children(producer, handle.batch_id) == {"started": 1}
+    # The sweep may count it from 1 + 8 s past `expires`; two of its rounds later, the child still runs (24 s).
+    wait_for(lambda: _past_expiry_by(producer, handle.batch_id, 11), 20, message="the sweep's grace to pass")
+    assert _children(producer, handle.batch_id) == {"started": 1}, "the sweep counted a running child"
+    status = handle.wait(timeout=30)
+    assert (status.succeeded, status.failed, status.remaining) == (1, 0, 0), status
+    assert status.successor_state == "succeeded" and status.successor_runs == 1
+    runs = successor_runs(handle.batch_id)
+    assert len(runs) == 1 and (runs[0]["outcome"]["succeeded"], runs[0]["outcome"]["failed"]) == (1, 0)
+    with FanIn.of(producer).engine.connect() as conn:
+        late = conn.execute(
+            text("SELECT late_reports FROM fanin_children WHERE batch_id = :b"), {"b": handle.batch_id}
+        ).scalar_one()
+    assert late == 0  # its success was counted, not late
+    assert "dropped" not in worker.output() and "child expired unconsumed" not in relay.output()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -56,10 +58,13 @@ def test_relay_stopped_while_batches_complete_then_started(producer: Any, proces
         assert len(successor_runs(h.batch_id)) == 1
 
 
-def test_two_relays_publish_each_successor_once(producer: Any, processes: Any, successor_runs: Runs) -> None:
-    processes.worker()
-    processes.relay(process=True)  # two relay processes, each with its own connections
-    processes.relay(process=True)
+def test_two_relays_publish_each_successor_once(
+    producer: Any, processes: Any, successor_runs: Runs, e2e_env: dict[str, str]
+) -> None:
+    # The worker leaves every successor to the relays: with the default worker (which publishes its own) the
+    # relays had nothing to do, and this test could not fail.
+    processes.worker(RELAY_PUBLISHES)
+    relays = [processes.relay(process=True), processes.relay(process=True)]  # each with its own connections
     handles = [
         fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s(f"r{k}")).apply_async()
         for k in range(30)
@@ -69,6 +74,22 @@ def test_two_relays_publish_each_successor_once(producer: Any, processes: Any, s
         assert status.successor_state == "succeeded"
         assert status.successor_duplicates == 0
         assert len(successor_runs(h.batch_id)) == 1
+    # The relays sent every successor, each once between them: one "published" line per batch in their logs (a
+    # relay logs it once its publish is flushed, after the row is marked sent), and each outbox row marked sent
+    # once (a second mark, after a second claim, would count a second attempt).
+    expected = Counter(h.batch_id for h in handles)
+    wait_for(lambda: _relays_published(relays) == expected, 20, message="the relays' log lines for every successor")
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT batch_id::text, sent_at IS NOT NULL, attempts FROM fanin_outbox WHERE batch_id = ANY(%s::uuid[])",
+            ([h.batch_id for h in handles],),
+        ).fetchall()
+    assert sorted(rows) == sorted((h.batch_id, True, 1) for h in handles)
+
+
+def _relays_published(relays: list[Any]) -> Counter[str]:
+    """How many times the relays' logs say they published each batch's successor."""
+    return Counter(b for relay in relays for b in re.findall(r"published successor batch_id=(\S+)", relay.output()))
 
 
 def test_successor_delivered_twice_runs_once(producer: Any, processes: Any, successor_runs: Runs) -> None:

@@ -168,6 +168,12 @@ def settle(sessions: list[Session], monitor: psycopg.Connection[Any]) -> None:
         time.sleep(0.002)
 
 
+# The library retries a lock or statement timeout (celery_fanin.retry), but here they are SESSION_SETTINGS' guards
+# against a hang: a violation, never an abort to retry.
+_HANG_GUARDS = frozenset({"55P03", "57014"})
+
+
 def is_transient(exc: BaseException) -> bool:
     """A deadlock or serialization failure: the library's callers run the transaction again (celery_fanin.retry)."""
-    return retry.is_transient(exc)
+    sqlstate = getattr(getattr(exc, "orig", None) or exc, "sqlstate", None)
+    return sqlstate not in _HANG_GUARDS and retry.is_transient(exc)

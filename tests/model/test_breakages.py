@@ -6,13 +6,16 @@ replacement whose pattern must be found, then `CREATE OR REPLACE`d on the scratc
 the protocol is such a function (store/sql/schema.sql), the successor's insert, its run guard and the relay's
 mark-sent included.
 
-Not in the list: mark-sent without `s.state = 'pending'` (fanin_outbox_sent) is found by some runs and missed by
-others within the CI budget (it needs a successor to start running between the relay's claim and its mark, a
-narrow interleaving whose odds depend on the machine's timing), so it is not a reliable test; and dropping
-`remaining > 0` from `fanin_settle`. With the defects the model found fixed, no
-interleaving it generates reaches a settle of a counter at zero (every path that zeroes a counter first makes its
-children terminal, under the locks their reports take), so the guard is defence in depth: 300 examples of 40
-steps found nothing (run on 2026-12-01).
+Not in the list: the stall scan's own check that a successor was not replaced (`fanin_republish_successor`): the
+scan's query (`stalled`) leaves replaced successors out too, so only a scan that listed a successor just before it
+was replaced reaches the function's check, a race too narrow for the CI budget;
+tests/store/test_successor_guard.py checks the function directly. Also not: mark-sent without
+`s.state = 'pending'` (fanin_outbox_sent), found by some runs and missed by others within the CI budget (it needs a
+successor to start running between the relay's claim and its mark, a narrow interleaving whose odds depend on the
+machine's timing), so it is not a reliable test; and dropping `remaining > 0` from `fanin_settle`. With the defects
+the model found fixed, no interleaving it generates reaches a settle of a counter at zero (every path that zeroes a
+counter first makes its children terminal, under the locks their reports take), so the guard is defence in depth:
+300 examples of 40 steps found nothing (run on 2026-12-01).
 """
 
 from __future__ import annotations
@@ -32,12 +35,17 @@ if sys.version_info < (3, 11):  # builtin from 3.11; hypothesis depends on the b
     from exceptiongroup import ExceptionGroup
 
 from .conftest import model_budget, model_settings
-from .machine import FAILURES, ProtocolMachine, Violation, engine_for
+from .machine import FAILURES, ProtocolMachine, SuccessorGuardMachine, Violation, engine_for
 
 REPORT = (
     "fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer, text)"
 )
 SETTLE = "fanin_settle(uuid, integer, integer)"
+CLAIM_RUN = "fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text, text, text, text)"
+FINISH = (
+    "fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text, text, text, integer, text,"
+    " text)"
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,9 @@ class Breakage:
     old: str
     new: str
     function: str  # the SQL function's signature
+    # The run guard's breakages need states (a replaced successor, a copy's event during a live run) that the whole
+    # model reaches too rarely for a CI budget: its machine of the guard alone finds them.
+    machine: type[ProtocolMachine] = ProtocolMachine
 
 
 BREAKAGES = [
@@ -89,7 +100,48 @@ BREAKAGES = [
         "a successor run is admitted without the guard (whatever the successor's state)",
         "AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
         "AND (true",
-        function="fanin_claim_run(uuid, text, text, integer, double precision, double precision, text, text)",
+        function=CLAIM_RUN,
+    ),
+    Breakage(
+        "liveness: a report on a started child is dropped (`state = 'pending'` for `state IN ('pending', 'started')`)",
+        "WHERE task_id = p_task_id AND state IN ('pending', 'started')",
+        "WHERE task_id = p_task_id AND state = 'pending'",
+        function=REPORT,
+    ),
+    Breakage(
+        # Only concurrent sessions find it: the counter is read by a subquery of the statement's snapshot, so a
+        # report that waited on another's row lock writes back a count from before that one (a lost update).
+        "a race: the counter is decremented from a value read before the row lock (read, then write)",
+        "SET remaining = t.remaining - 1,",
+        "SET remaining = (SELECT x.remaining FROM fanin_batches x WHERE x.id = p_batch) - 1,",
+        function=SETTLE,
+    ),
+    Breakage(
+        "issue 38 hole 1: a replaced successor admits any copy of its message (no carrier check)",
+        "AND (s.carrier IS NULL OR s.carrier = p_carrier)",
+        "AND true",
+        function=CLAIM_RUN,
+        machine=SuccessorGuardMachine,
+    ),
+    Breakage(
+        "issue 38 hole 3: an event about a copy that never ran ends a live run",
+        "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
+        "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced', 'running')",
+        function=FINISH,
+        machine=SuccessorGuardMachine,
+    ),
+    Breakage(
+        "issue 38 hole 3: a main-process event ends a run held by another process (no owner fence)",
+        "AND left(s.run_owner, length(p_ran_in)) = p_ran_in",
+        "",
+        function=FINISH,
+        machine=SuccessorGuardMachine,
+    ),
+    Breakage(
+        "issue 38 hole 6: the caller's word that a live run is dead is taken (no key check)",
+        "OR (p_owner_key IS NOT NULL AND s.run_owner = p_dead_owner AND s.run_owner_key = v_key)",
+        "OR (s.run_owner = p_dead_owner)",
+        function=CLAIM_RUN,
     ),
 ]
 
@@ -120,7 +172,7 @@ def test_the_model_finds_a_broken_protocol(
     _break_function(url, breakage)
     monkeypatch.setattr(conjecture_engine, "MAX_SHRINKING_SECONDS", 10)
     examples, steps = model_budget(request.config, 300, 40)
-    machine = type("Broken", (ProtocolMachine,), {"url": url})
+    machine = type("Broken", (breakage.machine,), {"url": url})
     FAILURES.clear()
     with pytest.raises((Violation, FlakyFailure, FlakyStrategyDefinition, ExceptionGroup)) as found:
         run_state_machine_as_test(

@@ -14,7 +14,7 @@ from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import run_state_machine_as_test
 
 from .conftest import model_budget, model_settings
-from .machine import FAILURES, STATS, ProtocolMachine
+from .machine import FAILURES, STATS, ProtocolMachine, SuccessorGuardMachine
 
 CI_EXAMPLES = 40
 CI_STEPS = 40
@@ -46,3 +46,21 @@ def test_protocol_model(
             ) from exc
         raise
     print("protocol model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
+
+
+@pytest.mark.timeout(900)
+def test_successor_guard_model(
+    scratch_db: Callable[[], str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run guard alone (`SuccessorGuardMachine`): copies of a successor's message, replacements and their
+    carriers, main-process events about copies, holders that die, forged takeovers and the stall scan."""
+    monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", 120)
+    examples, steps = model_budget(request.config, CI_EXAMPLES, CI_STEPS)
+    machine = type("Guard", (SuccessorGuardMachine,), {"url": scratch_db()})
+    STATS.clear()
+    FAILURES.clear()
+    run_state_machine_as_test(
+        machine, settings=model_settings(examples, steps, phases=[Phase.generate, Phase.shrink], print_blob=True)
+    )
+    print("successor guard model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
+    assert STATS["runs admitted"] and STATS["end_run committed"], "the guard's machine admits and ends runs"

@@ -1,7 +1,8 @@
 """`recovery.expired_children` / `revoke_expired`: a child whose `expires` passed unconsumed is counted once.
 
 The relay counts a still-pending child as revoked (expired) past its expiry plus a grace; a child that started
-is left to its worker, and a worker's report racing the relay's counts once (the other is late).
+is left to its worker, and a worker's report racing the relay's counts once (the other is late). The relay's grace
+is `fanin_expires_grace` + `fanin_report_timeout`: a worker that took the child retries its start that long.
 """
 
 from __future__ import annotations
@@ -9,8 +10,12 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime, timedelta, timezone
 
+import pytest
+from celery import Celery
 from sqlalchemy import Engine, text
 
+from celery_fanin import FanIn, FanInNotConfigured
+from celery_fanin.relay import maintenance
 from celery_fanin.store import batches, recovery
 
 from .helpers import new_batch
@@ -50,3 +55,27 @@ def test_only_pending_children_past_expiry_and_grace_are_counted_revoked(engine:
         ).one()
     assert tuple(row) == ("revoked", "expired")
     assert tuple(counts) == (4, 1)
+
+
+def test_the_sweep_waits_for_a_start_retried_through_an_outage(app: Celery, engine: Engine) -> None:
+    """Issue 38, hole 4: past `fanin_expires_grace` but within `fanin_report_timeout` a pending child may be one a
+    worker took whose start is still being retried: the relay's sweep leaves it; past both, it counts it."""
+    app.conf.update(fanin_expires_grace=1, fanin_report_timeout=60)
+    fanin = FanIn.of(app)
+    assert maintenance.expiry_grace(fanin) == 61
+    now = datetime.now(timezone.utc)
+    batch, children = _create(engine, [now - timedelta(seconds=30), now - timedelta(seconds=120)])
+    assert maintenance.revoke_expired_children(fanin) == [children[1].task_id]
+    with engine.connect() as conn:
+        states = conn.execute(
+            text("SELECT state FROM fanin_children WHERE batch_id = :b ORDER BY idx"), {"b": batch.id}
+        ).scalars()
+        assert list(states) == ["pending", "revoked"]
+
+
+@pytest.mark.parametrize("name", ["expires_grace", "report_timeout"])
+@pytest.mark.parametrize("value", [-1, "soon", float("nan"), True])
+def test_a_bad_expiry_grace_is_refused(app: Celery, name: str, value: object) -> None:
+    app.conf[f"fanin_{name}"] = value
+    with pytest.raises(FanInNotConfigured, match=f"fanin_{name} must be a number of seconds >= 0"):
+        FanIn.of(app).settings  # noqa: B018 - validated when read

@@ -4,9 +4,11 @@ child's path (many starts per statement), flushes on demand, and survives a brok
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import datetime, timedelta, timezone
 
+import psycopg
 import pytest
 from celery import Celery
 from sqlalchemy import Engine
@@ -204,3 +206,116 @@ def test_child_that_ends_before_its_start_is_written_carries_it(app: Celery, eng
         ("started", 1, "w@host"),
     ]
     assert rows[0]["started_at"] == at
+
+
+def _transient() -> psycopg.OperationalError:
+    return psycopg.OperationalError("server closed the connection unexpectedly")
+
+
+class _Outage:
+    """Wraps a recorder's statement: the next `failures` attempts fail as a lost connection does, recording what
+    each attempt carried; `hold` (an event) keeps every attempt failing until it is set."""
+
+    def __init__(self, recorder: StartRecorder, failures: int, hold: threading.Event | None = None) -> None:
+        self.failures = failures
+        self.hold = hold
+        self.attempts: list[list[str]] = []
+        self._write = recorder._write
+        recorder._write = self  # type: ignore[method-assign]
+
+    def __call__(self, batch: list[batches.Start]) -> int:
+        self.attempts.append([s.task_id for s in batch])
+        if self.hold is not None and not self.hold.is_set():
+            raise _transient()
+        if self.failures > 0:
+            self.failures -= 1
+            raise _transient()
+        return self._write(batch)
+
+
+def test_a_start_outlives_an_outage_shorter_than_report_timeout(app: Celery, engine: Engine) -> None:
+    """Issue 38, hole 4: a start is retried with backoff until it is written (it used to be dropped after three
+    attempts, about 0.6 s of outage), and the starts queued meanwhile join the same statement."""
+    batch, children, _ = create(engine, 3)
+    recorder = StartRecorder(FanIn.of(app), interval=0.0, timeout=60)
+    outage = _Outage(recorder, failures=4)  # four failed attempts: the recorder used to give up after three
+    now = datetime.now(timezone.utc)
+    recorder.add(batches.Start(children[0].task_id, 0, "w@host", now))
+    wait_for(lambda: len(outage.attempts) >= 2, 10, "the write to meet the outage", interval=0.005)
+    recorder.add(batches.Start(children[1].task_id, 0, "w@host", now))  # queued during the outage
+    recorder.add(batches.Start(children[2].task_id, 0, "w@host", now))
+    assert recorder.flush(timeout=30)
+    assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started", "started"]
+    assert len(outage.attempts) == 5
+    assert outage.attempts[-1] == [c.task_id for c in children]  # one statement for all of them after the outage
+
+
+def test_a_child_that_ends_during_an_outage_takes_its_start_back_between_attempts(app: Celery, engine: Engine) -> None:
+    batch, children, _ = create(engine, 2)
+    recorder = StartRecorder(FanIn.of(app), interval=0.0, timeout=60)
+    back = threading.Event()
+    outage = _Outage(recorder, failures=0, hold=back)
+    at = datetime.now(timezone.utc)
+    for c in children:
+        recorder.add(batches.Start(c.task_id, 0, "w@host", at))
+    wait_for(lambda: bool(outage.attempts) and not recorder._sending, 10, "a failed attempt", interval=0.005)
+    taken = recorder.take(children[0].task_id)  # what task_postrun does for a child that ends meanwhile
+    assert taken is not None and taken.task_id == children[0].task_id
+    assert recorder.queued() == 1
+    back.set()
+    assert recorder.flush(timeout=30)
+    assert outage.attempts[-1] == [children[1].task_id]
+    assert [r["state"] for r in _children(engine, batch.id)] == ["pending", "started"]
+
+
+def test_a_start_is_dropped_after_report_timeout(app: Celery, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    batch, children, _ = create(engine, 1)
+    recorder = StartRecorder(FanIn.of(app), interval=0.0, timeout=0.5)
+    outage = _Outage(recorder, failures=0, hold=threading.Event())  # never back
+    with caplog.at_level(logging.WARNING, logger="celery_fanin.starts"):
+        recorder.add(batches.Start(children[0].task_id, 0, "w@host", datetime.now(timezone.utc)))
+        assert recorder.flush(timeout=30)
+    assert len(outage.attempts) > 1
+    assert "dropped 1 children's start records: the store was unreachable for fanin_report_timeout" in caplog.text
+    assert _children(engine, batch.id)[0]["state"] == "pending"
+
+
+def test_queued_starts_are_bounded_and_the_bound_is_logged(
+    app: Celery, engine: Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(starts, "MAX_QUEUED", 2)
+    batch, children, _ = create(engine, 3)
+    recorder = StartRecorder(FanIn.of(app), interval=0.0, timeout=60)
+    back = threading.Event()
+    outage = _Outage(recorder, failures=0, hold=back)
+    at = datetime.now(timezone.utc)
+    with caplog.at_level(logging.WARNING, logger="celery_fanin.starts"):
+        for c in children:
+            recorder.add(batches.Start(c.task_id, 0, "w@host", at))
+        assert recorder.queued() == 2
+        assert "2 children's start records are waiting for the store (the bound)" in caplog.text
+        back.set()
+        assert recorder.flush(timeout=30)
+        wait_for(lambda: "were dropped meanwhile" in caplog.text, 10, "the bound's end logged", interval=0.005)
+    assert outage.attempts[-1] == [c.task_id for c in children[:2]]
+    assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started", "pending"]
+
+
+def test_starts_left_at_shutdown_are_logged(
+    app: Celery, engine: Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flush_all` (worker_shutdown) gives the starts a few seconds; what the store could not take meanwhile dies
+    with the process, and a warning says how many."""
+    batch, children, _ = create(engine, 1)
+    fanin = FanIn.of(app)
+    recorder = StartRecorder(fanin, interval=0.0, timeout=60)
+    monkeypatch.setitem(starts._recorders, fanin, recorder)
+    back = threading.Event()
+    _Outage(recorder, failures=0, hold=back)
+    with caplog.at_level(logging.WARNING, logger="celery_fanin.starts"):
+        recorder.add(batches.Start(children[0].task_id, 0, "w@host", datetime.now(timezone.utc)))
+        starts.flush_all(timeout=0.5)
+    assert "1 children's start records not written at shutdown" in caplog.text
+    back.set()
+    assert recorder.flush(timeout=30)  # the thread lives on in this process: let it finish before the next test
+    assert _children(engine, batch.id)[0]["state"] == "started"

@@ -8,6 +8,9 @@ write.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -17,12 +20,15 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
+from celery_fanin.context import FanIn
 from celery_fanin.store import batches, successors
+from celery_fanin.worker import successor_runs
 
 from .helpers import create, fetch_one
 
-LIVE = {"lease": 60.0, "grace": 60.0, "owner": "test"}
+LIVE = {"lease": 60.0, "grace": 60.0, "owner": "test", "owner_key": "key-of-worker-a"}
 DEAD = {"lease": 0.0, "grace": 0.0, "owner": "test"}  # a lease that has lapsed as soon as it is taken
+OTHER_WORKER = {**LIVE, "owner_key": "key-of-worker-b"}
 
 
 def _successor(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
@@ -33,12 +39,23 @@ def _successor(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
 
 
 def _claim(
-    engine: Engine, batch: batches.NewBatch, retries: int = 0, task_id: str | None = None, **lease: Any
+    engine: Engine,
+    batch: batches.NewBatch,
+    retries: int = 0,
+    task_id: str | None = None,
+    carrier: str | None = None,
+    **lease: Any,
 ) -> successors.Run | None:
     """A delivery as the worker's guard makes it: admitted, or refused and counted."""
     with engine.begin() as conn:
         got = successors.claim_run(
-            conn, batch.id, batch.step, task_id or batch.successor_task_id, retries, **{**LIVE, **lease}
+            conn,
+            batch.id,
+            batch.step,
+            task_id or batch.successor_task_id,
+            retries,
+            carrier=carrier,
+            **{**LIVE, **lease},
         )
         if isinstance(got, successors.Refusal):
             successors.count_duplicate(conn, batch.id, batch.step)
@@ -139,8 +156,9 @@ def test_a_requeued_or_replaced_successor_admits_its_next_delivery(store_engine:
     batch, _, _ = create(store_engine, 0)
     run = _claim(store_engine, batch, retries=2)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.hand_over(c, run, state))
-    nxt = _claim(store_engine, batch)
+    carrier = "token" if state == "replaced" else None
+    assert _in(store_engine, lambda c: successors.hand_over(c, run, state, carrier=carrier))
+    nxt = _claim(store_engine, batch, carrier=carrier)
     assert nxt is not None and nxt.number == 2
     # A replacement is a new task: its retries count from zero; a requeued message keeps its count.
     assert nxt.attempt == (0 if state == "replaced" else 2)
@@ -190,6 +208,114 @@ def test_a_run_whose_holder_is_known_to_be_gone_is_taken_over_at_once(store_engi
             conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:42:7"
         )
         assert isinstance(taken, successors.Run) and taken.number == 2
+
+
+def test_another_workers_credential_can_neither_see_nor_take_over_a_live_run(store_engine: Engine) -> None:
+    """Issue 38, hole 6: the database, not the caller, decides that a run is dead. A caller without the holding
+    worker's key is not told who holds the run, and naming the holder as dead (it can read the row) admits
+    nothing while the lease is live; the holder's own worker still can."""
+    batch, _, _ = create(store_engine, 0)
+    assert _claim(store_engine, batch, owner="host:1:42:7") is not None
+    with store_engine.begin() as conn:
+        refused = successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **OTHER_WORKER)
+        assert refused == successors.Refusal("running", None)
+        for key in ("key-of-worker-b", None, ""):
+            forged = successors.claim_run(
+                conn,
+                batch.id,
+                batch.step,
+                batch.successor_task_id,
+                0,
+                **{**OTHER_WORKER, "owner_key": key},
+                dead_owner="host:1:42:7",
+            )
+            assert isinstance(forged, successors.Refusal), f"key {key!r} took over a live run"
+    assert _successor(store_engine, batch.id)["runs"] == 1
+    with store_engine.begin() as conn:
+        stored = conn.execute(
+            text("SELECT run_owner_key FROM fanin_successors WHERE batch_id = :id"), {"id": batch.id}
+        ).scalar_one()
+    assert stored and "key-of-worker-a" not in stored, "the row keeps a digest, not the key"
+
+
+def test_a_replaced_successor_admits_only_its_carrier_and_is_never_republished(store_engine: Engine) -> None:
+    """Issue 38, hole 1: once a run hands over to a replacement, a copy of the original message (a redelivery, the
+    relay's copy, a stall republish: same task id, no token) is refused and counted, however long the replacement
+    takes; the replacement's carrier is admitted; and the stall scan republishes nothing for it."""
+    batch, _, _ = create(store_engine, 0)
+    run = _claim(store_engine, batch)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier="carrier-1"))
+    assert _claim(store_engine, batch) is None, "a copy of the replaced message was admitted"
+    assert _claim(store_engine, batch, carrier="carrier-0") is None, "another token was admitted"
+    with store_engine.begin() as conn:
+        assert successors.stalled(conn, 0.0, 0.0) == []
+        assert not successors.republish(conn, batch.id, batch.step, 0.0, 0.0)
+    carried = _claim(store_engine, batch, carrier="carrier-1")
+    assert carried is not None and carried.number == 2
+    assert _claim(store_engine, batch) is None
+    assert _claim(store_engine, batch, carrier="carrier-1") is None, "a second copy of the carrier ran beside it"
+    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 2, "duplicates": 4, "attempt": 0}
+    # The carrier's run hands over again (a replacement of the replacement): only the newest carrier is admitted.
+    assert _in(store_engine, lambda c: successors.hand_over(c, carried, "replaced", carrier="carrier-2"))
+    assert _claim(store_engine, batch, carrier="carrier-1") is None
+    # A replacement that was never published gives the run back its own delivery's token.
+    assert _in(store_engine, lambda c: successors.take_back(c, carried, 60.0, "carrier-1"))
+    assert _in(store_engine, lambda c: successors.hand_over(c, carried, "retrying"))
+    assert _claim(store_engine, batch) is None, "a retry of the carrier must bring the carrier's token"
+    assert _claim(store_engine, batch, carrier="carrier-1") is not None
+    with store_engine.begin() as conn, pytest.raises(Exception, match="carrier"):
+        successors.hand_over(conn, successors.Run(batch.id, batch.step, 3, 0), "replaced")
+
+
+def test_an_event_about_a_copy_never_admitted_ends_no_live_run(store_engine: Engine) -> None:
+    """Issue 38, hole 3: a worker's main process reports the end of a copy by task id (an expired or unknown copy,
+    a time limit or a lost process). A copy that never ran ends nothing while a run is live, and one that ran in
+    a process that does not hold the run ends nothing either; each is counted as a duplicate. The copy that did
+    run, in the process holding the run, of that worker, ends it."""
+    batch, _, _ = create(store_engine, 0)
+    assert _claim(store_engine, batch, owner="host:m:42:7") is not None
+    tid = batch.successor_task_id
+
+    def event(state: str, **fence: Any) -> bool:
+        return bool(
+            _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, state, task_id=tid, **fence))
+        )
+
+    assert not event("revoked"), "an expired copy ended the live run"
+    assert not event("failed", ran_in="host:m:43:", owner_key="key-of-worker-a"), "another process's time limit"
+    assert not event("failed", ran_in="host:m:42:", owner_key="key-of-worker-b"), "another worker's event"
+    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 3, "attempt": 0}
+    assert event("failed", ran_in="host:m:42:", owner_key="key-of-worker-a")
+    assert _successor(store_engine, batch.id)["state"] == "failed"
+
+
+def test_an_event_about_a_copy_never_run_ends_a_successor_no_run_holds(store_engine: Engine) -> None:
+    """The successor's only message expired in the queue: nothing else will run it, so its expiry ends it (as
+    before); a copy of a replaced message, or one older than a scheduled retry, does not."""
+    batch, _, _ = create(store_engine, 0)
+    tid = batch.successor_task_id
+
+    def event(b: batches.NewBatch, **copy: Any) -> bool:
+        return bool(
+            _in(store_engine, lambda c: successors.record_state(c, b.id, b.step, "revoked", task_id=tid, **copy))
+        )
+
+    assert event(batch)
+    replaced, _, _ = create(store_engine, 0)
+    tid = replaced.successor_task_id
+    run = _claim(store_engine, replaced)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier="c1"))
+    assert not event(replaced), "an expired copy of the replaced message ended the replacement's successor"
+    assert event(replaced, carrier="c1")
+    retried, _, _ = create(store_engine, 0)
+    tid = retried.successor_task_id
+    run = _claim(store_engine, retried)
+    assert run is not None
+    assert _in(store_engine, lambda c: successors.hand_over(c, run, "retrying"))
+    assert not event(retried, retries=0), "a stale copy ended a successor whose retry is scheduled"
+    assert event(retried, retries=1)
 
 
 def test_racing_deliveries_admit_exactly_one(store_engine: Engine) -> None:
@@ -279,3 +405,39 @@ def test_the_worker_admits_on_its_report_connection_without_a_pool_checkout(app:
     assert checkouts == []
     assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 1, "attempt": 0}
     successor_runs.abandon(live)
+
+
+def _dead_pid() -> int:
+    """The pid of a process of this machine that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+def test_a_holder_on_another_machine_with_this_hostname_is_never_judged_gone(
+    store_engine: Engine, app: Any, tmp_path: Any
+) -> None:
+    """Issue 38, hole 2: two hosts with one hostname (VMs from one image, containers in the host's PID namespace)
+    share the init PID namespace's inode, so hostname and namespace could not tell their processes apart: a live
+    run on the other host whose pid is free here was taken over at once. The machine's identity now includes the
+    kernel's boot id. Two owners with one hostname: the other machine's run is refused even when its worker's key
+    is the caller's (the worst case); this machine's dead process is taken over."""
+    here = successor_runs.machine_id()
+    assert here, "this machine's boot id and PID namespace are readable"
+    boot = tmp_path / "boot_id"
+    boot.write_text(str(uuid.uuid4()) + "\n")
+    elsewhere = successor_runs.machine_id(boot_id=str(boot))
+    assert elsewhere != here and elsewhere.split("/")[1] == here.split("/")[1], "same namespace inode, other boot"
+    pid = _dead_pid()
+    host = socket.gethostname()
+    other_machines_holder = f"{host}:{elsewhere}:{pid}:1"
+    assert not successor_runs._gone(other_machines_holder)
+    assert successor_runs._gone(successor_runs.process_prefix(pid) + "1")
+    fanin = FanIn.of(app)
+    for holder, taken in ((other_machines_holder, False), (successor_runs.process_prefix(pid) + "1", True)):
+        batch, _, _ = create(store_engine, 0)
+        assert _claim(store_engine, batch, owner=holder, owner_key=successor_runs.worker_key()) is not None
+        live = successor_runs.admit(fanin, str(batch.id), batch.step, batch.successor_task_id, 0)
+        assert (live is not None) is taken, holder
+        if live is not None:
+            successor_runs.abandon(live)

@@ -87,6 +87,12 @@ SELECT counted, late, remaining, successor_created, refused,
   FROM fanin_report_terminal(:task_id, :batch_id, :index, :task_name, :state, :result, :rct, :rce, :exc_type,
                              :exc_message, :started_at, :attempt, :worker);
 
+-- name: report_unrun
+-- A main-process event about a copy of a child that never ran: counted only while no copy has started the child
+SELECT counted, late, remaining, successor_created, refused,
+       CASE WHEN successor_created THEN fanin_handed_off(CAST(:batch_id AS uuid)) END AS handed_off
+  FROM fanin_report_unrun(:task_id, :batch_id, :index, :task_name, :state, :exc_type, :exc_message);
+
 -- name: record_terminal
 -- A child's terminal outcome by task id alone (tests and tools run as the owner; no runtime role may call it).
 SELECT counted, late, remaining, successor_created
@@ -233,18 +239,19 @@ SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id
 -- --- store/successors.py ------------------------------------------------------------------------------------------
 
 -- name: stalled
--- Successors published or handed over and not started `timeout` seconds after they were due, or whose run is dead.
+-- Successors published or handed over and not started `timeout` seconds after they were due, or whose run is dead
+-- (never a replaced one: only its replacement's carrier may run it, and Celery, not the relay, publishes that).
 SELECT s.batch_id, s.step FROM fanin_successors s
- WHERE (s.state IN ('sent', 'retrying', 'requeued', 'replaced')
+ WHERE s.carrier IS NULL AND ((s.state IN ('sent', 'retrying', 'requeued', 'replaced')
         AND coalesce(s.lease_until, s.state_at)
             < now() - make_interval(secs => CAST(:timeout AS double precision)))
     OR (s.state = 'running'
-        AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:grace AS double precision)))
+        AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:grace AS double precision))))
  LIMIT :n;
 
 -- name: claim_run
 -- Admit one delivery of a successor, or say why not
-SELECT run, attempt, state, run_owner FROM fanin_claim_run(:id, :step, :task_id, :retries, CAST(:lease AS double precision), CAST(:grace AS double precision), :owner, :dead_owner);
+SELECT run, attempt, state, run_owner FROM fanin_claim_run_v2(:id, :step, :task_id, :retries, CAST(:lease AS double precision), CAST(:grace AS double precision), :owner, :owner_key, :carrier, :dead_owner);
 
 -- name: count_duplicate
 -- Count a refused delivery (shown by `status` as the successor's duplicates)
@@ -252,11 +259,11 @@ SELECT fanin_count_duplicate(:id, :step);
 
 -- name: hand_over
 -- End `run` without finishing the successor
-SELECT fanin_hand_over(:id, :step, :run, :state, CAST(:due AS timestamptz));
+SELECT fanin_hand_over_v2(:id, :step, :run, :state, CAST(:due AS timestamptz), :carrier);
 
 -- name: take_back
 -- Undo `hand_over` when the retry or replacement was never published (Celery raised instead)
-SELECT fanin_take_back(:id, :step, :run, CAST(:lease AS double precision));
+SELECT fanin_take_back_v2(:id, :step, :run, CAST(:lease AS double precision), :carrier);
 
 -- name: renew_leases
 -- Extend the leases of live runs, in one statement
@@ -264,7 +271,7 @@ SELECT batch_id, step, runs FROM fanin_renew_leases(CAST(:ids AS uuid[]), CAST(:
 
 -- name: record_state
 -- Move the successor to a final state
-SELECT fanin_finish_successor(:id, :step, :task_id, CAST(:run AS integer), :state, :result, :rct, :rce, :exc_type, :exc_message);
+SELECT fanin_finish_successor_v2(:id, :step, :task_id, CAST(:run AS integer), :state, :result, :rct, :rce, :exc_type, :exc_message, :carrier, CAST(:retries AS integer), :ran_in, :owner_key);
 
 -- name: republish
 -- Put a stalled successor's outbox row back in line (same task id

@@ -1,0 +1,207 @@
+"""Lock and statement timeouts and read-only sessions (issue 38, hole 5), store-level against the real server: the
+errors PostgreSQL really raises for each are transient for `retry.is_transient`, whether psycopg's own or wrapped by
+SQLAlchemy, and a 25006 is retried on a new connection, both by the SQLAlchemy engine (its pool discards the
+read-only session) and by the workers' report connection. End to end, with a real worker: tests/e2e/test_db_errors.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+
+import psycopg
+import pytest
+from celery import Celery
+from psycopg import errors as pg_errors
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy import exc as sa_exc
+
+from celery_fanin import retry
+from celery_fanin.context import FanIn
+from celery_fanin.store import successors
+from celery_fanin.store.batches import Start
+from celery_fanin.worker import successor_runs
+from tests.session_roles import session_role
+from tests.workers import wait_for
+
+from .helpers import create
+
+
+def _lock_timeout(run: Callable[[str], object], database_url: str) -> None:
+    key = random.getrandbits(62)
+    with psycopg.connect(database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        run("SET lock_timeout = '50ms'")
+        run(f"SELECT pg_advisory_lock({key})")
+
+
+def _statement_timeout(run: Callable[[str], object], database_url: str) -> None:
+    run("SET statement_timeout = '50ms'")
+    run("SELECT pg_sleep(5)")
+
+
+def _cancelled(run: Callable[[str], object], database_url: str) -> None:
+    """A statement another session cancels (`pg_cancel_backend`: an operator, or a watchdog): 57014 as well."""
+    pid = int(run("SELECT pg_backend_pid()"))  # type: ignore[call-overload]
+    done = threading.Event()
+
+    def cancel() -> None:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            while not done.wait(0.05):
+                row = admin.execute(
+                    "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE pid = %s AND query LIKE %s",
+                    (pid, "%pg_sleep%"),
+                ).fetchone()
+                if row and row[0]:
+                    return
+
+    canceller = threading.Thread(target=cancel, daemon=True)
+    canceller.start()
+    try:
+        run("SELECT pg_sleep(20)")
+    finally:
+        done.set()
+        canceller.join(5)
+
+
+def _read_only(run: Callable[[str], object], database_url: str) -> None:
+    run("SET default_transaction_read_only = on")  # this session only, as a standby's or a demoted primary's are
+    run("CREATE TEMP TABLE fanin_read_only_probe (i int)")
+
+
+CASES = [
+    pytest.param(_lock_timeout, pg_errors.LockNotAvailable, id="55P03-lock_timeout"),
+    pytest.param(_statement_timeout, pg_errors.QueryCanceled, id="57014-statement_timeout"),
+    pytest.param(_cancelled, pg_errors.QueryCanceled, id="57014-pg_cancel_backend"),
+    pytest.param(_read_only, pg_errors.ReadOnlySqlTransaction, id="25006-read_only"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("provoke", "expected"), CASES)
+def test_the_server_s_own_error_is_transient_through_psycopg(
+    clean_db: str, provoke: Callable[..., None], expected: type[psycopg.Error]
+) -> None:
+    with psycopg.connect(clean_db, autocommit=True) as conn:
+
+        def run(sql: str) -> object:
+            cur = conn.execute(sql)  # type: ignore[arg-type]  # our own constant statements
+            row = cur.fetchone() if cur.description else None
+            return row[0] if row else None
+
+        with pytest.raises(expected) as info:
+            provoke(run, clean_db)
+    assert type(info.value) is expected and info.value.sqlstate == expected.sqlstate
+    assert retry.is_transient(info.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("provoke", "expected"), CASES)
+def test_the_server_s_own_error_is_transient_through_the_engine(
+    app: Celery, clean_db: str, provoke: Callable[..., None], expected: type[psycopg.Error]
+) -> None:
+    engine = FanIn.of(app).engine
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+
+        def run(sql: str) -> object:
+            result = conn.execute(text(sql))
+            return result.scalar() if result.returns_rows else None
+
+        with pytest.raises(sa_exc.DBAPIError) as info:
+            provoke(run, clean_db)
+    assert isinstance(info.value.orig, expected)
+    assert retry.is_transient(info.value)
+    # Only a read-only session is a lost connection: the pool must not keep it (see the next test).
+    assert info.value.connection_invalidated == (expected is pg_errors.ReadOnlySqlTransaction)
+
+
+@pytest.fixture
+def short_reports(app: Celery) -> Iterator[FanIn]:
+    """The app's FanIn with a report timeout of 5 s: a report that cannot get through fails the test quickly."""
+    app.conf.fanin_report_timeout = 5.0
+    yield FanIn.of(app)
+
+
+def _backend_pid(conn: Connection) -> int:
+    return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+@pytest.mark.timeout(30)
+def test_a_read_only_pooled_connection_is_discarded_and_the_statement_retried_on_a_new_one(
+    short_reports: FanIn,
+) -> None:
+    """A successor's store call (`successor_runs._store`, as hand_over and finish make) checks out a pooled
+    connection whose session is read-only: the 25006 invalidates it, and the retry gets a new session. Without
+    `retry.reconnect_on_read_only` the pool hands the same session back (its pre-ping passes) on every attempt."""
+    engine = short_reports.engine
+    with engine.connect() as conn:
+        stale = _backend_pid(conn)
+        conn.exec_driver_sql("SET SESSION default_transaction_read_only = on")
+        conn.commit()
+    pids: list[int] = []
+
+    def count(conn: Connection) -> None:
+        pids.append(_backend_pid(conn))
+        successors.count_duplicate(conn, uuid.uuid4(), "then")  # a write: refused on a read-only session
+
+    successor_runs._store(short_reports, "counting a duplicate", count)
+    assert pids[0] == stale  # the first attempt met the read-only session...
+    assert len(pids) == 2 and pids[1] != stale  # ...and the second ran on a new one
+    with engine.connect() as conn:
+        assert _backend_pid(conn) != stale
+        assert conn.exec_driver_sql("SHOW default_transaction_read_only").scalar_one() == "off"
+
+
+@pytest.mark.timeout(30)
+def test_the_report_connection_reconnects_after_a_read_only_session(short_reports: FanIn) -> None:
+    """The workers' report connection (store.reports) drops its connection after 25006, as after any error, so the
+    retry of a report reaches a session that takes writes."""
+    reports = short_reports.reports
+    reports._connection().execute("SET default_transaction_read_only = on")
+    stale = reports._connection().info.backend_pid
+    pids: list[int] = []
+
+    def record() -> int:
+        pids.append(reports._connection().info.backend_pid)
+        return reports.record_starts([Start(f"no-such-{uuid.uuid4()}", 0, "w", datetime.now(timezone.utc))])
+
+    assert retry.call(record, what="recording a start", timeout=5) == 0
+    assert pids[0] == stale and len(pids) == 2 and pids[1] != stale
+    reports.reset()
+
+
+@pytest.mark.timeout(60)
+def test_a_successor_admission_that_meets_a_lock_timeout_is_retried_not_refused(
+    clean_db: str, store_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run guard's statement (`successor_runs.admit`, on the report connection of a worker whose role has
+    `lock_timeout`) waits on the successor's row another session holds: 55P03, retried until the row is free, and
+    the delivery admitted. Before, it was refused as if the store were broken (the relay republished it later)."""
+    caplog.set_level(logging.INFO, logger="celery_fanin")
+    batch, _, _ = create(store_engine, 0)
+    with session_role(clean_db, {"lock_timeout": "100ms"}) as role:
+        worker_app = Celery("fanin-lock-timeout-worker", set_as_current=False)
+        worker_app.conf.fanin_database_url = role.url
+        fanin = FanIn(worker_app)
+        admitted: list[successor_runs.LiveRun | None] = []
+        with store_engine.connect() as holder, holder.begin():
+            holder.execute(text("SELECT 1 FROM fanin_successors WHERE batch_id = :id FOR UPDATE"), {"id": batch.id})
+            delivery = threading.Thread(
+                target=lambda: admitted.append(
+                    successor_runs.admit(fanin, str(batch.id), batch.step, batch.successor_task_id, 0)
+                )
+            )
+            delivery.start()
+            wait_for(lambda: "LockNotAvailable" in caplog.text, 15, message="the admission to meet 55P03")
+        delivery.join(30)
+        try:
+            assert admitted and admitted[0] is not None, "the delivery was refused"
+            assert admitted[0].run == successors.Run(batch.id, batch.step, 1, 0)
+        finally:
+            if admitted and admitted[0] is not None:
+                successor_runs.abandon(admitted[0])
+            fanin.dispose()
