@@ -43,15 +43,9 @@ HOLES = (
 )
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "case", [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=HOLES)) for name in CASES]
-)
-def test_message_model(
-    case: str, scratch_db: Callable[[], str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _run(case: str, scratch_db: Callable[[], str], config: pytest.Config, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", 30)
-    examples, steps = model_budget(request.config, EXAMPLES.get(case, CI_EXAMPLES), CI_STEPS)
+    examples, steps = model_budget(config, EXAMPLES.get(case, CI_EXAMPLES), CI_STEPS)
     url = scratch_db()
     APPS[url] = make_app(url)
     machine = type("Messages", (MessageMachine,), {"url": url, "features": CASES[case]})
@@ -66,3 +60,27 @@ def test_message_model(
         FAULTS.uninstall()
         TWIN.uninstall()
         print(f"message model [{case}]: {time.monotonic() - started:.1f}s;", dict(sorted(STATS.items())))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason=HOLES)
+def test_message_model(
+    scratch_db: Callable[[], str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole model, in `make test` (about 45 s on a shared 2-core machine, shrinking included)."""
+    _run("all", scratch_db, request.config, monkeypatch)
+
+
+@pytest.mark.breakages
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=HOLES)) for name in CASES if name != "all"],
+)
+def test_message_model_finds_hole(
+    case: str, scratch_db: Callable[[], str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each hole found on its own, with only the rules that reach it (`make breakages`, ~40 s a case). Not
+    strict: a run of the budget found holes 3 and 4 in 2 of 3 and 1 of 3 runs measured (the others 3-4 of 4); a
+    fixed hole's case should pass every run."""
+    _run(case, scratch_db, request.config, monkeypatch)
