@@ -27,9 +27,10 @@ TEST_PROCESSES ?= 2
 test: install
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) -m "not chaos and not breakages" --durations=25
 
-## Evidence that the protocol model can fail: it must find each deliberate breakage of the SQL functions (CI runs it).
+## Evidence that the models can fail: the protocol model must find each deliberate breakage of the SQL functions, the
+## message model (tests/model/test_messages.py) each hole of issue 38 on the code before its fix (CI runs it).
 breakages: install
-	$(BIN)/python -m pytest tests/model/test_breakages.py -m breakages
+	$(BIN)/python -m pytest tests/model/test_breakages.py tests/model/test_messages.py -m breakages
 
 ## The fault-injection suite: it RESTARTS this machine's PostgreSQL, Redis and RabbitMQ, and holds a 60 s database
 ## outage (opt-in; CI runs it).
