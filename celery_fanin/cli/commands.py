@@ -170,6 +170,7 @@ def relay(
     if metrics_port is not None:
         serve(r.fanin, metrics_port, metrics_host, relay=r)
     if once:
+        fanin_.check_schema()  # as `Relay.run` does
         n = r.run_once()
         click.echo(f"published {n} messages")
         return

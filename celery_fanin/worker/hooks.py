@@ -582,12 +582,13 @@ class WorkerHooks:
         )
 
     def worker_init(self, sender: Any = None, **_: Any) -> None:
-        """Refuse a pooled database URL, then guard the app's tasks and count undecodable messages."""
+        """Refuse a pooled database URL or an unmigrated schema, guard the app's tasks, count undecodable messages."""
         app = getattr(sender, "app", None)
         fanin = _fanin_for(app)
         if fanin is not None:
             try:
                 fanin.check_session_pooling()
+                fanin.check_schema()
             except FanInNotConfigured as exc:  # Celery logs and ignores a signal handler's Exception: stop the worker
                 logger.critical("%s", exc)
                 raise SystemExit(1) from exc
