@@ -251,6 +251,19 @@ class WorkerHooks:
                 marker.batch_id,
                 extra=extra,
             )
+        elif not rec.late:
+            # No child has this task id in this database. A worker whose fanin_database_url differs from the
+            # producer's meets every child this way, and nothing else would tell: say so loudly, once per report.
+            logger.warning(
+                "report for a batch this database does not know: batch_id=%s index=%s task_id=%s state=%s not "
+                "counted. Is this worker on the producer's database (fanin_database_url / FANIN_DATABASE_URL)? "
+                "Otherwise its batch was deleted (`fanin prune`).",
+                marker.batch_id,
+                marker.index,
+                task_id,
+                state,
+                extra=extra,
+            )
         else:
             logger.info(
                 "late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
