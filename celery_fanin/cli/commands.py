@@ -125,6 +125,12 @@ def load_like_a_worker(app: Celery) -> None:
     help="Serve Prometheus metrics on this port (/metrics), with the /healthz and /readyz probes.",
 )
 @click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics listen on: loopback unless told (0.0.0.0 for a scraper or probe on another host).",
+)
+@click.option(
     "-l", "--loglevel", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True
 )
 @click.option(
@@ -148,6 +154,7 @@ def relay(
     poll_interval: float | None,
     once: bool,
     metrics_port: int | None,
+    metrics_host: str,
     loglevel: str,
     logfile: str | None,
     log_format: str,
@@ -161,8 +168,9 @@ def relay(
         raise click.BadParameter(f"cannot open {logfile}: {exc.strerror}", param_hint="--logfile") from exc
     r = Relay(fanin_, poll_interval=poll_interval)
     if metrics_port is not None:
-        serve(r.fanin, metrics_port, relay=r)
+        serve(r.fanin, metrics_port, metrics_host, relay=r)
     if once:
+        fanin_.check_schema()  # as `Relay.run` does
         n = r.run_once()
         click.echo(f"published {n} messages")
         return

@@ -86,6 +86,7 @@ class Relay:
 
     def run(self) -> RelayStats:
         self.fanin.check_session_pooling()
+        self.fanin.check_schema()
         # The relay never gives up (it is the component that finishes what others could not): a failed round is
         # followed by the shared jittered backoff (celery_fanin.retry), and a fresh LISTEN connection.
         backoff = retry.Backoff(first=0.5, maximum=self.max_backoff)

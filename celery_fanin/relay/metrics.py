@@ -219,10 +219,11 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve(
-    fanin: FanIn, port: int = DEFAULT_PORT, addr: str = "0.0.0.0", *, relay: Any = None, stuck_after: float = 600.0
+    fanin: FanIn, port: int = DEFAULT_PORT, addr: str = "127.0.0.1", *, relay: Any = None, stuck_after: float = 600.0
 ) -> MetricsServer:
     """Serve the metrics on ``http://addr:port/metrics`` (and the ``/healthz``, ``/readyz`` probes) from a daemon
-    thread (port 0: any free port)."""
+    thread (port 0: any free port). Loopback by default: the counters name queues and tasks, so another host sees
+    them only when `addr` says so."""
     registry, collector = registry_for(fanin, relay=relay, stuck_after=stuck_after)
     server = make_server(addr, port, wsgi_app(registry, fanin, relay), _ThreadingServer, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="fanin-metrics", daemon=True)

@@ -251,6 +251,19 @@ class WorkerHooks:
                 marker.batch_id,
                 extra=extra,
             )
+        elif not rec.late:
+            # No child has this task id in this database. A worker whose fanin_database_url differs from the
+            # producer's meets every child this way, and nothing else would tell: say so loudly, once per report.
+            logger.warning(
+                "report for a batch this database does not know: batch_id=%s index=%s task_id=%s state=%s not "
+                "counted. Is this worker on the producer's database (fanin_database_url / FANIN_DATABASE_URL)? "
+                "Otherwise its batch was deleted (`fanin prune`).",
+                marker.batch_id,
+                marker.index,
+                task_id,
+                state,
+                extra=extra,
+            )
         else:
             logger.info(
                 "late or repeated report not counted batch_id=%s index=%s task_id=%s state=%s",
@@ -582,12 +595,13 @@ class WorkerHooks:
         )
 
     def worker_init(self, sender: Any = None, **_: Any) -> None:
-        """Refuse a pooled database URL, then guard the app's tasks and count undecodable messages."""
+        """Refuse a pooled database URL or an unmigrated schema, guard the app's tasks, count undecodable messages."""
         app = getattr(sender, "app", None)
         fanin = _fanin_for(app)
         if fanin is not None:
             try:
                 fanin.check_session_pooling()
+                fanin.check_schema()
             except FanInNotConfigured as exc:  # Celery logs and ignores a signal handler's Exception: stop the worker
                 logger.critical("%s", exc)
                 raise SystemExit(1) from exc
