@@ -30,11 +30,13 @@ from celery_fanin.store.batches import Encoded
 
 CHILDREN = "publish children twice"
 SUCCESSORS = "publish successors again"
-EFFECTS = {CHILDREN: "late report", SUCCESSORS: "refused duplicate"}
+EFFECTS = {CHILDREN: "late report or refused copy", SUCCESSORS: "refused duplicate"}
 
 # What each kind's rows count, keyed by task id (a child's, a successor's): the counter its copy must raise.
 _COUNTS = {
-    CHILDREN: "SELECT task_id, late_reports FROM fanin_children WHERE task_id = ANY(%s)",
+    # A second copy's report recorded late; or, for a copy that never ran (it reached a worker past its
+    # `expires`) while the other copy had started the child, its event counted in `duplicates` (issue 38, hole 3).
+    CHILDREN: "SELECT task_id, late_reports + duplicates FROM fanin_children WHERE task_id = ANY(%s)",
     SUCCESSORS: "SELECT task_id, duplicates FROM fanin_successors WHERE task_id = ANY(%s)",
 }
 
@@ -55,7 +57,8 @@ def unfinished_children(conn: psycopg.Connection[Any], limit: int) -> list[tuple
     """Up to `limit` unfinished children at random, with what publishing them again needs, and their late reports
     now (last): read before the copies go out, so a late report of theirs is the copy's."""
     return conn.execute(
-        "SELECT batch_id, idx, task_id, message, content_type, content_encoding, late_reports FROM fanin_children "
+        "SELECT batch_id, idx, task_id, message, content_type, content_encoding, late_reports + duplicates "
+        "FROM fanin_children "
         "WHERE state IN ('pending', 'started') ORDER BY random() LIMIT %s",
         (limit,),
     ).fetchall()
