@@ -113,6 +113,10 @@ class Settings:
     # successor_lease + successor_lease_grace never lets a second run start beside a live one.
     successor_lease: float = 60.0
     successor_lease_grace: float = 60.0
+    # Seconds a replaced successor (`self.replace(...)`, `then=chain(...)`) may wait for its replacement's carrier,
+    # or stay with a dead carrier run, before the relay records it failed (`ReplacementLost`) and its batch ends; a
+    # carrier that comes later is refused. None (the default): no bound, as a replaced task has none in Celery.
+    replaced_timeout: float | None = None
     # Refuse to start a worker or relay whose database URL goes through a transaction-mode pooler (see
     # celery_fanin.store.pooler): session pooling or a direct connection is required.
     check_pooler: bool = True
@@ -141,8 +145,10 @@ class Settings:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
         # The relay's expiry sweep waits their sum past a child's `expires` (relay.maintenance.expiry_grace).
-        for name in ("expires_grace", "report_timeout"):
+        for name in ("expires_grace", "report_timeout", "replaced_timeout"):
             value = getattr(self, name)
+            if value is None and name in NONE_ALLOWED:
+                continue
             try:
                 valid = not isinstance(value, bool) and float(value) >= 0  # NaN compares False
             except (TypeError, ValueError):
@@ -179,11 +185,12 @@ DURATIONS = frozenset(
         "reconcile_interval",
         "open_batch_grace",
         "successor_handoff",
+        "replaced_timeout",
     }
 )
 # Settings for which an explicit None means "none" (`fanin_child_timeout = None`: no timeout) rather than "the
 # default"; for every other setting None is the same as not setting it.
-NONE_ALLOWED = frozenset({"child_timeout"})
+NONE_ALLOWED = frozenset({"child_timeout", "replaced_timeout"})
 _UNSET = object()
 
 

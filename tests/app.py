@@ -76,6 +76,8 @@ if os.environ.get("FANIN_TEST_SIGNING_DIR"):  # message signing (tests/e2e/test_
     configure_signing(app, os.environ["FANIN_TEST_SIGNING_DIR"])
 if os.environ.get("FANIN_TEST_WORKER_PUBLISHES"):  # "0": successors only through the relay (test_successor_publish)
     app.conf.fanin_worker_publishes_successors = os.environ["FANIN_TEST_WORKER_PUBLISHES"] == "1"
+if os.environ.get("FANIN_TEST_REPLACED_TIMEOUT"):
+    app.conf.fanin_replaced_timeout = float(os.environ["FANIN_TEST_REPLACED_TIMEOUT"])
 if os.environ.get("FANIN_TEST_SUCCESSOR_HANDOFF"):
     app.conf.fanin_successor_handoff = float(os.environ["FANIN_TEST_SUCCESSOR_HANDOFF"])
 FanIn(app)
@@ -316,6 +318,14 @@ def chaos_successor(self: Any, outcome: dict[str, Any], batch: int) -> None:
     if self.request.retries == 0:
         raise self.retry(countdown=0)
     record_run(outcome, f"chaos-{batch}")
+
+
+@app.task
+def chaos_slow_step(outcome: dict[str, Any], batch: int) -> dict[str, Any]:
+    """The first task of a chaos successor's replacement, `then=chain(chaos_slow_step, record_run)`: slow enough that
+    the faults (a killed worker, a restart) meet the replacement mid-way; passes the outcome on to the carrier."""
+    sleepy(2.0)
+    return outcome
 
 
 @app.task

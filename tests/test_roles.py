@@ -464,6 +464,7 @@ EXECUTES = {
         "fanin_renew_open_batches()",
         "fanin_seal_open(uuid,double precision)",
         "fanin_republish_successor(uuid,text,double precision,double precision)",
+        "fanin_fail_lost_replacement(uuid,text,double precision,text)",
     },
     "maintenance": set(),
     "dashboard": set(),

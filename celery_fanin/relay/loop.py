@@ -39,6 +39,7 @@ class RelayStats:
     children_expired: int = 0
     deadlines_applied: int = 0
     successors_restarted: int = 0
+    replacements_lost: int = 0
     open_batches_sealed: int = 0
     repairs: int = 0
     rounds: int = 0
@@ -126,6 +127,7 @@ class Relay:
             self.stats.deadlines_applied += len(maintenance_duties.apply_deadlines(self.fanin))
             self.stats.children_expired += len(maintenance_duties.revoke_expired_children(self.fanin))
             self.stats.successors_restarted += len(maintenance_duties.restart_stalled_successors(self.fanin))
+            self.stats.replacements_lost += len(maintenance_duties.fail_lost_replacements(self.fanin))
             self.stats.open_batches_sealed += len(maintenance_duties.seal_lapsed_open_batches(self.fanin))
         if maintenance or (maintenance is None and now >= self._next_reconcile):
             self.beat()

@@ -145,6 +145,33 @@ def restart_stalled_successors(fanin: FanIn, limit: int = 100) -> list[tuple[str
     return done
 
 
+def fail_lost_replacements(fanin: FanIn, limit: int = 100) -> list[tuple[str, str]]:
+    """Record failed (`ReplacementLost`) every replaced successor whose carrier did not come or whose carrier's run
+    died `fanin_replaced_timeout` seconds ago (no bound, and nothing done, unless that is set)."""
+    timeout = fanin.settings.replaced_timeout
+    if timeout is None:
+        return []
+    with fanin.engine.connect() as conn:
+        lost = successors.lost_replacements(conn, timeout, limit)
+        conn.commit()
+    done = []
+    for batch_id, step, carrier in lost:
+        message = (
+            f"the replacement's carrier (task id of the successor, carrier token {carrier}) did not come or its run"
+            f" died, and fanin_replaced_timeout ({timeout:g} s) passed"
+        )
+        with fanin.engine.begin() as conn:
+            if successors.fail_lost_replacement(conn, batch_id, step, timeout, message):
+                done.append((str(batch_id), step))
+                logger.warning(
+                    "replaced successor of batch_id=%s step=%s lost its replacement: recorded failed (ReplacementLost)",
+                    batch_id,
+                    step,
+                    extra={"batch_id": str(batch_id), "step": step},
+                )
+    return done
+
+
 def apply_deadlines(fanin: FanIn, limit: int = 100) -> list[recovery.Expiry]:
     """Finish every open or running batch whose deadline has passed, as its `on_deadline` says."""
     done = []

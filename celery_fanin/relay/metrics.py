@@ -50,6 +50,10 @@ _RELAY_COUNTERS = {
     "children_expired": ("fanin_relay_children_expired", "Children counted as revoked: expired, never taken."),
     "deadlines_applied": ("fanin_relay_deadlines_applied", "Batches finished by their deadline."),
     "successors_restarted": ("fanin_relay_successors_restarted", "Stalled successors published again."),
+    "replacements_lost": (
+        "fanin_relay_replacements_lost",
+        "Replaced successors recorded failed (ReplacementLost) after fanin_replaced_timeout.",
+    ),
     "open_batches_sealed": ("fanin_relay_open_batches_sealed", "Open batches sealed after their producer was gone."),
     "errors": ("fanin_relay_errors", "Relay rounds that failed and were retried."),
     "rounds": ("fanin_relay_rounds", "Relay rounds run."),

@@ -333,6 +333,10 @@ def write_chunk(
     (`add_children`), and the leaves it fills, sealed. Returns False if the batch is no longer open: the caller
     must roll the chunk back and stop."""
     lock_membership(conn, root.id)
+    # Read under that lock: once the root was cancelled or sealed (and perhaps pruned since), a new leaf's row
+    # would fail on its foreign key instead of the chunk being refused (found by the protocol model).
+    if not conn.execute(q("takes_children").text, {"id": root.id}).scalar():
+        return False
     for leaf_id in opened:
         add_leaf(conn, root, leaf_id)
     if not add_children(conn, root.id, placed, digest, opened=len(opened)):

@@ -34,6 +34,7 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_outbox_sent(bigint[]),
                            fanin_outbox_failed(bigint, text, double precision),
                            fanin_republish_successor(uuid, text, double precision, double precision),
+                           fanin_fail_lost_replacement(uuid, text, double precision, text),
                            fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text,
                                               text, text, text),
                            fanin_count_duplicate(uuid, text),
@@ -113,7 +114,8 @@ GRANT EXECUTE ON FUNCTION fanin_claim_outbox(integer, bigint[]),
                           fanin_abandon_after_threshold(uuid),
                           fanin_renew_open_batches(),
                           fanin_seal_open(uuid, double precision),
-                          fanin_republish_successor(uuid, text, double precision, double precision) TO fanin_relay;
+                          fanin_republish_successor(uuid, text, double precision, double precision),
+                          fanin_fail_lost_replacement(uuid, text, double precision, text) TO fanin_relay;
 
 -- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
 -- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the

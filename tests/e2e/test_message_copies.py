@@ -4,6 +4,8 @@ Redis and PostgreSQL.
 - A successor replaced by a canvas (`then=chain(...)`, `self.replace(...)`) hands its run to the replacement's
   carrier: neither the stall scan (past `fanin_successor_timeout`) nor a copy of the original message (the relay's
   copy, a redelivery) runs the successor's body or its canvas again.
+- A replaced successor whose replacement is lost (its first task's queue has no consumer) is recorded failed
+  (`ReplacementLost`) once `fanin_replaced_timeout` passed, and its carrier, arriving after that, is refused.
 - An expired copy of a running successor's or child's message, seen by a worker's main process (`task_revoked`
   with `expired=True`), ends nothing: the live run's result is the one kept, and the copy counts as a duplicate.
 """
@@ -85,6 +87,47 @@ def test_a_copy_of_a_replaced_successors_message_is_refused(producer: Any, proce
     assert (status.successor_runs, status.successor_duplicates) == (2, 1)
     assert attempts(producer, key) == 1, "the original message ran the successor's canvas again"
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["carried"]
+
+
+def test_a_lost_replacement_ends_its_successor_after_the_replaced_timeout(
+    producer: Any, processes: Any, e2e_env: dict[str, str], successor_runs: Any
+) -> None:
+    """`then=chain(first, record)` whose first task goes to a queue no worker consumes: the carrier never comes.
+    With `fanin_replaced_timeout` = 2 s the relay records the successor failed (ReplacementLost) and the batch ends.
+    A worker for that queue, started afterwards, runs the first task; the carrier it publishes is refused."""
+    processes.worker(concurrency=2)
+    processes.relay({**e2e_env, "FANIN_TEST_REPLACED_TIMEOUT": "2"})
+    key = f"lost-{producer.conf.task_default_queue}"
+    elsewhere = f"{producer.conf.task_default_queue}-elsewhere"
+    canvas = chain(tasks.gated_step.s(key).set(queue=elsewhere), tasks.record_run.s("carried-late"))
+    handle = fan_in_group([tasks.ok.s(1)], then=canvas).apply_async()
+    wait_for(
+        lambda: (
+            [
+                r.state
+                for r in rows(producer, "SELECT state FROM fanin_successors WHERE batch_id = :b", b=handle.batch_id)
+            ]
+            == ["failed"]
+        ),
+        60,
+        message="the bound to end the successor",
+    )
+    row = rows(
+        producer,
+        "SELECT exc_type, exc_message, runs, duplicates FROM fanin_successors WHERE batch_id = :b",
+        b=handle.batch_id,
+    )[0]
+    assert row.exc_type == "ReplacementLost" and "fanin_replaced_timeout" in row.exc_message
+    assert (row.runs, row.duplicates) == (1, 0)
+    status = handle.wait(timeout=10)
+    assert status.successor_state == "failed"
+    # The lost replacement turns up: its first task runs, its carrier is refused, its body never runs.
+    _open(producer, key)
+    processes.worker(extra=["-Q", elsewhere])
+    wait_for(lambda: attempts(producer, key) == 1, 60, message="the late replacement's first task")
+    wait_for(lambda: _successor(producer, handle.batch_id).duplicates == 1, 60, message="the late carrier refused")
+    assert successor_runs(handle.batch_id) == [], "a carrier after the bound ran"
+    assert _successor(producer, handle.batch_id).state == "failed"
 
 
 def _expired_copy(producer: Any, name: str, task_id: str, headers: dict[str, Any], args: list[Any]) -> None:

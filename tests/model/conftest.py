@@ -1,12 +1,14 @@
 """The protocol model's databases and settings; its options (`--model-examples N`, `--model-steps N`, for a long
 run) are registered in tests/conftest.py.
 
-Scratch databases, each migrated when made and dropped at the end of the session: the model runs in one, and
-each breakage (test_breakages.py) alters the functions of one of its own.
+Scratch databases, each migrated when made and dropped when the test that made it ends (with its engine: a
+session that kept them all ran out of PostgreSQL's 100 connections in CI's `make breakages`, 2026-12-04): the model
+runs in one, and each breakage (test_breakages.py) alters the functions of one of its own.
 """
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,12 +19,15 @@ from hypothesis import HealthCheck, settings
 from celery_fanin.store import migrate
 from tests.conftest import ADMIN_URL, _admin
 
-from .machine import dispose_engines, engine_for
+from .machine import dispose_engine, engine_for
+
+if sys.version_info < (3, 11):  # builtin from 3.11; hypothesis depends on the backport before
+    from exceptiongroup import BaseExceptionGroup
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def scratch_db() -> Iterator[Callable[[], str]]:
-    """`scratch_db()`: the URL of a new database with the whole schema migrated; each is dropped at the end."""
+    """`scratch_db()`: the URL of a new database with the whole schema migrated; each is dropped at the test's end."""
     names: list[str] = []
 
     def create() -> str:
@@ -36,7 +41,8 @@ def scratch_db() -> Iterator[Callable[[], str]]:
     try:
         yield create
     finally:
-        dispose_engines()
+        for name in names:
+            dispose_engine(f"{ADMIN_URL.rsplit('/', 1)[0]}/{name}")
         with _admin() as admin:
             for name in names:
                 admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -60,3 +66,16 @@ def model_budget(config: pytest.Config, examples: int, steps: int) -> tuple[int,
     given = config.getoption("--model-examples", default=None)
     given_steps = config.getoption("--model-steps", default=None)
     return (given if given is not None else examples, given_steps if given_steps is not None else steps)
+
+
+# A breakage's search that missed is run again, with a seed of its own, at most this many times in all. Each search
+# is randomized on purpose: hypothesis's `ci` profile (loaded when CI is set) derandomizes, so that every search of a
+# test would repeat the first one exactly (CI of 92f00d0 ran one case's three searches step for step alike).
+SEARCHES = 3
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The errors an exception group (hypothesis's several distinct failures, or a `FlakyFailure`) holds, flattened."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
+    return [exc]

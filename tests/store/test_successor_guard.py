@@ -8,6 +8,7 @@ write.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from celery_fanin.context import FanIn
 from celery_fanin.store import batches, successors
 from celery_fanin.worker import successor_runs
 
-from .helpers import create, fetch_one
+from .helpers import create, fetch_one, new_batch
 
 LIVE = {"lease": 60.0, "grace": 60.0, "owner": "test", "owner_key": "key-of-worker-a"}
 DEAD = {"lease": 0.0, "grace": 0.0, "owner": "test"}  # a lease that has lapsed as soon as it is taken
@@ -266,6 +267,69 @@ def test_a_replaced_successor_admits_only_its_carrier_and_is_never_republished(s
     assert _claim(store_engine, batch, carrier="carrier-1") is not None
     with store_engine.begin() as conn, pytest.raises(Exception, match="carrier"):
         successors.hand_over(conn, successors.Run(batch.id, batch.step, 3, 0), "replaced")
+
+
+def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_never_is(store_engine: Engine) -> None:
+    """`fanin_replaced_timeout`: a replaced successor whose carrier did not come, or whose carrier's run died, is
+    recorded failed (ReplacementLost) once the bound passed; a live carrier run (its lease renewed) is never; the
+    carrier arriving after the bound is refused and counted."""
+    message = "lost"
+
+    def lost(timeout: float) -> list[uuid.UUID]:
+        with store_engine.begin() as conn:
+            return [b for b, _, _ in successors.lost_replacements(conn, timeout)]
+
+    def fail(batch: batches.NewBatch, timeout: float) -> bool:
+        return bool(
+            _in(store_engine, lambda c: successors.fail_lost_replacement(c, batch.id, batch.step, timeout, message))
+        )
+
+    # Not replaced at all (a plain sent successor): never the bound's.
+    plain, _, _ = create(store_engine, 0)
+    # Replaced, carrier never came.
+    never, _, _ = create(store_engine, 0)
+    run = _claim(store_engine, never)
+    assert run is not None and _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier="c1"))
+    # Replaced, the carrier's run live (lease 60 s), and replaced with the carrier's run dead (lease lapsed).
+    live, _, _ = create(store_engine, 0)
+    dead, _, _ = create(store_engine, 0)
+    for batch, lease in ((live, LIVE), (dead, DEAD)):
+        first = _claim(store_engine, batch)
+        assert first is not None and _in(
+            store_engine, lambda c, r=first: successors.hand_over(c, r, "replaced", carrier="c1")
+        )
+        assert _claim(store_engine, batch, carrier="c1", **lease) is not None
+    assert set(lost(3600.0)) == set(), "nothing is past an hour's bound"
+    assert not fail(never, 3600.0)
+    assert set(lost(0.0)) == {never.id, dead.id}
+    assert plain.id not in lost(0.0) and live.id not in lost(0.0)
+    assert not fail(live, 0.0), "a live carrier run was ended"
+    assert fail(never, 0.0) and fail(dead, 0.0)
+    assert not fail(never, 0.0), "recorded twice"
+    with store_engine.connect() as conn:
+        row = fetch_one(
+            conn, "SELECT state, exc_type, exc_message FROM fanin_successors WHERE batch_id = :id", id=never.id
+        )
+    assert row == {"state": "failed", "exc_type": "ReplacementLost", "exc_message": message}
+    assert _claim(store_engine, never, carrier="c1") is None, "the carrier after the bound was admitted"
+    assert _successor(store_engine, never.id)["duplicates"] == 1
+    assert lost(0.0) == []
+
+    # Nested: the inner batch's lost replacement counts its outer child failed, and the outer batch completes.
+    outer, (outer_child,), _ = create(store_engine, 1)
+    inner, _ = new_batch(0)
+    inner = dataclasses.replace(inner, parent_task_id=outer_child.task_id)
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, inner, [])
+    first = _claim(store_engine, inner)
+    assert first is not None and _in(store_engine, lambda c: successors.hand_over(c, first, "replaced", carrier="c1"))
+    assert fail(inner, 0.0)
+    with store_engine.connect() as conn:
+        child = fetch_one(conn, "SELECT state, exc_type FROM fanin_children WHERE task_id = :t", t=outer_child.task_id)
+        counts = fetch_one(conn, "SELECT failed, succeeded FROM fanin_batches WHERE id = :id", id=outer.id)
+    assert child == {"state": "failed", "exc_type": "ReplacementLost"}
+    assert counts == {"failed": 1, "succeeded": 0}
+    assert _successor(store_engine, outer.id)["state"] in ("pending", "sent")
 
 
 def test_an_event_about_a_copy_never_admitted_ends_no_live_run(store_engine: Engine) -> None:

@@ -151,6 +151,10 @@ SELECT * FROM fanin_seal(:id);
 -- Serialise a chunk of an open batch against its cancel, deadline or seal (the batch id's second 64 bits)
 SELECT pg_advisory_xact_lock(:k1, :k2);
 
+-- name: takes_children
+-- Whether a batch is still open, read under its membership lock (a cancel, a deadline or a seal waits for it)
+SELECT state = 'open' FROM fanin_batches WHERE id = :id;
+
 -- name: successor_task_id
 -- The task id a batch assigned its successor when it was created
 SELECT successor_task_id FROM fanin_batches WHERE id = :id;
@@ -276,6 +280,17 @@ SELECT fanin_finish_successor_v2(:id, :step, :task_id, CAST(:run AS integer), :s
 -- name: republish
 -- Put a stalled successor's outbox row back in line (same task id
 SELECT fanin_republish_successor(:id, :step, CAST(:timeout AS double precision), CAST(:grace AS double precision));
+
+-- name: lost_replacements
+-- Replaced successors whose carrier never came or whose carrier's run died, `timeout` seconds ago
+SELECT s.batch_id, s.step, s.carrier FROM fanin_successors s
+ WHERE s.carrier IS NOT NULL AND s.state IN ('replaced', 'running')
+   AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:timeout AS double precision))
+ LIMIT :n;
+
+-- name: fail_lost_replacement
+-- Record a replaced successor whose replacement was lost as failed (ReplacementLost)
+SELECT fanin_fail_lost_replacement(:id, :step, CAST(:timeout AS double precision), :message);
 
 -- --- store/recovery.py --------------------------------------------------------------------------------------------
 

@@ -1040,6 +1040,34 @@ BEGIN
 END
 $$;
 
+-- fanin_fail_lost_replacement(uuid,text,double precision,text)
+CREATE FUNCTION fanin_fail_lost_replacement(p_batch uuid, p_step text, p_timeout double precision, p_message text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_parent_task_id text;
+BEGIN
+    -- A live carrier run renews its lease, so only a carrier that never came or whose run died (its lease lapsed)
+    -- is past the bound; the row's lock orders this against the carrier's own admission and end.
+    UPDATE fanin_successors s
+       SET state = 'failed', exc_type = 'ReplacementLost', exc_message = left(p_message, 2000), state_at = now(),
+           finished_at = now(), lease_until = NULL
+      FROM fanin_batches b
+     WHERE s.batch_id = p_batch AND s.step = p_step AND b.id = s.batch_id
+       AND s.carrier IS NOT NULL AND s.state IN ('replaced', 'running')
+       AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => greatest(p_timeout, 0))
+ RETURNING b.parent_task_id INTO v_parent_task_id;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF v_parent_task_id IS NOT NULL THEN
+        PERFORM fanin_record_terminal_v2(v_parent_task_id, 'failed', NULL, NULL, NULL, 'ReplacementLost',
+                                         left(p_message, 2000), NULL, NULL, NULL);
+    END IF;
+    RETURN true;
+END
+$$;
+
 -- fanin_claim_run_v2(uuid,text,text,integer,double precision,double precision,text,text,text,text)
 CREATE FUNCTION fanin_claim_run_v2(p_batch uuid, p_step text, p_task_id text, p_retries integer,
                                    p_lease double precision, p_grace double precision, p_owner text,
