@@ -71,7 +71,7 @@ def model_budget(config: pytest.Config, examples: int, steps: int) -> tuple[int,
 # A breakage's search that missed is run again, with a seed of its own, at most this many times in all. Each search
 # is randomized on purpose: hypothesis's `ci` profile (loaded when CI is set) derandomizes, so that every search of a
 # test would repeat the first one exactly (CI of 92f00d0 ran one case's three searches step for step alike).
-SEARCHES = 3
+SEARCHES = 5
 
 
 def leaves(exc: BaseException) -> list[BaseException]:

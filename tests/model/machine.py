@@ -964,10 +964,29 @@ class SuccessorGuardMachine(ProtocolMachine):
     after its children are counted, so the states these rules need (a replaced successor, a live run and a copy's
     event) come up too rarely in a CI budget to find a breakage of them; here a few dozen steps do."""
 
-    @initialize(opts=OPTIONS, n=st.integers(1, 2))
-    def seed(self, opts: dict[str, Any], n: int) -> None:
+    @initialize(opts=OPTIONS, n=st.integers(1, 2), start=st.sampled_from(["carried", "replaced", "sent"]))
+    def seed(self, opts: dict[str, Any], n: int, start: str) -> None:
+        """The batches, the first one's successor already `start`: `replaced` (its first run handed over to a
+        carrier) or `carried` (that carrier's run live). Those states take three steps that each draw one option of
+        many, so a search of a CI budget reached them in too few examples (2026-12-04) to find breakages of them."""
         for _ in range(n):
             self.create.__wrapped__(self, n=0, opts=opts, leaves=0, pick=0, hold=False)  # type: ignore[attr-defined]
+        if start == "sent":
+            return
+        first = list(self.m.roots.values())[0]
+        claim = getattr(ProtocolMachine.claim_run, "__wrapped__")  # noqa: B009 - the rule's own function
+        roots = [r.batch.id for r in self._successor_roots()]
+        if first.batch.id not in roots:
+            return
+        which = roots.index(first.batch.id)
+        claim(self, which=which, wrong_id=False, dead_owner="no", copy="carrier", pick=0, hold=False)
+        running = [r.batch.id for r, _ in self._running()]
+        if first.batch.id not in running:
+            return
+        end = getattr(ProtocolMachine.end_run, "__wrapped__")  # noqa: B009
+        end(self, which=running.index(first.batch.id), how="replaced", stale=False, pick=0, hold=False)
+        if start == "carried":
+            claim(self, which=which, wrong_id=False, dead_owner="no", copy="carrier", pick=0, hold=False)
 
     @rule(opts=OPTIONS, pick=PICK, hold=HOLD)
     def create_empty(self, opts: dict[str, Any], pick: int, hold: bool) -> None:

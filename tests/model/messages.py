@@ -401,11 +401,20 @@ class MessageMachine(RuleBasedStateMachine):
 
     # `ran` lists True first, the value hypothesis tries most: most examples start where successors' copies
     # exist (hypothesis turns off a random part of the rules in each example, and the steps are few).
-    @initialize(n=st.integers(1, 2), replace=st.booleans(), ran=st.sampled_from([True, False]))
-    def first_batch(self, n: int, replace: bool, ran: bool) -> None:
-        """The first batch; if `ran`, its children's copies were delivered once each and ran to their end."""
+    @initialize(
+        n=st.integers(1, 2), replace=st.booleans(), ran=st.sampled_from([True, False]), cut=st.sampled_from([3, 5, 0])
+    )
+    def first_batch(self, n: int, replace: bool, ran: bool, cut: int) -> None:
+        """The first batch; if `ran`, its children's copies were delivered once each and ran to their end. With
+        the expiry sweep modelled, its first child's copy is taken at once instead, through a cut of `cut`
+        statements, and held: what the sweep's hole needs, reached by random steps in too few examples of a CI
+        budget (2026-12-04: missed in 3 searches of 80)."""
         self.create_batch(n, replace)
-        ran = ran and "expiry" not in self.features  # the expiry sweep's hole needs a child's start cut
+        if "expiry" in self.features:
+            first = next((i for i, c in enumerate(self.copies) if not c.successor), None)
+            if first is not None and cut:
+                self.deliver(first, hold=True, cut=cut)
+            return
         while ran and any(not c.successor for c in self.copies):
             self.deliver(next(i for i, c in enumerate(self.copies) if not c.successor), hold=False, cut=0)
 

@@ -23,6 +23,7 @@ from sqlalchemy import text
 
 from celery_fanin import FanIn, retry
 from celery_fanin.relay import maintenance
+from celery_fanin.worker import starts
 
 if sys.version_info < (3, 11):  # builtin from 3.11; hypothesis depends on the backport before
     from exceptiongroup import ExceptionGroup
@@ -75,7 +76,17 @@ def _twin_looks_like_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TWIN, "identity", lambda here: here)
 
 
-def _sweep_without_the_starts_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def _starts_dropped_and_sweep_without_their_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both halves of the fix: before it, a start was written in 3 attempts or dropped (it was "advisory"), and the
+    # sweep waited only fanin_expires_grace past `expires`.
+    def send_as_before(self: starts.StartRecorder) -> None:
+        try:
+            retry.call(self._attempt, what="writing start records", attempts=3, timeout=5.0)
+        except Exception:  # noqa: BLE001 - dropped, as it was
+            with self._cond:
+                self._inflight = []
+
+    monkeypatch.setattr(starts.StartRecorder, "_send", send_as_before)
     monkeypatch.setattr(maintenance, "expiry_grace", lambda fanin: max(0.0, float(fanin.settings.expires_grace)))
 
 
@@ -96,7 +107,7 @@ UNDO = {
             ),
         )
     ),
-    "4-lost-start-and-expiry-sweep": Undo(patch=_sweep_without_the_starts_time),
+    "4-lost-start-and-expiry-sweep": Undo(patch=_starts_dropped_and_sweep_without_their_time),
     "5-transient-error-drops-report": Undo(patch=_old_transient),
     "6-forged-dead-owner": Undo(
         sql=(
