@@ -127,14 +127,19 @@ def _run(
     monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", 30)
     examples, steps = model_budget(config, EXAMPLES.get(case, CI_EXAMPLES), CI_STEPS)
     APPS[url] = make_app(url)
-    machine = type("Messages", (MessageMachine,), {"url": url, "features": CASES[case]})
+    held_start = case == "4-lost-start-and-expiry-sweep"
+    machine = type("Messages", (MessageMachine,), {"url": url, "features": CASES[case], "held_start": held_start})
     STATS.clear()
     started = time.monotonic()
     try:
         run_state_machine_as_test(
             machine,
             settings=model_settings(
-                examples, steps, phases=[Phase.generate, Phase.shrink], print_blob=False, derandomize=derandomize
+                examples,
+                steps,
+                phases=[Phase.generate, Phase.shrink],
+                print_blob=False,
+                **({} if derandomize is None else {"derandomize": derandomize}),
             ),
         )
     finally:
