@@ -144,7 +144,8 @@ class Settings:
         budget = self.outcome_max_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
-        # The relay's expiry sweep waits their sum past a child's `expires` (relay.maintenance.expiry_grace).
+        # Durations the relay acts on (its expiry sweep waits the first two's sum past a child's `expires`): checked
+        # here, not where they are read mid-round. replaced_timeout may be None (no bound).
         for name in ("expires_grace", "report_timeout", "replaced_timeout"):
             value = getattr(self, name)
             if value is None and name in NONE_ALLOWED:

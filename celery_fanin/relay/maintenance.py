@@ -155,11 +155,12 @@ def fail_lost_replacements(fanin: FanIn, limit: int = 100) -> list[tuple[str, st
         lost = successors.lost_replacements(conn, timeout, limit)
         conn.commit()
     done = []
-    for batch_id, step, carrier in lost:
-        message = (
-            f"the replacement's carrier (task id of the successor, carrier token {carrier}) did not come or its run"
-            f" died, and fanin_replaced_timeout ({timeout:g} s) passed"
-        )
+    # The carrier's token stays out of the message: `status` and the dashboard show it to read-only viewers.
+    message = (
+        f"the replacement's carrier (the task that takes the successor's task id) did not come or its run died,"
+        f" and fanin_replaced_timeout ({timeout:g} s) passed"
+    )
+    for batch_id, step in lost:
         with fanin.engine.begin() as conn:
             if successors.fail_lost_replacement(conn, batch_id, step, timeout, message):
                 done.append((str(batch_id), step))

@@ -245,12 +245,12 @@ def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) ->
     return [(r[0], r[1]) for r in rows]
 
 
-def lost_replacements(conn: Connection, timeout: float, limit: int = 100) -> list[tuple[uuid.UUID, str, str]]:
-    """Replaced successors (batch id, step, carrier) whose replacement's carrier never came, or whose carrier's run
+def lost_replacements(conn: Connection, timeout: float, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
+    """Replaced successors (batch id, step) whose replacement's carrier never came, or whose carrier's run
     died, `timeout` seconds ago: the user's replacement canvas was lost (an early-acked message on a killed worker,
     a broker that lost its queue). A live carrier run renews its lease, so it is never among them."""
     rows = conn.execute(q("lost_replacements").text, {"timeout": timeout, "n": limit})
-    return [(r[0], r[1], r[2]) for r in rows]
+    return [(r[0], r[1]) for r in rows]
 
 
 def fail_lost_replacement(conn: Connection, batch_id: uuid.UUID, step: str, timeout: float, message: str) -> bool:

@@ -277,7 +277,7 @@ def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_nev
 
     def lost(timeout: float) -> list[uuid.UUID]:
         with store_engine.begin() as conn:
-            return [b for b, _, _ in successors.lost_replacements(conn, timeout)]
+            return [b for b, _ in successors.lost_replacements(conn, timeout)]
 
     def fail(batch: batches.NewBatch, timeout: float) -> bool:
         return bool(

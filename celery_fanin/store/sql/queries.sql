@@ -283,7 +283,7 @@ SELECT fanin_republish_successor(:id, :step, CAST(:timeout AS double precision),
 
 -- name: lost_replacements
 -- Replaced successors whose carrier never came or whose carrier's run died, `timeout` seconds ago
-SELECT s.batch_id, s.step, s.carrier FROM fanin_successors s
+SELECT s.batch_id, s.step FROM fanin_successors s
  WHERE s.carrier IS NOT NULL AND s.state IN ('replaced', 'running')
    AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:timeout AS double precision))
  LIMIT :n;
