@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 from celery import Celery
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import URL, Engine, create_engine
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import redact, retry
@@ -65,6 +65,10 @@ class Settings:
     """Every setting, with its default; read from `app.conf` as `fanin_<name>`."""
 
     database_url: str | None = None
+    # The alias of a Django database whose connection settings celery-fanin uses when database_url is not set
+    # (`CELERY_FANIN_DJANGO_DATABASE = "default"`): read when a connection is made, so pytest-django's test
+    # database is followed, as Django's own connections follow it. See docs/how-to/django.md.
+    django_database: str | None = None
     pool_size: int = 5
     # Most failures listed inline in the outcome a successor receives; the full list stays in Postgres.
     outcome_failures_limit: int = 100
@@ -165,7 +169,7 @@ class Settings:
             if value is _UNSET or (value is None and name not in NONE_ALLOWED):
                 continue
             values[name] = _seconds(name, value)
-        if not values.get("database_url"):
+        if not values.get("database_url") and not values.get("django_database"):
             values["database_url"] = os.environ.get("FANIN_DATABASE_URL") or None
         return cls(**values)
 
@@ -219,6 +223,44 @@ def normalise_database_url(url: str) -> str:
     if parsed.get_backend_name() != "postgresql":
         raise FanInNotConfigured(f"fanin_database_url must be a PostgreSQL URL, got {parsed.get_backend_name()!r}")
     return parsed.render_as_string(hide_password=False)
+
+
+def django_database_url(alias: str) -> str:
+    """The URL of Django's database `alias`, from its connection settings as they are now (pytest-django points
+    them at its test database before the first test)."""
+    try:
+        from django.db import connections  # noqa: PLC0415 - only for an app that names a Django database
+        from django.db.utils import ConnectionDoesNotExist  # noqa: PLC0415
+    except ImportError:
+        raise FanInNotConfigured("fanin_django_database is set but Django is not installed") from None
+    try:
+        conf = connections[alias].settings_dict
+    except ConnectionDoesNotExist:
+        raise FanInNotConfigured(f"fanin_django_database: Django has no database {alias!r} (DATABASES)") from None
+    if "postgresql" not in str(conf.get("ENGINE", "")):
+        raise FanInNotConfigured(f"fanin_django_database: Django's database {alias!r} is not PostgreSQL")
+    port = str(conf.get("PORT") or "")
+    options = conf.get("OPTIONS") or {}
+    # libpq's TLS options as Django passes them (OPTIONS), so the fan-in connection is as secure as Django's.
+    tls = ("sslmode", "sslrootcert", "sslcert", "sslkey")
+    query = {key: str(options[key]) for key in tls if key in options}
+    return URL.create(
+        "postgresql+psycopg",
+        username=conf.get("USER") or None,
+        password=conf.get("PASSWORD") or None,
+        host=conf.get("HOST") or None,
+        port=int(port) if port else None,
+        database=conf.get("NAME") or None,
+        query=query,
+    ).render_as_string(hide_password=False)
+
+
+def dispose_all() -> None:
+    """Close every app's connections: before a database they use is dropped (pytest-django's test database)."""
+    with _REGISTRY_LOCK:
+        found = list(_REGISTRY.values())
+    for fanin in found:
+        fanin.dispose()
 
 
 def _unproxy(app: Celery) -> Celery:
@@ -284,11 +326,14 @@ class FanIn:
 
     @property
     def database_url(self) -> str:
-        url = self.settings.database_url
+        settings = self.settings
+        url = settings.database_url
+        if not url and settings.django_database:
+            url = django_database_url(settings.django_database)
         if not url:
             raise FanInNotConfigured(
                 "no database configured: set app.conf.fanin_database_url or the FANIN_DATABASE_URL environment "
-                "variable (for example postgresql+psycopg://user@127.0.0.1/dbname)"
+                "variable (for example postgresql+psycopg://user@127.0.0.1/dbname), or fanin_django_database"
             )
         return normalise_database_url(url)
 

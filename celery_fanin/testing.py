@@ -22,6 +22,7 @@ from celery.contrib.testing.worker import TestWorkController, start_worker
 from celery.worker import WorkController
 from psycopg import sql
 
+from .context import dispose_all
 from .embedded import EmbeddedPostgres
 from .extension import FanIn
 from .producer.eager import run_eagerly
@@ -62,6 +63,16 @@ class _Gate:
     def pytest_configure(self, config: pytest.Config) -> None:
         if config.getini(ENABLE_INI) and not config.pluginmanager.has_plugin(PLUGIN_NAME):
             config.pluginmanager.import_plugin(PLUGIN_NAME)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: pytest.FixtureRequest) -> Any:
+        result = yield
+        if fixturedef.argname == "django_db_setup":
+            # pytest-django drops its test database when this fixture ends, and PostgreSQL refuses while a session
+            # is connected to it: the fan-in connections (`fanin_django_database` follows Django to that database)
+            # close first. Finalizers run last added first, so this one runs before the fixture's own teardown.
+            fixturedef.addfinalizer(dispose_all)
+        return result
 
 
 gate = _Gate()

@@ -30,7 +30,7 @@ def test_copies_count_only_once_their_effect_is_seen(clean_db: str, direct: Engi
     batch, children, _ = create(direct, 2)
     with psycopg.connect(clean_db, autocommit=True) as conn:
         assert copies.send_successors_again(conn, 3) is None  # nothing sent yet: nothing to copy
-        rows = copies.unfinished_children(conn, 5)
+        rows = copies.unfinished_children(conn, str(batch.id))
         assert sorted((r[2], r[-1]) for r in rows) == sorted((c.task_id, 0) for c in children)
         made = [copies.children_copied(rows)]
         assert copies.seen(made, copies.counts(conn, made)) == {copies.CHILDREN: 0, copies.SUCCESSORS: 0}

@@ -8,8 +8,10 @@ concurrently: every run takes the same transaction-level advisory lock, then app
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any, Protocol
 
 from sqlalchemy import Engine, text
 
@@ -46,29 +48,44 @@ def applied(engine: Engine) -> list[int]:
 
 def migrate(engine: Engine) -> list[Migration]:
     """Bring the schema up to date; returns the migrations this call applied (none when already current)."""
-    done: list[Migration] = []
     # READ COMMITTED whatever the engine's default: a waiter's next statement must see what the lock holder did.
-    with engine.connect().execution_options(isolation_level="READ COMMITTED") as conn, conn.begin():
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
-        conn.execute(
-            text(
-                "CREATE TABLE IF NOT EXISTS fanin_migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
+    with (
+        engine.connect().execution_options(isolation_level="READ COMMITTED") as conn,
+        conn.begin(),
+        conn.connection.dbapi_connection.cursor() as cursor,  # type: ignore[union-attr]
+    ):
+        return apply_pending(cursor)
+
+
+class Cursor(Protocol):
+    """What `apply_pending` needs of a DB-API cursor (psycopg's, or Django's wrapper of it)."""
+
+    def execute(self, sql: str, params: Sequence[Any] | None = None, /) -> Any: ...
+
+    def fetchall(self) -> Sequence[Sequence[Any]]: ...
+
+
+def apply_pending(cursor: Cursor) -> list[Migration]:
+    """Apply the migrations not applied yet in the cursor's transaction, which the caller commits: `migrate`'s, or
+    the one a Django migration runs in (`celery_fanin.django`). Returns what it applied."""
+    cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+    cursor.execute(
+        "CREATE TABLE IF NOT EXISTS fanin_migrations ("
+        " version integer PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    cursor.execute("SELECT version FROM fanin_migrations")
+    have = {int(row[0]) for row in cursor.fetchall()}
+    done: list[Migration] = []
+    for migration in available():
+        if migration.version in have:
+            continue
+        # Without parameters, so `%` in PL/pgSQL (`%ROWTYPE`) is not taken for a placeholder.
+        cursor.execute(migration.sql)
+        cursor.execute(
+            "INSERT INTO fanin_migrations (version, name) VALUES (%s, %s)", (migration.version, migration.name)
         )
-        have = set(conn.execute(text("SELECT version FROM fanin_migrations")).scalars())
-        for migration in available():
-            if migration.version in have:
-                continue
-            # Straight to the driver without parameters, so `%` in PL/pgSQL (`%ROWTYPE`) is not a placeholder.
-            with conn.connection.dbapi_connection.cursor() as cursor:  # type: ignore[union-attr]
-                cursor.execute(migration.sql)
-            conn.execute(
-                text("INSERT INTO fanin_migrations (version, name) VALUES (:v, :n)"),
-                {"v": migration.version, "n": migration.name},
-            )
-            done.append(migration)
+        done.append(migration)
     return done
 
 

@@ -1,5 +1,5 @@
 """The project's Celery app, configured from Django's settings under the `CELERY_` namespace: celery-fanin's
-settings too (`CELERY_FANIN_DATABASE_URL` is `fanin_database_url`)."""
+settings too (`CELERY_FANIN_DJANGO_DATABASE` is `fanin_django_database`)."""
 
 from __future__ import annotations
 

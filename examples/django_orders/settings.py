@@ -1,4 +1,5 @@
-"""Settings of the example project: one PostgreSQL database for Django's tables and celery-fanin's."""
+"""Settings of the example project: one PostgreSQL database for Django's tables and celery-fanin's, both created by
+`manage.py migrate`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ _db = urlsplit(DATABASE_URL)
 
 SECRET_KEY = "example-only"
 USE_TZ = True
-INSTALLED_APPS = ["examples.django_orders.orders"]
+INSTALLED_APPS = ["celery_fanin.django", "examples.django_orders.orders"]  # `migrate` creates the fan-in schema
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",
@@ -26,4 +27,5 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Celery, and celery-fanin through Celery's configuration: every CELERY_* setting is the app's setting.
 CELERY_BROKER_URL = os.environ.get("FANIN_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("FANIN_EXAMPLE_QUEUE", "celery")
-CELERY_FANIN_DATABASE_URL = DATABASE_URL.replace("postgresql://", "postgresql+psycopg://", 1)  # the same database
+# celery-fanin on Django's default database, as Django connects to it now (pytest-django's test database in tests).
+CELERY_FANIN_DJANGO_DATABASE = "default"

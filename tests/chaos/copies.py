@@ -53,21 +53,19 @@ class Copies:
         return any(now.get(task_id, count) > count for task_id, count in self.before.items())
 
 
-def unfinished_children(conn: psycopg.Connection[Any], limit: int) -> list[tuple[Any, ...]]:
-    """Up to `limit` unfinished children at random, with what publishing them again needs, and their late reports
-    now (last): read before the copies go out, so a late report of theirs is the copy's.
+def unfinished_children(conn: psycopg.Connection[Any], batch_id: str) -> list[tuple[Any, ...]]:
+    """`batch_id`'s unfinished children, started ones first, with what publishing them again needs, and what they
+    count now (last): read before the copies go out, so a late report of theirs is the copy's.
 
-    Started children first: a worker holds the original, so the copy is a second delivery whose report comes late.
-    A pending child's original may be lost (the run's kills and restarts lose many), and then the copy is its only
-    delivery and leaves nothing to see (a failover run of 2026-12-04 redrove 779 children and saw no late report).
-    Never a child with `expires` (the "short cut" fault's, 8 s long, the likeliest to be unfinished): its copy goes
-    to the cut worker's queue already expired, and RabbitMQ drops an expired message unseen (chaos[rabbitmq] seed
-    323869 and chaos[redis] seed 719821 saw no copy take effect)."""
+    The fault copies children of a batch of its own, whose children run for seconds (`Chaos.duplicate_children`):
+    a worker holds each started one, so its copy is a second delivery whose report comes late. The run's own
+    batches are no use for this: their children take a second at most and are all finished within the first minute
+    (a run of 2026-12-04 found no unfinished child in 41 draws after that); and a pending child's original may be
+    lost to a kill or a restart, when the copy is its only delivery and leaves nothing to see."""
     return conn.execute(
         "SELECT batch_id, idx, task_id, message, content_type, content_encoding, late_reports + duplicates "
-        "FROM fanin_children WHERE state IN ('pending', 'started') AND expires_at IS NULL "
-        "ORDER BY state = 'started' DESC, random() LIMIT %s",
-        (limit,),
+        "FROM fanin_children WHERE batch_id = %s AND state IN ('pending', 'started') ORDER BY state = 'started' DESC",
+        (batch_id,),
     ).fetchall()
 
 

@@ -25,7 +25,7 @@ def test_second_copies_take_the_effect_the_chaos_suite_requires(
     ledger = copies.Ledger(lambda made: copies.read_counts(url, made))
     handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("copies")).apply_async()
     with psycopg.connect(url, autocommit=True) as conn:  # no worker yet: all three unfinished
-        rows = copies.unfinished_children(conn, 5)
+        rows = copies.unfinished_children(conn, handle.batch_id)
     assert len(rows) == 3
     ledger.add(copies.publish_children_again(producer, rows))
     processes.worker()
