@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                             raise RuntimeError(f"{proc.log.name} exited: {proc.log.read_text()[-3000:]}")
                     if time.time() - last >= 60:
                         last = time.time()
-                        s = handle.status()
+                        s = handle.batch_status()
                         print(
                             f"[{last - start:7.0f}s] {s.state}: succeeded {s.succeeded}, failed {s.failed}, "
                             f"remaining {s.remaining}",
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["e2e_s"] = round(finished - start, 1)
                 report["worker_children_per_s"] = round(args.n / (finished - start))
                 time.sleep(1.0)  # the successor's own state is recorded right after its body returns
-            status = handle.status()
+            status = handle.batch_status()
             report.update(
                 {
                     "planned": status.planned,

@@ -205,7 +205,7 @@ def follow(console: Console, handle: FanInResult, running: list[Service], timeou
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("sync_user tasks", total=None, ok=0, failed=0)
         while True:
-            status = handle.status()
+            status = handle.batch_status()
             done = status.planned - status.remaining
             label = "sync_user tasks" if status.remaining else f"report: {status.successor_state or 'queued'}"
             progress.update(

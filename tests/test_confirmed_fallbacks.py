@@ -87,10 +87,10 @@ def test_children_published_by_celery_are_recorded_only_once_confirmed(
         children = [echo.s(0).set(link=echo.s()), chain(echo.s(1), echo.s()), echo.s(2).set(link=echo.s())]
     _refuse_confirms(monkeypatch)
     handle = fan_in_group(children, then=echo.s(), app=app).apply_async()
-    assert handle.status().published == 0, "refused by the broker, yet recorded as published"
+    assert handle.batch_status().published == 0, "refused by the broker, yet recorded as published"
     monkeypatch.undo()  # the refused confirm channel was closed: the next publish opens one the broker acks
     assert Relay(FanIn.of(app)).run_once() >= 3
-    assert handle.status().published == 3
+    assert handle.batch_status().published == 3
     assert sorted({h["fanin_index"] for h in _queued(app)}) == [0, 1, 2]
 
 
@@ -138,14 +138,14 @@ def test_a_chain_childs_first_message_is_recorded_only_once_confirmed(
     children = [chain(echo.s(1), echo.s()), chain(echo.s(2), chain(echo.s(), echo.s()))]  # the second nested
     _refuse_confirms(monkeypatch)
     handle = fan_in_group(children, then=echo.s(), app=app).apply_async()
-    assert handle.status().published == 0, "a chain child refused by the broker, yet recorded as published"
+    assert handle.batch_status().published == 0, "a chain child refused by the broker, yet recorded as published"
     fanin = FanIn.of(app)
     with pytest.raises(BrokerRefused):  # the relay republishes an orphaned chain child the same way
         outbox_relay.publish_orphaned_children(fanin)
-    assert handle.status().published == 0, "republished by the relay, refused, yet recorded as published"
+    assert handle.batch_status().published == 0, "republished by the relay, refused, yet recorded as published"
     monkeypatch.undo()
     assert Relay(fanin).run_once() == 2
-    assert handle.status().published == 2
+    assert handle.batch_status().published == 2
     with fanin.engine.connect() as conn:
         ids = [
             r.task_id

@@ -109,7 +109,7 @@ def test_fan_in_end_to_end_on_the_embedded_server(
         handle = fan_in_group(
             children, then=producer.signature("tests.app.record_run", args=("embedded", True)), app=producer
         ).apply_async()
-        status = handle.wait(timeout=120)
+        status = handle.wait_batch(timeout=120)
     except Exception:
         print(worker.output()[-4000:], relay.output()[-4000:], sep="\n===== relay =====\n")
         raise

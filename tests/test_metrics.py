@@ -97,7 +97,7 @@ def test_metrics_follow_a_batch(app: Celery, server: metrics.MetricsServer, rela
     assert published["fanin_relay_successors_published_total"] == 1
     assert published["fanin_relay_reconcile_repairs_total"] == 0
 
-    status = handle.status()
+    status = handle.batch_status()
     with FanIn.of(app).engine.begin() as conn:  # what a worker's run guard does when the successor starts
         run = successors.claim_run(
             conn, uuid.UUID(handle.batch_id), status.step, status.successor_task_id, 0, lease=60, grace=60, owner="t"

@@ -236,7 +236,7 @@ def test_pooled_connections_recover_after_the_server_ends_them(
     with caplog.at_level(logging.WARNING):
         second = fan_in_group([app.signature("t.ok", args=(2,))], then=app.signature("t.then"), app=app).apply_async()
         assert _report(app, children[1].task_id, batch.id, 1).counted
-    assert second.status().published == 1 and first.status().published == 1
+    assert second.batch_status().published == 1 and first.batch_status().published == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
@@ -293,7 +293,7 @@ def test_producer_publishes_after_its_broker_connection_was_cut(
                     proxy.restore()
                 sig = [capp.signature("t.ok", args=(i,)) for _ in range(3)]
                 handles.append(fan_in_group(sig, then=capp.signature("t.then"), app=capp).apply_async())
-            assert [h.status().published for h in handles] == [3, 3, 3]
+            assert [h.batch_status().published for h in handles] == [3, 3, 3]
         finally:
             if broker == "rabbitmq":
                 with capp.connection_for_write() as conn:

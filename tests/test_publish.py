@@ -118,7 +118,7 @@ def _run_and_check(app: Celery, env: dict[str, str], start: Callable[[], None]) 
     then = app.signature("tests.app.record_run", args=("pub",), kwargs={"with_values": True})
     dispatched = time.time()
     handle = fan_in_group(children, then=then, app=app).apply_async()
-    status = handle.wait(timeout=90)
+    status = handle.wait_batch(timeout=90)
     assert status.successor_state == "succeeded", status
     assert (status.planned, status.remaining) == (len(children), 0)
     outcome, values = _values(env, handle.batch_id)
@@ -439,7 +439,7 @@ def test_rabbitmq_chunks_are_recorded_only_once_confirmed(
             return sigs if stream else list(sigs)
 
         handle = fan_in_group(children(), then=echo.s(), app=app).apply_async()
-        assert handle.status().published == 13
+        assert handle.batch_status().published == 13
         assert _queued_indexes(queue) == list(range(13))
 
         real_wait = confirms.Unconfirmed.wait
@@ -455,13 +455,13 @@ def test_rabbitmq_chunks_are_recorded_only_once_confirmed(
         monkeypatch.setattr(confirms.Unconfirmed, "wait", second_chunk_unconfirmed)
         handle = fan_in_group(children(), then=echo.s(), app=app).apply_async()
         monkeypatch.setattr(confirms.Unconfirmed, "wait", real_wait)
-        assert handle.status().published == 4, "only the first chunk is known to be on the broker"
+        assert handle.batch_status().published == 4, "only the first chunk is known to be on the broker"
         first = _queued_indexes(queue)
         assert first[:8] == list(range(8)), "the second chunk was written; it is just not confirmed"
         assert len(waits) == 2, "no chunk after the unconfirmed one is waited for (or recorded)"
 
         assert Relay(FanIn.of(app)).run_once() == 9
-        assert handle.status().published == 13
+        assert handle.batch_status().published == 13
         assert sorted(set(first + _queued_indexes(queue))) == list(range(13))
     finally:
         FanIn.of(app).dispose()
@@ -495,7 +495,7 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
     try:
         assert not publish.amqp_frames_enabled(app)
         handle = fan_in_group([echo.s(i) for i in range(5)], then=echo.s(), app=app).apply_async()
-        assert handle.status().published == 5, "every child confirmed by the broker"
+        assert handle.batch_status().published == 5, "every child confirmed by the broker"
         with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
             ids = [
                 r[0]
@@ -541,7 +541,7 @@ def test_eager_children_store_their_results_in_the_backend_only_if_asked(app: Ce
 
     children = [triple.s(1), triple.s(2).set(ignore_result=False), chain(triple.s(3), triple.s())]
     handle = fan_in_group(children, then=done.s(), app=app).apply_async()
-    assert handle.status().succeeded == 3 and handle.get() == 3
+    assert handle.batch_status().succeeded == 3 and handle.get() == 3
     with psycopg.connect(app.conf.fanin_database_url, autocommit=True) as conn:
         rows = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,))
         ids = [r[0] for r in rows]

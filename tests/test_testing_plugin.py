@@ -54,7 +54,7 @@ def test_fanin_run_completes_with_production_outcomes(fanin_app, fanin_run, task
     square, boom, flaky, refuse, summary = tasks
     children = [square.s(1), boom.s(2), flaky.s(3), refuse.s(4), fanin_app.signature("no.such.task"), square.s(6)]
     handle = fanin_run(fan_in_group(children, then=summary.s("nightly")))
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.planned, status.succeeded, status.failed) == ("complete", 6, 3, 3)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
     assert handle.successor().result == {
@@ -67,7 +67,7 @@ def test_an_empty_group_runs_its_successor(fanin_run, tasks):
     summary = tasks[-1]
     handle = fanin_run(fan_in_group([], then=summary.s("empty")))
     assert handle.successor().result["ok"] == 0
-    assert handle.status().finished
+    assert handle.batch_status().finished
 
 
 def test_each_test_starts_with_empty_tables(fanin_database):
@@ -114,12 +114,12 @@ def test_apply_async_under_eager_counts_children_and_runs_the_successor_later(fa
     double, fails, total = eager_tasks
     handle = fan_in_group([double.s(1), fails.s(2), double.s(3)], then=total.s()).apply_async()
     # Under task_always_eager apply_async ran the children and then the successor inline.
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.succeeded, status.failed, status.successor_state) == (2, 1, "succeeded")
     assert handle.successor().result == [2, 1, [2, 6]]
     # Running it again is harmless: the successor's run guard refuses a second run.
     again = run_eagerly(FanIn.of(fanin_app), handle.batch_id)
-    assert again.status().successor_runs == 1
+    assert again.batch_status().successor_runs == 1
 
 
 def test_chain_children_under_eager(eager_tasks):
@@ -129,7 +129,7 @@ def test_chain_children_under_eager(eager_tasks):
     # A chain child counts with its last task's value, or fails with the error of whichever task failed.
     children = [chain(double.s(1), double.s(), double.s()), chain(double.s(1), fails.s(), double.s()), double.s(5)]
     handle = fan_in_group(children, then=total.s()).apply_async()
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.succeeded, status.failed, status.successor_state) == (2, 1, "succeeded")
     assert handle.successor().result == [2, 1, [8, 10]]
 
@@ -143,7 +143,7 @@ def test_nested_fan_ins_and_pipelines_under_eager(eager_tasks, fanin_database):
     # A child that is a fan-in counts when its inner successor finishes, with that successor's value.
     inner = fan_in_group([double.s(1), fails.s(2), double.s(3)], then=total.s())
     handle = fan_in_group([inner, double.s(4)], then=total.s()).apply_async()
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.succeeded, status.failed, status.successor_state) == ("complete", 2, 0, "succeeded")
     assert handle.successor().result == [2, 0, [[2, 1, [2, 6]], 8]]
     # The inner batch was created inside a child of the outer one: one level down, as on a worker (the depth
@@ -185,10 +185,10 @@ def test_a_fan_in_on_a_live_worker_and_relay(tasks, fanin_worker, fanin_relay, c
     square, total = tasks
     assert not celery_app.conf.task_always_eager
     handle = fan_in_group([square.s(i) for i in range(5)], then=total.s("live")).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.state, status.succeeded, status.failed) == ("complete", 4, 1)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
-    assert handle.result() == {"label": "live", "ok": 4, "failed": 1, "values": [0, 1, 4, 16],
+    assert handle.result == {"label": "live", "ok": 4, "failed": 1, "values": [0, 1, 4, 16],
                                "failures": [[3, "ValueError", [3]]]}
     # Published over the broker once (nothing ran eagerly): by the worker whose report created it
     # (fanin_worker_publishes_successors), or by the relay had it claimed the outbox row first.
@@ -210,8 +210,8 @@ def test_tasks_defined_after_the_worker_started(celery_app, fanin_worker, fanin_
 
     fanin_worker.reload()
     handle = fan_in_group([double.s(i) for i in range(3)], then=collect.s()).apply_async()
-    assert handle.result(timeout=60) == [0, 2, 4]
-    assert handle.status().successor_runs == 1
+    assert handle.get(timeout=60) == [0, 2, 4]
+    assert handle.batch_status().successor_runs == 1
 """
 
 
@@ -346,7 +346,7 @@ def test_each_worker_has_a_migrated_empty_database_of_its_own(fanin_database, fa
         assert conn.execute("SELECT count(*) FROM fanin_batches").fetchone() == (0,)
     task, total = double
     handle = fanin_run(fan_in_group([task.s(i), task.s(i + 1)], then=total.s()))
-    assert handle.status().succeeded == 2 and handle.successor().result == 2
+    assert handle.batch_status().succeeded == 2 and handle.successor().result == 2
 """
 
 

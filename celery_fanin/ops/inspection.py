@@ -119,7 +119,7 @@ def _subtree(conn: Connection, n: admin.Node, kind: str, budget: _Budget) -> dic
 
 
 def describe(fanin: FanIn, batch_id: str | uuid.UUID, tree_limit: int = 200) -> dict[str, Any]:
-    """`status`: the batch's counts and successor (as `FanInResult.status()`), its age, deadline, pending and
+    """`status`: the batch's counts and successor (as `FanInResult.batch_status()`), its age, deadline, pending and
     running children, where it sits (a tree's leaf, a nested batch's outer child, a retry round), every round of
     it, and its tree: leaves, nested batches, pipeline stages and fan-ins its children or successor started, each
     with its own tree (at most `tree_limit` nodes in all)."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import builtins
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
 from celery import Celery, current_app, states
+from celery.backends.base import DisabledBackend
 from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, EagerResult
@@ -140,9 +142,11 @@ def poll_until_finished(
 class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is untyped
     """The handle of a fan-in: a Celery result of its successor, read from the store (no result backend needed).
 
-    `id` is the successor's task id, and `get`, `ready`, `successful`, `failed` and `state` mean what they mean
-    for that task's `AsyncResult`; `batch_id`, `status()`, `wait()` and `result()` are the batch's. A handle
-    holds no worker and no connection: every call reads PostgreSQL.
+    `id` is the successor's task id, and `get`/`wait`, `result`/`info`, `state`/`status`, `ready`, `successful`,
+    `failed`, `traceback`, `date_done`, `name` and `revoke` mean what they mean for that task's `AsyncResult`, as
+    a chord's result does for its body; `parent` is the children's view, as a chord's header is its `GroupResult`.
+    The batch's own: `batch_id`, `batch_status()` (the counts now), `wait_batch()` (them once final), `cancel()`,
+    `seal()`. A handle holds no worker and no connection: every call reads PostgreSQL.
     """
 
     def __init__(self, app: Celery, batch_id: str | uuid.UUID, successor_task_id: str | None = None) -> None:
@@ -173,66 +177,17 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
     def _status_or_none(self) -> BatchStatus | None:
         """The status, or None while the batch does not exist yet (frozen, its message not yet run)."""
         try:
-            return self.status()
+            return self.batch_status()
         except BatchNotFound:
             return None
 
-    @property
-    def state(self) -> str:
-        """The successor's state as Celery names it: PENDING until it runs (and while the children do), STARTED,
-        RETRY, SUCCESS, FAILURE, REVOKED (also a batch that ended with nothing to run), IGNORED."""
-        status = self._status_or_none()
-        if status is None:
-            return states.PENDING
-        if status.successor_state is None:
-            return states.REVOKED if status.done else states.PENDING
-        return _CELERY_STATES.get(status.successor_state, states.PENDING)
+    # --- the batch ------------------------------------------------------------------------------------------------
 
-    def ready(self) -> bool:
-        status = self._status_or_none()
-        return status is not None and status.done
-
-    def successful(self) -> bool:
-        return self.state == states.SUCCESS
-
-    def failed(self) -> bool:
-        return self.state == states.FAILURE
-
-    def get(  # type: ignore[override]
-        self,
-        timeout: float | None = None,
-        propagate: bool = True,
-        interval: float = 0.1,
-        **_: Any,
-    ) -> Any:
-        """The successor's return value once it has finished (as `AsyncResult.get`), read from the store.
-
-        Raises its error if it failed (with `propagate`; else returns it), `TaskRevokedError` if it was revoked or
-        the batch ended with nothing to run, `celery.exceptions.TimeoutError` after `timeout` seconds. A frozen
-        handle whose batch does not exist yet waits for it."""
-        status = self.wait(timeout, interval)
-        fanin = FanIn.of(self.app)
-        bid = parse_batch_id(self.batch_id)
-        with fanin.engine.connect() as conn:
-            succ = queries.successor(conn, bid, status.step)
-            encoded = queries.successor_result(conn, bid, status.step)
-        if succ is None or succ.state == SuccessorState.REVOKED:
-            exc: BaseException = TaskRevokedError(
-                f"batch {self.batch_id} ended {status.state}"
-                + (" with its successor revoked" if succ is not None else " with no successor run")
-            )
-        elif succ.state == SuccessorState.FAILED:
-            exc = _exception(succ.exc_type, succ.exc_message)
-        else:
-            return decode_result(self.app, encoded) if encoded is not None else None
-        if propagate:
-            raise exc
-        return exc
-
-    def status(self) -> BatchStatus:
+    def batch_status(self) -> BatchStatus:
+        """The batch as the store sees it now: its counts, state and successor (`celery -A proj fanin status`)."""
         return read_status(FanIn.of(self.app), self.batch_id)
 
-    def wait(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:  # type: ignore[override]
+    def wait_batch(self, timeout: float | None = None, interval: float = 0.1) -> BatchStatus:
         """Block until the batch has reached its final state; returns that status (`get` returns the value).
 
         Final: the successor (or `on_failure`/`on_expire`) has finished (succeeded, failed or revoked), or the
@@ -258,33 +213,161 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         assert status is not None
         return status
 
-    def result(self, timeout: float | None = None) -> Any:
-        """The successor's return value, from the store (no result backend needed); waits for it first.
+    # --- the successor, as Celery's AsyncResult has it --------------------------------------------------------------
 
-        None when the batch ended with nothing to run (`expired` or `cancelled` without `on_expire`), and when the
-        successor failed: `wait().state` and `successor_state` tell those apart."""
-        status = self.wait(timeout)
+    @property
+    def state(self) -> str:
+        """The successor's state as Celery names it: PENDING until it runs (and while the children do), STARTED,
+        RETRY, SUCCESS, FAILURE, REVOKED (also a batch that ended with nothing to run), IGNORED."""
+        status = self._status_or_none()
+        if status is None:
+            return states.PENDING
+        if status.successor_state is None:
+            return states.REVOKED if status.done else states.PENDING
+        return _CELERY_STATES.get(status.successor_state, states.PENDING)
+
+    @property
+    def status(self) -> _State:
+        """`state`, as Celery's alias. Calling it (`handle.status()`, the batch's status before 0.1) still returns
+        `batch_status()`, with a DeprecationWarning."""
+        return _State(self.state, self.batch_status)
+
+    def ready(self) -> bool:
+        status = self._status_or_none()
+        return status is not None and status.done
+
+    def successful(self) -> bool:
+        return self.state == states.SUCCESS
+
+    def failed(self) -> bool:
+        return self.state == states.FAILURE
+
+    def get(  # type: ignore[override]
+        self,
+        timeout: float | None = None,
+        propagate: bool = True,
+        interval: float = 0.1,
+        **_: Any,
+    ) -> Any:
+        """The successor's return value once it has finished (as `AsyncResult.get`), read from the store.
+
+        Raises its error if it failed (with `propagate`; else returns it), `TaskRevokedError` if it was revoked or
+        the batch ended with nothing to run, `celery.exceptions.TimeoutError` after `timeout` seconds. A frozen
+        handle whose batch does not exist yet waits for it. Other keyword arguments of Celery's (`callback`,
+        `disable_sync_subtasks`, ...) are accepted and ignored: nothing here waits on a result backend."""
+        status = self.wait_batch(timeout, interval)
+        value, exc = self._outcome(status)
+        if exc is None:
+            return value
+        if propagate:
+            raise exc
+        return exc
+
+    def wait(  # type: ignore[override]
+        self, timeout: float | None = None, propagate: bool = True, interval: float = 0.1, **kwargs: Any
+    ) -> Any:
+        """`get`, as Celery's alias (before 0.1 this returned the batch's status: `wait_batch()` does now)."""
+        return self.get(timeout, propagate, interval, **kwargs)
+
+    def _outcome(self, status: BatchStatus) -> tuple[Any, BaseException | None]:
+        """(value, None) for a successor that succeeded; (None, its error) for one that did not, or none ran."""
+        fanin = FanIn.of(self.app)
+        bid = parse_batch_id(self.batch_id)
+        with fanin.engine.connect() as conn:
+            succ = queries.successor(conn, bid, status.step)
+            encoded = queries.successor_result(conn, bid, status.step)
+        if succ is None or succ.state == SuccessorState.REVOKED:
+            return None, TaskRevokedError(
+                f"batch {self.batch_id} ended {status.state}"
+                + (" with its successor revoked" if succ is not None else " with no successor run")
+            )
+        if succ.state == SuccessorState.FAILED:
+            return None, _exception(succ.exc_type, succ.exc_message)
+        return (decode_result(self.app, encoded) if encoded is not None else None), None
+
+    @property
+    def result(self) -> Any:
+        """As Celery's: the successor's return value once it succeeded, its error once it failed or was revoked,
+        None until then (it does not wait: `get` does)."""
+        status = self._status_or_none()
+        if status is None or not status.done:
+            return None
+        value, exc = self._outcome(status)
+        return value if exc is None else exc
+
+    @property
+    def info(self) -> Any:
+        """`result`, as Celery's alias."""
+        return self.result
+
+    @property
+    def traceback(self) -> str | None:
+        """The successor's traceback as Celery gives it: None unless it failed; then its error as
+        ``Type: message``, the part of it the store keeps."""
+        status = self._status_or_none()
+        if status is None or status.successor_state != SuccessorState.FAILED:
+            return None
+        _, exc = self._outcome(status)
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+    @property
+    def date_done(self) -> datetime | None:
+        """When the successor finished (or the batch ended with nothing to run); None until then."""
+        status = self._status_or_none()
+        if status is None or not status.done:
+            return None
         fanin = FanIn.of(self.app)
         with fanin.engine.connect() as conn:
-            encoded = queries.successor_result(conn, parse_batch_id(self.batch_id), status.step)
-        return decode_result(self.app, encoded) if encoded is not None else None
+            succ = queries.successor(conn, parse_batch_id(self.batch_id), status.step)
+        if succ is not None and succ.finished_at is not None:
+            return succ.finished_at
+        return status.completed_at
+
+    @property
+    def name(self) -> str | None:
+        """The successor's task name (the `then=` signature's, or `on_failure`'s or `on_expire`'s once it runs)."""
+        status = self._status_or_none()
+        return None if status is None else status.successor_name
+
+    @property
+    def parent(self) -> FanInChildren:
+        """The children, as a chord result's `parent` is its header's `GroupResult`: `completed_count()`,
+        `revoke()`, `ready()`, `len()`. Their own `parent` is what Celery set as this result's (the task before the
+        fan-in in a chain), so Celery's walk up a chain's results goes on through them, as through a chord's."""
+        return FanInChildren(self.app, self.batch_id, self._previous)
+
+    @parent.setter
+    def parent(self, value: Any) -> None:
+        self._previous = value
+
+    def forget(self) -> None:
+        """Forget the successor's result in Celery's result backend, if one is configured (nothing else to do
+        without one). The batch's rows stay, with the successor's result, until `celery -A proj fanin prune`."""
+        self._cache = None
+        if self._previous is not None:
+            self._previous.forget()
+        if not isinstance(self.backend, DisabledBackend):
+            self.backend.remove_pending_result(self)
+            self.backend.forget(self.id)
+
+    # --- the batch's operations -----------------------------------------------------------------------------------
 
     def cancel(self, proceed: bool = False) -> BatchStatus:
         """End the batch now, as `celery -A proj fanin cancel` does: unfinished children are abandoned and revoked;
         the batch ends `cancelled` (only `on_expire` runs) or, with `proceed`, `partial` with its successor run.
         Raises `BatchNotOpen` if it has already ended."""
         maintenance.cancel_batch(FanIn.of(self.app), parse_batch_id(self.batch_id), proceed=proceed)
-        return self.status()
+        return self.batch_status()
 
     def seal(self) -> BatchStatus:
         """Seal an open (streaming) batch now, as `celery -A proj fanin seal` does: it takes no more children and
         finishes when the ones it has do. Raises `BatchNotOpen` if it is not open."""
         maintenance.seal_batch(FanIn.of(self.app), parse_batch_id(self.batch_id))
-        return self.status()
+        return self.batch_status()
 
     def next_stage(self) -> FanInResult | None:
         """The batch a `then=fan_in_group(...)` pipeline stage started when this one finished, if any."""
-        status = self.status()
+        status = self.batch_status()
         fanin = FanIn.of(self.app)
         with fanin.engine.connect() as conn:
             found = batches.find_by_key(conn, self.app.main or "", f"then:{self.batch_id}:{status.step}")
@@ -296,9 +379,10 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         handle: FanInResult = self
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            status = handle.wait(left)
+            status = handle.wait_batch(left)
             if status.successor_name != RUN_GROUP_TASK:
-                return handle.result(left)
+                value, _ = handle._outcome(status)
+                return value
             following = handle.next_stage()
             if following is None:
                 raise CeleryTimeoutError(f"pipeline stage {handle.batch_id} finished but started no next stage")
@@ -307,6 +391,101 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
     def successor(self) -> AsyncResult:
         """The successor's Celery result (needs a result backend; the store has its state without one)."""
         return self.app.AsyncResult(self.successor_task_id)
+
+
+class _State(str):
+    """A Celery state name (`FanInResult.status`) that, called, is the batch's status with a DeprecationWarning:
+    `handle.status()` meant that before `status` became Celery's alias of `state`."""
+
+    _batch_status: Callable[[], BatchStatus]
+
+    def __new__(cls, value: str, batch_status: Callable[[], BatchStatus]) -> _State:
+        self = super().__new__(cls, value)
+        self._batch_status = batch_status
+        return self
+
+    def __call__(self) -> BatchStatus:
+        warnings.warn(
+            "FanInResult.status is Celery's state now; call batch_status() for the batch's status",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._batch_status()
+
+
+class FanInChildren:
+    """A fan-in's children as a chord's header `GroupResult` offers them (`FanInResult.parent`), read from the
+    store: no result backend needed."""
+
+    def __init__(self, app: Celery, batch_id: str, parent: Any = None) -> None:
+        self.app = app
+        self.id = batch_id
+        self.parent = parent  # the result before the fan-in in a chain, as Celery set it; else None
+
+    def __repr__(self) -> str:
+        return f"<FanInChildren batch_id={self.id}>"
+
+    def __bool__(self) -> bool:
+        return True  # Celery walks parents `while node:`; truth must not read the store (`len` does)
+
+    def maybe_throw(self, callback: Any = None, propagate: bool = True) -> None:
+        """Nothing: a child's failure does not fail the fan-in (its successor decides), unlike a chord header's."""
+
+    def as_tuple(self) -> Any:
+        """What Celery serialises of a chain's results: the results before the fan-in (the children are rows)."""
+        return self.parent.as_tuple() if self.parent is not None else None
+
+    def _status(self) -> BatchStatus:
+        return read_status(FanIn.of(self.app), self.id)
+
+    def __len__(self) -> int:
+        return self._status().planned
+
+    def completed_count(self) -> int:
+        """Children that succeeded, as `GroupResult.completed_count()` counts them."""
+        return self._status().succeeded
+
+    def finished_count(self) -> int:
+        """Children with a terminal outcome, whatever it was (`succeeded + failed`)."""
+        status = self._status()
+        return status.succeeded + status.failed
+
+    def ready(self) -> bool:
+        """Whether every child has its terminal outcome."""
+        return self._status().remaining == 0
+
+    def waiting(self) -> bool:
+        return not self.ready()
+
+    def successful(self) -> bool:
+        """Whether every child succeeded (all of them ended)."""
+        status = self._status()
+        return status.remaining == 0 and status.failed == 0
+
+    def failed(self) -> bool:
+        """Whether a child ended other than in success."""
+        return self._status().failed > 0
+
+    def revoke(self, terminate: bool = False, signal: str | None = None) -> list[str]:
+        """Revoke every unfinished child, as `GroupResult.revoke` does: a queued copy is discarded and counted
+        `revoked`; with `terminate`, a running one is killed (`signal`, default SIGTERM) and counted `revoked` too.
+        The batch goes on: its successor runs with them among its failures (`FanInResult.cancel` ends the batch
+        instead). Returns the revoked task ids."""
+        fanin = FanIn.of(self.app)
+        with fanin.engine.connect() as conn:
+            task_ids = [row.task_id for row in queries.unfinished_children(conn, parse_batch_id(self.id))]
+        for start in range(0, len(task_ids), 1000):
+            options: dict[str, Any] = {"terminate": terminate}
+            if signal is not None:
+                options["signal"] = signal
+            self.app.control.revoke(task_ids[start : start + 1000], **options)
+        return task_ids
+
+    def forget(self) -> None:
+        """Forget the results before the fan-in in a chain (Celery's `forget` goes up the parents); the children's
+        own results are the batch's rows (`fanin prune` deletes them)."""
+        if self.parent is not None:
+            self.parent.forget()
 
 
 def _restore_handle(batch_id: str, successor_task_id: str) -> FanInResult:

@@ -393,7 +393,7 @@ class Chaos:
             self.pg_proxy.restore()
         # The effect: past the sweep's grace as it would have been (1 s), the children run on, counted by their
         # own reports (the batch's successor is checked with every other batch at the end).
-        status = handle.wait(timeout=60)
+        status = handle.wait_batch(timeout=60)
         assert (status.succeeded, status.failed) == (2, 0), f"a running child with expires was miscounted: {status}"
 
     def stop_all(self) -> None:

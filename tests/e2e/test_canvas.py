@@ -67,7 +67,7 @@ def test_a_fan_in_in_a_chain_first_middle_and_last(canvas: dict[str, str], produ
     handle = last.apply_async()
     assert isinstance(handle, FanInResult)  # the chain's result is the fan-in's: its successor's
     assert handle.get(timeout=TIMEOUT) == [3, 4]
-    assert handle.successful() and handle.state == "SUCCESS" and handle.status().succeeded == 2
+    assert handle.successful() and handle.state == "SUCCESS" and handle.batch_status().succeeded == 2
 
     immutable = identity.s(2) | fan_in_group([ok.s(1)], then=collect.s()).si() | identity.s()
     assert immutable.apply_async().get(timeout=TIMEOUT) == [10]
@@ -86,7 +86,7 @@ def test_a_fan_in_sent_twice_with_its_frozen_id_is_one_batch(
     second = from_message.apply_async()
     sent = uuid.uuid5(_RUN_CANVAS_IDS, frozen.batch_id)  # the message's task id: the same for both
     assert first.batch_id == second.batch_id == frozen.batch_id and first.id == frozen.id
-    frozen.wait(timeout=TIMEOUT)
+    frozen.wait_batch(timeout=TIMEOUT)
     wait_for(lambda: len(_batches(canvas)) == 1, TIMEOUT, message="the batch")
     assert _batches(canvas) == [(frozen.batch_id, "tests.app.record_run")]
     with psycopg.connect(canvas["FANIN_DATABASE_URL"], autocommit=True) as conn:

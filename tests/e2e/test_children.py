@@ -110,7 +110,7 @@ def test_link_countdown_and_chain_children_are_counted_once_with_the_right_outco
     handle = fan_in_group(
         children, then=_sig(app, "record_run", "children", with_values=True), app=app, child_timeout=6
     ).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.successor_state == "succeeded", status
     assert (status.planned, status.succeeded, status.failed) == (8, 5, 3), status
     runs = successor_runs(handle.batch_id)
@@ -156,7 +156,7 @@ def test_a_child_expired_before_any_worker_took_it_is_counted_revoked(
     ).apply_async()
     wait_for(lambda: _all_expired(broker_env, handle.batch_id), 10, message="the children's expiry")
     processes.worker(broker_env)  # only now: the expiring messages were never taken by a worker in time
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded", status
     rows = _children(broker_env, handle.batch_id)
     assert [r["state"] for r in rows] == ["revoked", "succeeded", "revoked"], rows

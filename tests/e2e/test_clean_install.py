@@ -52,7 +52,7 @@ from celery_fanin import fan_in_group
 from proj import app, double, total
 
 handle = fan_in_group([double.s(i) for i in range(3)], then=total.s(), app=app).apply_async()
-status = handle.wait(timeout=60)
+status = handle.wait_batch(timeout=60)
 print("SUCCESSOR", status.successor_state, status.succeeded)
 """
 

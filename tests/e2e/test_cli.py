@@ -66,7 +66,7 @@ def test_status_of_a_finished_batch(e2e_env: dict[str, str], producer: Any, proc
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1), tasks.fail.s(2)], then=tasks.record_run.s("cli")).apply_async()
-    handle.wait(timeout=30)
+    handle.wait_batch(timeout=30)
     as_json = celery(e2e_env, "status", handle.batch_id, "--json")
     assert as_json.returncode == 0, as_json.stderr
     data = json.loads(as_json.stdout)

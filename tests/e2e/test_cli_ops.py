@@ -68,8 +68,8 @@ def test_status_tree_of_a_tree_a_nested_batch_and_a_pipeline(
         then=tasks.record_run.s("outer"),
     ).apply_async()
     first = fan_in_group([tasks.ok.s(1)], then=fan_in_group([tasks.ok.s(2)], then=tasks.sum_values.s())).apply_async()
-    tree.wait(timeout=60)
-    outer.wait(timeout=60)
+    tree.wait_batch(timeout=60)
+    outer.wait_batch(timeout=60)
     assert first.final(timeout=60) == 20
 
     data = _json(producer, "status", tree.batch_id)
@@ -153,7 +153,7 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
     processes.worker()
     processes.relay()
     done = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("done"), step="ls-done").apply_async()
-    done.wait(timeout=30)
+    done.wait_batch(timeout=30)
     # No child_timeout on the batches moved back in time: the relay would count their children as lost.
     stuck = fan_in_group(
         [tasks.ok.s(2).set(queue=NOBODY)], then=tasks.record_run.s("x"), step="ls-stuck", child_timeout=None
@@ -163,7 +163,7 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
     tree = fan_in_group(
         [tasks.ok.s(i) for i in range(4)], then=tasks.record_run.s("t"), step="ls-tree", max_width=2
     ).apply_async()
-    tree.wait(timeout=30)
+    tree.wait_batch(timeout=30)
     # A running batch that progressed an hour ago: old, but not stuck for --stuck-after 2h. The thresholds are hours
     # and half hours, so that the young `idle` batch is never stuck because the machine is slow.
     moving = fan_in_group(
@@ -224,7 +224,7 @@ def test_failures_lists_failed_and_lost_children(e2e_env: dict[str, str], produc
     ).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0, 1, 3})  # child 2 is lost, and only it
     clock.expire_child_timeout(producer, handle.batch_id)
-    handle.wait(timeout=60)
+    handle.wait_batch(timeout=60)
 
     data = _json(producer, "failures", handle.batch_id)
     assert (data["batch_id"], data["total"], data["state"]) == (handle.batch_id, 3, "complete")
@@ -253,7 +253,7 @@ def test_failures_lists_failed_and_lost_children(e2e_env: dict[str, str], produc
     assert "3 failed children" in shown.stdout and "child 1 failed on purpose" in shown.stdout
     assert "lost" in shown.stdout and "ChildLost" in shown.stdout
     clean = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("clean")).apply_async()
-    clean.wait(timeout=30)
+    clean.wait_batch(timeout=30)
     shown = fanin(producer, "failures", clean.batch_id)
     assert shown.returncode == 0 and "has no failed children" in shown.stdout
 
@@ -272,7 +272,7 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
         then=tasks.record_run.s("rounds", with_values=True),
         step="rounds",
     ).apply_async()
-    first.wait(timeout=30)
+    first.wait_batch(timeout=30)
     (run1,) = successor_runs(first.batch_id)
     assert (run1["outcome"]["round"], run1["outcome"]["retry_of"], run1["outcome"]["failed"]) == (1, None, 2)
 
@@ -284,7 +284,7 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
         2,
     )
     second = FanInResult(producer, started["batch_id"])
-    second.wait(timeout=30)
+    second.wait_batch(timeout=30)
 
     (run2,) = successor_runs(second.batch_id)  # the successor ran again, once, with the retried children only
     outcome = run2["outcome"]
@@ -346,7 +346,7 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
         [tasks.ok.s(1).set(queue=NOBODY)], then=tasks.record_run.s("x"), child_timeout=None
     ).apply_async()
     for handle in (old, old_tree, recent):
-        handle.wait(timeout=30)
+        handle.wait_batch(timeout=30)
     for handle in (old, old_tree, old_running):
         _backdate(producer, handle.batch_id, days=40)
     _backdate(producer, recent.batch_id, days=2)

@@ -30,7 +30,7 @@ def test_second_copies_take_the_effect_the_chaos_suite_requires(
     ledger.add(copies.publish_children_again(producer, rows))
     processes.worker()
     processes.relay()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.successor_state) == (3, "succeeded")
     wait_for(lambda: _seen(ledger)[copies.CHILDREN] == 1, 30, message="a late report of a child published twice")
     with psycopg.connect(url, autocommit=True) as conn:
@@ -38,7 +38,7 @@ def test_second_copies_take_the_effect_the_chaos_suite_requires(
     assert again is not None and set(again.before) == {status.successor_task_id}
     ledger.add(again)
     wait_for(lambda: _seen(ledger)[copies.SUCCESSORS] == 1, 30, message="the successor sent again refused")
-    assert handle.status().successor_runs == 1
+    assert handle.batch_status().successor_runs == 1
 
 
 def _seen(ledger: copies.Ledger) -> Counter[str]:

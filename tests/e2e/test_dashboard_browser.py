@@ -155,7 +155,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
         )
     )
     for done in [g.apply_async() for g in earlier]:
-        assert done.wait(timeout=90).successor_state == "succeeded"
+        assert done.wait_batch(timeout=90).successor_state == "succeeded"
     gates = [f"dash-{uuid.uuid4().hex[:8]}-{i}" for i in range(2)]
     children = [tasks.fail.s(0), tasks.ok.s(1), tasks.ok.s(2), tasks.gated.s(gates[0]), tasks.gated.s(gates[1])]
     handle = fan_in_group(

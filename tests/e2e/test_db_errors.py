@@ -64,7 +64,7 @@ def _done(role: SessionRole, handle: Any, runs: Runs, worker: Any, error: str) -
         30,
         message="the child's report to count (a report dropped as permanent leaves it 'started')",
     )
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.succeeded, status.failed, status.remaining) == (1, 0, 0)
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     assert len(runs(handle.batch_id)) == 1

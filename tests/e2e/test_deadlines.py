@@ -47,7 +47,7 @@ def test_a_deadline_abandons_a_running_child_and_its_later_report_is_recorded_la
     assert attempts(producer, gate) == 1
 
     clock.pass_deadline(producer, handle.batch_id)
-    status = handle.wait(timeout=60)  # the successor (or on_expire) runs while the child is still in its body
+    status = handle.wait_batch(timeout=60)  # the successor (or on_expire) runs while the child is still in its body
     assert status.state == ("partial" if on_deadline == "proceed" else "expired")
     [run] = successor_runs(handle.batch_id)
     assert run["label"] == ("then" if on_deadline == "proceed" else "expired")
@@ -70,7 +70,7 @@ def test_a_deadline_abandons_a_running_child_and_its_later_report_is_recorded_la
         1,
         "DeadlineExceeded",
     )
-    after = handle.status()
+    after = handle.batch_status()
     assert (after.state, after.remaining, after.succeeded, after.failed) == (status.state, 0, 1, 1)
     assert attempts(producer, gate) == 1  # it ran once
     assert len(successor_runs(handle.batch_id)) == 1

@@ -99,7 +99,7 @@ def test_a_failover_mid_batch_loses_nothing_and_runs_no_successor_twice(
     assert f"transport:   {e2e_env['FANIN_TEST_BROKER'].split(':')[0]}://" in worker.output()
     relay = processes.relay(process=True)
     before = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("before")).apply_async()
-    assert before.wait(timeout=30).successor_state == "succeeded"
+    assert before.wait_batch(timeout=30).successor_state == "succeeded"
     assert listening(ha_cluster)
 
     batch = fan_in_group([tasks.sleepy.s(0.05) for _ in range(CHILDREN)], then=tasks.record_run.s("big")).apply_async()
@@ -122,7 +122,7 @@ def test_a_failover_mid_batch_loses_nothing_and_runs_no_successor_twice(
     # The same producer, with the engine it used before the failover, makes and finishes a batch after it.
     after = fan_in_group([tasks.ok.s(i) for i in range(20)], then=tasks.record_run.s("after")).apply_async()
     for handle, planned in ((batch, CHILDREN), (after, 20)):
-        status = handle.wait(timeout=90)
+        status = handle.wait_batch(timeout=90)
         assert (status.succeeded, status.failed, status.remaining, status.planned) == (planned, 0, 0, planned)
         assert status.successor_state == "succeeded" and status.successor_runs == 1
         assert children(ha_cluster, handle.batch_id) == {"succeeded": planned}  # none lost, none counted twice
@@ -192,7 +192,7 @@ def test_asynchronous_replication_loses_the_last_commits_and_still_converges(
     # The new primary never saw the reports nor the successor.
     assert children(ha_cluster, batch.batch_id) == {"started": 4}
     assert successor_state(ha_cluster, batch.batch_id) is None and successor_runs(batch.batch_id) == []
-    status = batch.wait(timeout=60)  # child_timeout (8 s after the starts) and the relay's reaper end it
+    status = batch.wait_batch(timeout=60)  # child_timeout (8 s after the starts) and the relay's reaper end it
     assert (status.succeeded, status.failed, status.remaining, status.planned) == (0, 4, 0, 4)
     assert status.succeeded + status.failed == status.planned
     assert children(ha_cluster, batch.batch_id) == {"lost": 4}
@@ -245,7 +245,7 @@ def test_failing_over_and_back_again(
         ha_cluster.fail_over()
         ha_cluster.rejoin()
     assert ha_cluster.primary is first  # back where it started, with a standby streaming synchronously again
-    status = batch.wait(timeout=90)
+    status = batch.wait_batch(timeout=90)
     assert (status.succeeded, status.failed, status.remaining, status.planned) == (CHILDREN, 0, 0, CHILDREN)
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     assert children(ha_cluster, batch.batch_id) == {"succeeded": CHILDREN}
@@ -267,7 +267,7 @@ def test_a_worker_whose_url_reaches_a_read_only_server_waits_for_it_to_take_writ
     assert "not a transient error" not in worker.output()  # retried, not refused
     assert children(ha_cluster, batch.batch_id) == {"pending": 6}  # nothing got through meanwhile
     ha_cluster.fail_over()
-    status = batch.wait(timeout=60)
+    status = batch.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.remaining, status.planned) == (6, 0, 0, 6)
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     assert len(successor_runs(batch.batch_id)) == 1

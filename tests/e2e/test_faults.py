@@ -36,11 +36,11 @@ def test_duplicate_delivery_while_successor_runs_is_refused(
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s("slow", 3)).apply_async()
     relay = Relay(FanIn.of(producer))
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
-    wait_for(lambda: handle.status().successor_state == "running", 20, message="the successor running")
+    wait_for(lambda: handle.batch_status().successor_state == "running", 20, message="the successor running")
     # A second copy while the first runs (a broker redelivery, a relay that died before marking it sent).
     _sql(producer, "UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b", b=handle.batch_id)
     assert relay.run_once() == 1
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
     assert status.successor_runs == 1 and status.successor_duplicates == 1
     assert len(successor_runs(handle.batch_id)) == 1
@@ -54,7 +54,7 @@ def test_successor_killed_mid_body_runs_again_on_redelivery(
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.successor_dies_once.s("phoenix")).apply_async()
     # acks_late redelivers at once, while the killed run's lease still looks live: the guard sees that its holder
     # is gone and admits the redelivery, far sooner than the lease (60 s) and its grace (60 s) would lapse.
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
     assert status.successor_runs == 2
     assert len(successor_runs(handle.batch_id)) == 1
@@ -84,7 +84,7 @@ def test_child_never_delivered_is_counted_lost_and_its_late_report_is_not(
     handle = fan_in_group(children, then=tasks.record_run.s("lost"), child_timeout=clock.LONG).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0})  # the healthy child is never raced by the timeout
     clock.expire_child_timeout(producer, handle.batch_id)
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed) == (1, 1)
     outcome = successor_runs(handle.batch_id)[0]["outcome"]
     assert outcome["failures"][0]["state"] == "lost" and outcome["failures"][0]["exc_type"] == "ChildLost"
@@ -105,7 +105,7 @@ def test_child_never_delivered_is_counted_lost_and_its_late_report_is_not(
         "succeeded",
     )
     assert late.late_reports == 1  # its one delivery, reported once
-    final = handle.status()
+    final = handle.batch_status()
     assert (final.succeeded, final.failed, final.remaining) == (1, 1, 0)
     assert len(successor_runs(handle.batch_id)) == 1
 
@@ -138,7 +138,7 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
         message="the lost child to be redriven",
     )
     processes.worker()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed) == (2, 0)
     row = _sql(
         producer, "SELECT redrives, starts FROM fanin_children WHERE batch_id = :b AND idx = 0", b=handle.batch_id
@@ -159,7 +159,7 @@ def test_deadline_proceed_runs_successor_with_partial_outcome(
     ).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0, 1})  # the deadline never races the healthy children
     clock.pass_deadline(producer, handle.batch_id)
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.state == "partial"
     outcome = successor_runs(handle.batch_id)[0]["outcome"]
     assert outcome["partial"] is True and outcome["abandoned"] == 1
@@ -181,7 +181,7 @@ def test_deadline_abandon_runs_on_expire_only(producer: Any, processes: Any, suc
     ).apply_async()
     clock.wait_finished(producer, handle.batch_id, {0})
     clock.pass_deadline(producer, handle.batch_id)
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.state == "expired"
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["expired"]
@@ -193,8 +193,8 @@ def test_deadline_abandon_without_on_expire_is_visible(producer: Any, processes:
     handle = fan_in_group(
         [tasks.ok.s(0)], then=tasks.record_run.s("never"), deadline=timedelta(seconds=1), on_deadline="abandon"
     ).apply_async()
-    wait_for(lambda: handle.status().state == "expired", 30, message="the batch to expire")
-    status = handle.status()
+    wait_for(lambda: handle.batch_status().state == "expired", 30, message="the batch to expire")
+    status = handle.batch_status()
     assert status.successor_state is None and status.remaining == 0 and status.failed == 1
 
 
@@ -214,7 +214,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
         children, then=tasks.record_run.s("then"), max_failures=1, on_failure=tasks.record_run.s("too-many")
     ).apply_async()
     # Not handle.wait(): the successor waits for the one pool process, which `gated` holds until the gate opens.
-    wait_for(lambda: handle.status().state == "failed_threshold", 60, message="the threshold")
+    wait_for(lambda: handle.batch_status().state == "failed_threshold", 60, message="the threshold")
     rows = _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b AND idx >= 3", b=handle.batch_id)
     queued = {r.task_id for r in rows}  # behind `gated`
 
@@ -224,7 +224,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
 
     wait_for(revoked_by_the_worker, 30, interval=0.5, message="the worker to receive the revokes")
     _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.state == "failed_threshold"
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["too-many"]
@@ -232,7 +232,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
     # Past the threshold the relay abandons every unfinished child (the running `gated` too) and revokes them:
     # every child ends terminal and is counted once, and their own later reports (the seven revoked, `gated`'s
     # success) are recorded as late, changing no counter.
-    final = wait_for(lambda: (s := handle.status()).remaining == 0 and s, 60, message="all children terminal")
+    final = wait_for(lambda: (s := handle.batch_status()).remaining == 0 and s, 60, message="all children terminal")
     assert (final.succeeded, final.failed) == (0, 10)
     sql = "SELECT state, late_state, count(*) AS n FROM fanin_children WHERE batch_id = :b GROUP BY state, late_state"
     expected = {("failed", None): 2, ("abandoned", "succeeded"): 1, ("abandoned", "revoked"): 7}
@@ -241,7 +241,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
         60,
         message=f"children {expected}",
     )
-    assert handle.status().failed == final.failed  # late reports change no counter
+    assert handle.batch_status().failed == final.failed  # late reports change no counter
     assert len(successor_runs(handle.batch_id)) == 1
 
 
@@ -255,7 +255,7 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
     drifted = fan_in_group([tasks.ok.s(i) for i in range(4)], then=tasks.record_run.s("drift")).apply_async()
     stuck = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("stuck")).apply_async()
     for h in (drifted, stuck):
-        wait_for(lambda h=h: h.status().state == "complete", 30, message="complete")
+        wait_for(lambda h=h: h.batch_status().state == "complete", 30, message="complete")
     # Drift: counters edited by hand on a finished batch are left alone (only open batches are recomputed) ...
     # ... so make both open again: one with wrong counts, one whose last decrement was "lost".
     _sql(
@@ -277,7 +277,7 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
     assert maintenance.reconcile(fanin) == []  # a second run finds nothing
     processes.relay()
     for h, n in ((drifted, 4), (stuck, 3)):
-        status = h.wait(timeout=30)
+        status = h.wait_batch(timeout=30)
         assert (status.planned, status.succeeded, status.failed, status.remaining) == (n, n, 0, 0)
         assert len(successor_runs(h.batch_id)) == 1
 
@@ -301,7 +301,7 @@ def test_reconcile_beside_live_traffic_changes_nothing(producer: Any, processes:
     thread.start()
     try:
         handle = fan_in_group([tasks.ok.s(i) for i in range(200)], then=tasks.record_run.s("live")).apply_async()
-        status = handle.wait(timeout=90)
+        status = handle.wait_batch(timeout=90)
     finally:
         stop.set()
         thread.join(30)
@@ -317,7 +317,7 @@ def test_reconcile_reports_deleted_child_rows(producer: Any, processes: Any) -> 
     _sql(producer, "DELETE FROM fanin_children WHERE batch_id = :b AND idx = 1", b=handle.batch_id)
     repairs = maintenance.reconcile(FanIn.of(producer))
     assert len(repairs) == 1 and "planned 3 children but 2 rows exist" in repairs[0].problems[0]
-    assert handle.status().state == "running"  # reported, never guessed at
+    assert handle.batch_status().state == "running"  # reported, never guessed at
 
 
 def test_successor_message_lost_is_published_again(
@@ -329,15 +329,15 @@ def test_successor_message_lost_is_published_again(
     # copy is admitted at once, long before a second republish (5 s later again) could make a duplicate.
     relay = processes.relay(extra_env={"FANIN_TEST_SUCCESSOR_TIMEOUT": "5"})
     handle = fan_in_group([], then=tasks.record_run.s("lost-successor")).apply_async()
-    wait_for(lambda: handle.status().successor_state == "sent", 20, message="the successor sent")
+    wait_for(lambda: handle.batch_status().successor_state == "sent", 20, message="the successor sent")
     # The broker loses it (a restart without persistence): the queue read and deleted in one transaction, so what
     # was lost is known to be the successor's one message, and nothing of it is left to deliver.
     with redis.Redis.from_url(clean_redis).pipeline(transaction=True) as pipe:
         queued, deleted = pipe.lrange("celery", 0, -1).delete("celery").execute()
     assert deleted == 1
-    assert [json.loads(m)["headers"]["id"] for m in queued] == [handle.status().successor_task_id]
+    assert [json.loads(m)["headers"]["id"] for m in queued] == [handle.batch_status().successor_task_id]
     processes.worker()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     assert status.successor_duplicates == 0  # the copy the relay published again is the only one delivered
     assert len(successor_runs(handle.batch_id)) == 1
@@ -353,7 +353,7 @@ def test_successor_whose_whole_worker_died_is_published_again(
     first = processes.worker(extra_env=lease)
     processes.relay(extra_env={**lease, "FANIN_TEST_SUCCESSOR_TIMEOUT": "2"})
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_once_successor.s("phoenix", 60)).apply_async()
-    wait_for(lambda: handle.status().successor_state == "running", 30, message="the successor running")
+    wait_for(lambda: handle.batch_status().successor_state == "running", 30, message="the successor running")
     # Its body has begun (counted its first run): killed before that, the run after it would be the one to sleep.
     began = f"e2e:slow_once_successor:{handle.batch_id}"
     wait_for(lambda: redis.Redis.from_url(clean_redis).get(began) == b"1", 30, message="the first run's body")
@@ -361,6 +361,6 @@ def test_successor_whose_whole_worker_died_is_published_again(
     processes.worker(extra_env=lease)
     # Its lease is no longer renewed: once it has lapsed for the grace, the relay publishes the successor again,
     # and the new worker runs it to the end (its second run does not sleep).
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 2)
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["phoenix"]

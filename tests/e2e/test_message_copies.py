@@ -54,7 +54,7 @@ def test_a_successor_replaced_by_a_slow_chain_runs_once_past_the_stall_timeout(
     canvas = chain(tasks.slow_step.s(key, 8), tasks.record_run.s("after-slow"))
     handle = fan_in_group([tasks.ok.s(1)], then=canvas).apply_async()
     wait_for(lambda: successor_runs(handle.batch_id), 60, message="the chain's last task")
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
     assert attempts(producer, key) == 1, "the replaced successor launched its chain again"
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["after-slow"]
@@ -82,7 +82,7 @@ def test_a_copy_of_a_replaced_successors_message_is_refused(producer: Any, proce
     )
     wait_for(lambda: _successor(producer, handle.batch_id).duplicates == 1, 30, message="the copy to be refused")
     _open(producer, key)
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
     assert (status.successor_runs, status.successor_duplicates) == (2, 1)
     assert attempts(producer, key) == 1, "the original message ran the successor's canvas again"
@@ -119,7 +119,7 @@ def test_a_lost_replacement_ends_its_successor_after_the_replaced_timeout(
     )[0]
     assert row.exc_type == "ReplacementLost" and "fanin_replaced_timeout" in row.exc_message
     assert (row.runs, row.duplicates) == (1, 0)
-    status = handle.wait(timeout=10)
+    status = handle.wait_batch(timeout=10)
     assert status.successor_state == "failed"
     # The lost replacement turns up: its first task runs, its carrier is refused, its body never runs.
     _open(producer, key)
@@ -161,9 +161,9 @@ def test_an_expired_copy_does_not_end_a_running_successor(producer: Any, process
     wait_for(lambda: _successor(producer, handle.batch_id).duplicates == 1, 30, message="the copy to be counted")
     assert _successor(producer, handle.batch_id).state == "running"
     _open(producer, key)
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
-    assert handle.result() == {"label": "live", "succeeded": 1, "failed": 0}, "the live run's result was kept"
+    assert handle.result == {"label": "live", "succeeded": 1, "failed": 0}, "the live run's result was kept"
 
 
 def test_an_expired_copy_does_not_end_a_started_child(producer: Any, processes: Any, successor_runs: Any) -> None:
@@ -199,7 +199,7 @@ def test_an_expired_copy_does_not_end_a_started_child(producer: Any, processes: 
         message="the copy to be counted as a duplicate",
     )
     _open(producer, key)
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.succeeded, status.failed) == (1, 0), status
     [after] = rows(producer, "SELECT state, late_reports FROM fanin_children WHERE batch_id = :b", b=handle.batch_id)
     assert (after.state, after.late_reports) == ("succeeded", 0)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from celery.canvas import Signature
+from celery.exceptions import TaskRevokedError
 from sqlalchemy import text
 
 from celery_fanin import BatchNotOpen, FanIn, FanInResult, fan_in_group
@@ -107,7 +108,7 @@ def test_producer_killed_mid_stream_is_sealed_after_the_grace(
     streaming = stream_producers("10")
     batch_id = streaming.wait_paused()
     handle = FanInResult(producer, batch_id)
-    wait_for(lambda: handle.status().succeeded == 10, 30, message="the ten children written so far to finish")
+    wait_for(lambda: handle.batch_status().succeeded == 10, 30, message="the ten children written so far to finish")
     # While the producer lives (paused in its generator, its lock held), the relay keeps renewing its lease: the
     # batch stays open well past the grace since its last chunk.
     last_chunk = _rows(producer, "SELECT producer_seen_at FROM fanin_batches WHERE id = :b", b=batch_id)[0][0]
@@ -123,9 +124,9 @@ def test_producer_killed_mid_stream_is_sealed_after_the_grace(
         30,
         message="the relay to see the live producer past the grace",
     )
-    assert handle.status().state == "open" and successor_runs(batch_id) == []
+    assert handle.batch_status().state == "open" and successor_runs(batch_id) == []
     streaming.kill()
-    final = handle.wait(timeout=60)
+    final = handle.wait_batch(timeout=60)
     assert (final.state, final.planned, final.succeeded, final.failed) == ("complete", 10, 10, 0)
     assert final.successor_state == "succeeded"
     # Sealed no sooner than the grace after the producer was last seen alive (the lease is not renewed once the
@@ -157,7 +158,7 @@ def test_generator_that_raises_without_a_key_cancels_its_batch(
             _raising(7), deadline=timedelta(hours=1), on_deadline="abandon", on_expire=tasks.record_run.s("cleanup")
         )
     [(batch_id,)] = _rows(producer, "SELECT id FROM fanin_batches WHERE parent_id IS NULL")
-    status = FanInResult(producer, str(batch_id)).wait(timeout=30)
+    status = FanInResult(producer, str(batch_id)).wait_batch(timeout=30)
     # The first chunk (5 children) was written and sent; the two pulled for the second were lost with the error.
     assert (status.state, status.planned, status.remaining) == ("cancelled", 5, 0)
     assert status.succeeded + status.failed == 5
@@ -177,7 +178,7 @@ def test_generator_that_raises_with_a_key_stays_open_for_a_rerun(
     assert (state, planned) == ("open", 5)
     handle = _stream((tasks.ok.s(i) for i in range(12)), key="flaky-source")
     assert handle.batch_id == str(batch_id)
-    final = handle.wait(timeout=30)
+    final = handle.wait_batch(timeout=30)
     assert (final.state, final.planned, final.succeeded) == ("complete", 12, 12)
     assert len(successor_runs(handle.batch_id)) == 1
 
@@ -198,12 +199,12 @@ def test_fanin_seal_finishes_a_dead_producers_batch(
     batch_id = streaming.wait_paused()
     streaming.kill()
     handle = FanInResult(producer, batch_id)
-    wait_for(lambda: handle.status().succeeded == 10, 30, message="the children to finish")
-    assert handle.status().state == "open"
+    wait_for(lambda: handle.batch_status().succeeded == 10, 30, message="the children to finish")
+    assert handle.batch_status().state == "open"
     sealed = celery(e2e_env, "seal", batch_id)
     assert sealed.returncode == 0, sealed.stderr
     assert f"sealed batch {batch_id} with 10 children" in sealed.stdout
-    final = handle.wait(timeout=30)
+    final = handle.wait_batch(timeout=30)
     assert (final.state, final.successor_state) == ("complete", "succeeded")
     assert len(successor_runs(batch_id)) == 1
     again = fanin(producer, "seal", batch_id)  # the same command in this process (tests/e2e/test_cli.py)
@@ -220,13 +221,13 @@ def test_fanin_cancel_ends_a_running_batch_and_runs_nothing(
     handle = fan_in_group(
         [tasks.ok.s(0), tasks.ok.s(1).set(queue=NOWHERE)], then=tasks.record_run.s("then")
     ).apply_async()
-    wait_for(lambda: handle.status().succeeded == 1, 30, message="the first child")
+    wait_for(lambda: handle.batch_status().succeeded == 1, 30, message="the first child")
     done = celery(e2e_env, "cancel", handle.batch_id)
     assert done.returncode == 0, done.stderr
     assert f"cancelled batch {handle.batch_id}: cancelled, 1 unfinished children abandoned" in done.stdout
-    status = handle.wait(timeout=10)
+    status = handle.wait_batch(timeout=10)
     assert (status.state, status.successor_state, status.succeeded, status.failed) == ("cancelled", None, 1, 1)
-    assert handle.result(timeout=10) is None
+    assert isinstance(handle.result, TaskRevokedError)  # as Celery has a revoked task's: nothing ran
     assert successor_runs(handle.batch_id) == []
     again = fanin(producer, "cancel", handle.batch_id)
     assert again.returncode == 1 and "is cancelled: nothing to cancel" in again.stderr
@@ -240,11 +241,11 @@ def test_fanin_cancel_proceed_runs_the_successor_with_what_arrived(
     handle = fan_in_group(
         [tasks.ok.s(0), tasks.ok.s(1).set(queue=NOWHERE)], then=tasks.record_run.s("then")
     ).apply_async()
-    wait_for(lambda: handle.status().succeeded == 1, 30, message="the first child")
+    wait_for(lambda: handle.batch_status().succeeded == 1, 30, message="the first child")
     done = celery(e2e_env, "cancel", "--proceed", "--json", handle.batch_id)
     assert done.returncode == 0, done.stderr
     assert '"state": "partial"' in done.stdout
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.state, status.successor_state) == ("partial", "succeeded")
     [run] = successor_runs(handle.batch_id)
     assert run["outcome"]["partial"] is True and run["outcome"]["abandoned"] == 1
@@ -269,7 +270,7 @@ def test_fanin_cancel_of_a_live_producers_batch_stops_the_producer(
     go.touch()  # the producer goes on: its next chunk finds the batch closed
     code, out = streaming.finish()
     assert code == 3 and "RAISED BatchClosed" in out, out
-    status = FanInResult(producer, batch_id).wait(timeout=10)
+    status = FanInResult(producer, batch_id).wait_batch(timeout=10)
     assert (status.state, status.planned) == ("cancelled", 10)
     assert successor_runs(batch_id) == []
 
@@ -289,13 +290,13 @@ def test_deadline_ends_an_open_batch_under_a_live_producer(
     go = tmp_path / "go"
     streaming = stream_producers("10", "--deadline", "2", "--go", str(go), "5")
     batch_id = streaming.wait_paused()
-    status = FanInResult(producer, batch_id).wait(timeout=60)
+    status = FanInResult(producer, batch_id).wait_batch(timeout=60)
     assert (status.state, status.planned, status.successor_state) == ("partial", 10, "succeeded")
     assert len(successor_runs(batch_id)) == 1
     go.touch()
     code, out = streaming.finish()
     assert code == 3 and "RAISED BatchClosed" in out, out
-    assert FanInResult(producer, batch_id).status().planned == 10
+    assert FanInResult(producer, batch_id).batch_status().planned == 10
 
 
 def test_reconcile_repairs_an_open_batch_and_leaves_it_open(
@@ -308,7 +309,7 @@ def test_reconcile_repairs_an_open_batch_and_leaves_it_open(
     streaming = stream_producers("10")
     batch_id = streaming.wait_paused()
     handle = FanInResult(producer, batch_id)
-    wait_for(lambda: handle.status().succeeded == 10, 30, message="the children to finish")
+    wait_for(lambda: handle.batch_status().succeeded == 10, 30, message="the children to finish")
     _rows(producer, "UPDATE fanin_batches SET remaining = 50, succeeded = 3 WHERE id = :b", b=batch_id)
     repaired = celery(e2e_env, "reconcile", "--json")
     assert repaired.returncode == 0, repaired.stderr
@@ -340,7 +341,7 @@ def test_wait_returns_for_every_final_state(producer: Any, processes: Any) -> No
         "sealed-empty": _stream(iter([])),
     }
     assert handles["cancelled"].cancel().state == "cancelled"
-    final = {name: h.wait(timeout=30) for name, h in handles.items()}
+    final = {name: h.wait_batch(timeout=30) for name, h in handles.items()}
     assert {name: (st.state, st.successor_state) for name, st in final.items()} == {
         "complete": ("complete", "succeeded"),
         "partial": ("partial", "succeeded"),
@@ -350,8 +351,8 @@ def test_wait_returns_for_every_final_state(producer: Any, processes: Any) -> No
         "cancelled": ("cancelled", None),
         "sealed-empty": ("complete", "succeeded"),
     }
-    assert handles["expired"].result(timeout=5) is None
-    assert handles["cancelled"].result(timeout=5) is None
+    assert isinstance(handles["expired"].result, TaskRevokedError)
+    assert isinstance(handles["cancelled"].result, TaskRevokedError)
     with pytest.raises(BatchNotOpen, match="nothing to cancel"):
         handles["complete"].cancel()
     with pytest.raises(BatchNotOpen, match="nothing to seal"):

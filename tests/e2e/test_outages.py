@@ -77,7 +77,7 @@ def test_a_database_outage_loses_no_report_and_runs_no_successor_twice(
     assert _children(producer, handle.batch_id) == {"failed": 1, "started": 4}  # nothing got through meanwhile
     assert pg_proxy.refused > 0  # the worker and relay kept trying
     pg_proxy.restore()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.remaining, status.planned) == (4, 1, 0, 5)
     assert _children(producer, handle.batch_id) == {"failed": 1, "succeeded": 4}  # nothing counted lost
     assert status.successor_state == "succeeded" and status.successor_runs == 1
@@ -97,19 +97,19 @@ def test_a_successor_that_ends_during_an_outage_is_recorded_once(
     worker = processes.worker(extra_env=env)
     relay = processes.relay(extra_env=env)
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s("ends-in-outage", 2)).apply_async()
-    wait_for(lambda: handle.status().successor_state == "running", 30, message="the successor running")
+    wait_for(lambda: handle.batch_status().successor_state == "running", 30, message="the successor running")
     pg_proxy.cut()
     wait_for(lambda: successor_runs(handle.batch_id), 20, message="the successor body to finish (during the cut)")
     _hold_cut(pg_proxy, 15, [worker, relay])  # well past the old five attempts (about 6 s)
-    assert handle.status().successor_state == "running"
+    assert handle.batch_status().successor_state == "running"
     pg_proxy.restore()
-    wait_for(lambda: handle.status().successor_state == "succeeded", 30, message="the successor's state recorded")
+    wait_for(lambda: handle.batch_status().successor_state == "succeeded", 30, message="the successor's state recorded")
     wait_for(lambda: relay.output().count("relay round failed") >= 1, 5, message="the relay saw the outage")
     # A rerun would come from the relay's stalled-successor check (every second) past successor_timeout (3 s).
     until = time.monotonic() + 5
 
     def no_rerun() -> bool:
-        assert handle.status().successor_runs == 1
+        assert handle.batch_status().successor_runs == 1
         return time.monotonic() >= until
 
     wait_for(no_rerun, 15, interval=0.5, message="5 s without a second run")
@@ -126,14 +126,16 @@ def test_relay_recovers_from_a_database_cut(
     processes.worker(RELAY_PUBLISHES)
     relay = processes.relay(extra_env=_through(pg_proxy, e2e_env))
     first = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("before")).apply_async()
-    assert first.wait(timeout=30).successor_state == "succeeded"
+    assert first.wait_batch(timeout=30).successor_state == "succeeded"
     pg_proxy.cut()
     wait_for(lambda: "relay round failed" in relay.output(), 30, message="the relay to notice the cut")
     second = fan_in_group([tasks.ok.s(2)], then=tasks.record_run.s("during")).apply_async()
-    wait_for(lambda: second.status().successor_state == "pending", 30, message="the successor waiting in the outbox")
+    wait_for(
+        lambda: second.batch_status().successor_state == "pending", 30, message="the successor waiting in the outbox"
+    )
     accepted = pg_proxy.accepted
     pg_proxy.restore()
-    assert second.wait(timeout=40).successor_state == "succeeded"
+    assert second.wait_batch(timeout=40).successor_state == "succeeded"
     assert pg_proxy.accepted > accepted  # reconnected through the proxy (nothing else reaches the relay)
     assert len(successor_runs(second.batch_id)) == 1
     assert relay.proc.poll() is None
@@ -152,13 +154,13 @@ def test_worker_and_relay_recover_from_a_broker_cut(
         worker = processes.worker(extra_env={**env, **RELAY_PUBLISHES})
         relay = processes.relay(extra_env=env)
         first = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("before")).apply_async()
-        assert first.wait(timeout=30).successor_state == "succeeded"
+        assert first.wait_batch(timeout=30).successor_state == "succeeded"
         broker.cut()
         second = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("after")).apply_async()
         _hold_cut(broker, 5, [worker, relay])
-        assert second.status().remaining == 3  # the worker could not consume meanwhile
+        assert second.batch_status().remaining == 3  # the worker could not consume meanwhile
         broker.restore()
-        status = second.wait(timeout=60)
+        status = second.wait_batch(timeout=60)
         assert (status.succeeded, status.successor_state, status.successor_runs) == (3, "succeeded", 1)
         assert status.successor_duplicates == 0
         assert len(successor_runs(second.batch_id)) == 1
@@ -202,7 +204,7 @@ def test_a_start_held_up_by_a_short_cut_keeps_the_expiry_sweep_off_a_running_chi
     worker = processes.worker(extra_env=env)
     relay = processes.relay(extra_env=timeouts)  # straight to the database: its sweep runs every second throughout
     warm = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("warm")).apply_async()
-    assert warm.wait(timeout=30).successor_state == "succeeded"  # the worker is up and has used the store
+    assert warm.wait_batch(timeout=30).successor_state == "succeeded"  # the worker is up and has used the store
     pg_proxy.cut()
     handle = fan_in_group([tasks.sleepy.s(24).set(expires=4)], then=tasks.record_run.s("expiring")).apply_async()
     wait_for(lambda: "writing start records failed" in worker.output(), 20, message="the start meeting the cut")
@@ -214,7 +216,7 @@ def test_a_start_held_up_by_a_short_cut_keeps_the_expiry_sweep_off_a_running_chi
     # The sweep may count it from 1 + 8 s past `expires`; two of its rounds later, the child still runs (24 s).
     wait_for(lambda: _past_expiry_by(producer, handle.batch_id, 11), 20, message="the sweep's grace to pass")
     assert _children(producer, handle.batch_id) == {"started": 1}, "the sweep counted a running child"
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.succeeded, status.failed, status.remaining) == (1, 0, 0), status
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     runs = successor_runs(handle.batch_id)

@@ -61,7 +61,7 @@ def _child(env: dict[str, str], batch_id: str, index: int) -> dict[str, Any]:
 
 
 def _finish(handle: Any, successor_runs: Runs, timeout: float = 60) -> dict[str, Any]:
-    status = handle.wait(timeout=timeout)
+    status = handle.wait_batch(timeout=timeout)
     assert status.successor_state == "succeeded", status
     runs = successor_runs(handle.batch_id)
     assert len(runs) == 1, f"successor body ran {len(runs)} times"
@@ -154,7 +154,7 @@ def test_ignore_and_reject_requeue_without_acks_late_are_not_counted(
     after = fan_in_group([tasks.ok.s(3)], then=tasks.record_run.s("after")).apply_async()
     _finish(after, successor_runs)
 
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.planned, status.succeeded, status.failed, status.remaining) == (3, 1, 0, 2)
     assert status.successor_state is None
     for index in (0, 1):

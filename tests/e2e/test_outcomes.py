@@ -21,7 +21,7 @@ Runs = Callable[[str], list[dict[str, Any]]]
 
 
 def _finish(handle: Any, successor_runs: Runs, timeout: float = 60) -> dict[str, Any]:
-    status = handle.wait(timeout=timeout)
+    status = handle.wait_batch(timeout=timeout)
     assert status.successor_state == "succeeded", status
     runs = successor_runs(handle.batch_id)
     assert len(runs) == 1, f"successor body ran {len(runs)} times"
@@ -163,7 +163,7 @@ def test_revoked_expired_and_terminated(producer: Any, processes: Any, successor
 
     task_id = wait_for(running_child, 10, message="child 1 row")
     # give the worker the time to start it; terminate works on a running task and revoke on a queued one alike
-    wait_for(lambda: handle.status().remaining <= 2, 20, message="the quick child to finish")
+    wait_for(lambda: handle.batch_status().remaining <= 2, 20, message="the quick child to finish")
     producer.control.revoke(task_id, terminate=True, signal="SIGKILL")
     outcome = _finish(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 2)
@@ -202,7 +202,7 @@ def test_unknown_successor_ends_visibly_failed(producer: Any, processes: Any) ->
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1)], then=producer.signature("tests.app.no_such_successor")).apply_async()
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "failed"
 
 
@@ -210,7 +210,7 @@ def test_failing_successor_is_recorded_failed(producer: Any, processes: Any, suc
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.failing_successor.s("boom")).apply_async()
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert status.successor_state == "failed"
     assert len(successor_runs(handle.batch_id)) == 1
     assert status.successor_runs == 1

@@ -39,7 +39,7 @@ def test_children_of_every_kind_and_a_retrying_successor(
     processes.relay()
     children = [tasks.ok.s(0), tasks.fail.s(1), tasks.flaky.s(2, 1), tasks.replacing_child.s(3), tasks.reject.s(4)]
     handle = fan_in_group(children, then=tasks.retrying_successor.s(f"pool-{pool}", 2)).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.remaining) == (3, 2, 0)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 3, 0)
     runs = successor_runs(handle.batch_id)
@@ -55,12 +55,12 @@ def test_a_duplicate_delivery_of_a_running_successor_is_refused(
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.slow_successor.s(f"dup-{pool}", 2)).apply_async()
     relay = Relay(FanIn.of(producer))
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
-    wait_for(lambda: handle.status().successor_state == "running", 20, message="the successor running")
+    wait_for(lambda: handle.batch_status().successor_state == "running", 20, message="the successor running")
     # A second copy while the first runs: on a thread-based pool it runs in the same process as the live run.
     with FanIn.of(producer).engine.begin() as conn:
         conn.execute(text("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b"), {"b": handle.batch_id})
     assert relay.run_once() == 1
-    wait_for(lambda: handle.status().successor_duplicates == 1, 30, message="the copy refused")
-    status = handle.wait(timeout=30)
+    wait_for(lambda: handle.batch_status().successor_duplicates == 1, 30, message="the copy refused")
+    status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 1)
     assert len(successor_runs(handle.batch_id)) == 1

@@ -70,7 +70,7 @@ def test_a_child_message_published_twice_runs_twice_and_counts_once(
         publish.publish_children(producer, prod, handle.batch_id, [(0, stored.task_id, sig)])  # waits for the confirm
     holds.consume(producer, worker, hold)  # both copies are on the queue now
 
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.planned, status.succeeded, status.failed, status.remaining) == (2, 2, 0, 0)
     wait_for(lambda: attempts(producer, key) == 2, 30, message="the second copy to run")
     late = wait_for(lambda: (c := child(producer, handle.batch_id, 0)).late_reports and c, 30, message="late report")
@@ -87,7 +87,7 @@ def test_an_acks_late_redelivery_after_a_killed_pool_process_counts_once(
     key = f"redelivered-{uuid.uuid4().hex[:8]}"
     handle = fan_in_group([tasks.die_once_pg.s(key), tasks.ok.s(1)], then=tasks.record_run.s("redelivered"))
     handle = handle.apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.remaining) == (2, 0, 0)
     assert attempts(producer, key) == 2  # killed in its first run, redelivered by RabbitMQ, run to the end
     row = child(producer, handle.batch_id, 0)
@@ -147,20 +147,20 @@ def test_a_refused_successor_stays_unsent_and_is_retried_while_the_others_are_pu
     refused = fan_in_group(
         [tasks.ok.s(0)], then=tasks.record_run.s("refused").set(exchange="amq.direct", routing_key=refusing)
     ).apply_async()
-    wait_for(lambda: refused.status().state == "complete", 30, message="the first batch's children")
+    wait_for(lambda: refused.batch_status().state == "complete", 30, message="the first batch's children")
     other = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("other")).apply_async()
 
     # The refused row is retried (each attempt counted, its error kept), and it holds nothing else back.
     row = wait_for(lambda: (r := _outbox(producer, refused.batch_id)).attempts >= 2 and r, 60, message="2 refusals")
     assert row.sent_at is None and "basic.nack" in row.last_error
-    status = other.wait(timeout=30)
+    status = other.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
-    assert refused.status().successor_state == "pending"
+    assert refused.batch_status().successor_state == "pending"
     assert "the broker refused the successor of batch_id=" + refused.batch_id in relay.output()
 
     _heal(producer, worker, refusing)
     rows(producer, "UPDATE fanin_outbox SET available_at = now() WHERE batch_id = :b", b=refused.batch_id)  # backoff
-    status = refused.wait(timeout=30)
+    status = refused.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert [r["label"] for r in successor_runs(refused.batch_id)] == ["refused"]
     assert _outbox(producer, refused.batch_id).sent_at is not None
@@ -185,14 +185,14 @@ def test_refused_children_are_published_by_the_relay_once_accepted_and_hold_no_o
 
     relay = processes.relay()
     holds.consume(producer, worker, hold)
-    status = orphan.wait(timeout=30)  # published by the relay although the batch before it is refused
+    status = orphan.wait_batch(timeout=30)  # published by the relay although the batch before it is refused
     assert (status.succeeded, status.successor_runs) == (1, 1)
     refusals = f"the broker refused children of batch_id={refused.batch_id}"
     wait_for(lambda: relay.output().count(refusals) >= 2, 60, message="two refused attempts")
-    assert refused.status().state == "running" and refused.status().succeeded <= 1
+    assert refused.batch_status().state == "running" and refused.batch_status().succeeded <= 1
 
     _heal(producer, worker, refusing)
-    status = refused.wait(timeout=60)  # the relay's next attempt (after its backoff) is accepted
+    status = refused.wait_batch(timeout=60)  # the relay's next attempt (after its backoff) is accepted
     assert (status.planned, status.succeeded, status.failed, status.successor_runs) == (2, 2, 0, 1)
     assert len(successor_runs(refused.batch_id)) == 1
     [mark] = rows(producer, "SELECT published_upto FROM fanin_batches WHERE id = :b", b=refused.batch_id)

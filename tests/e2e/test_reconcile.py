@@ -73,7 +73,7 @@ def test_the_running_relay_reconciles_periodically(producer: Any, processes: Any
     gate = f"periodic-{uuid.uuid4().hex[:8]}"
     held = _held_running(producer, gate)
     stuck = fan_in_group([tasks.ok.s(0), tasks.ok.s(1)], then=tasks.record_run.s("stuck")).apply_async()
-    wait_for(lambda: stuck.status().successor_state == "succeeded", 30, message="the second batch done")
+    wait_for(lambda: stuck.batch_status().successor_state == "succeeded", 30, message="the second batch done")
     rows(producer, "TRUNCATE e2e_successor_runs")
 
     # First drift, on a batch the relay has been reconciling since it started: the next pass repairs it.
@@ -90,7 +90,7 @@ def test_the_running_relay_reconciles_periodically(producer: Any, processes: Any
         b=stuck.batch_id,
     )
     wait_for(lambda: counters(producer, held.batch_id) == ("running", 1, 2, 0), 30, message="the second repair")
-    status = stuck.wait(timeout=30)  # finished by the relay's reconcile, its successor created and published once
+    status = stuck.wait_batch(timeout=30)  # finished by the relay's reconcile, its successor created and published once
     assert (status.state, status.remaining, status.succeeded, status.failed) == ("complete", 0, 2, 0)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert [r["label"] for r in successor_runs(stuck.batch_id)] == ["stuck"]
@@ -99,7 +99,7 @@ def test_the_running_relay_reconciles_periodically(producer: Any, processes: Any
 
     # The repaired counters are the ones the last report then decrements: the held batch finishes exactly.
     _open_gate(producer, gate)
-    final = held.wait(timeout=30)
+    final = held.wait_batch(timeout=30)
     assert (final.state, final.remaining, final.succeeded, final.failed) == ("complete", 0, 3, 0)
     assert len(successor_runs(held.batch_id)) == 1
     assert _reconciled(relay.output(), held.batch_id) == 2  # nothing to repair in a healthy batch
@@ -113,7 +113,7 @@ def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
     gate = f"command-{uuid.uuid4().hex[:8]}"
     held = _held_running(producer, gate)
     done = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("no-outbox")).apply_async()
-    wait_for(lambda: done.status().state == "complete", 30, message="the second batch complete")
+    wait_for(lambda: done.batch_status().state == "complete", 30, message="the second batch complete")
     _drift(producer, held.batch_id, remaining=5, succeeded=0, failed=2)
     rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=done.batch_id)
 
@@ -136,11 +136,11 @@ def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
     assert "all batches agree with their child rows" in again.stdout
 
     processes.relay()  # publishes the restored outbox row; the successor runs once
-    status = done.wait(timeout=30)
+    status = done.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert len(successor_runs(done.batch_id)) == 1
     _open_gate(producer, gate)
-    final = held.wait(timeout=30)
+    final = held.wait_batch(timeout=30)
     assert (final.state, final.remaining, final.succeeded, final.failed) == ("complete", 0, 3, 0)
     assert len(successor_runs(held.batch_id)) == 1
 
@@ -150,12 +150,12 @@ def test_a_missing_outbox_row_alone_is_restored_and_its_successor_runs_once(
 ) -> None:
     processes.worker(RELAY_PUBLISHES)  # the outbox row is deleted before anything publishes it
     handle = fan_in_group([tasks.ok.s(0), tasks.ok.s(1)], then=tasks.record_run.s("restored")).apply_async()
-    wait_for(lambda: handle.status().state == "complete", 30, message="the batch complete")
+    wait_for(lambda: handle.batch_status().state == "complete", 30, message="the batch complete")
     # Counters and successor row are right; only the outbox row is gone (deleted by hand, a partial restore).
     assert rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=handle.batch_id) == []
-    assert handle.status().successor_state == "pending"
+    assert handle.batch_status().successor_state == "pending"
     relay = processes.relay()
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.state, status.succeeded, status.failed) == ("complete", 2, 0)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["restored"]
@@ -234,7 +234,7 @@ def test_a_tree_with_a_deadline_a_threshold_and_reconcile(
         wait_for(lambda: counters(producer, root)[3] == 2, 30, message="the second failure at the root")
         assert counters(producer, root)[0] == "running"  # two failures: at max_failures, not past it
         holds.consume(producer, worker, "tree-f2")
-        status = handle.wait(timeout=60)
+        status = handle.wait_batch(timeout=60)
         assert status.state == "failed_threshold"
         [run] = successor_runs(root)
         assert run["label"] == "too-many"
@@ -244,7 +244,7 @@ def test_a_tree_with_a_deadline_a_threshold_and_reconcile(
         clock.pass_deadline(producer, root)  # the deadline of a stopped batch: nothing left to apply
     else:
         clock.pass_deadline(producer, root)
-        status = handle.wait(timeout=60)
+        status = handle.wait_batch(timeout=60)
         assert status.state == "partial"  # 9 failures with the abandoned ones, yet no threshold: the deadline ended it
         [run] = successor_runs(root)
         assert run["label"] == "then"
@@ -265,7 +265,7 @@ def test_a_tree_with_a_deadline_a_threshold_and_reconcile(
     result = fanin(producer, "reconcile", "--json")  # reconcile and the deadline duty, once more by hand
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"repairs": [], "deadlines": []}
-    after = handle.status()
+    after = handle.batch_status()
     assert (after.state, after.remaining, after.succeeded, after.failed) == (status.state, 0, 3, 9)
     assert len(successor_runs(root)) == 1
     leaves = rows(producer, "SELECT state, remaining FROM fanin_batches WHERE parent_id = :b", b=root)

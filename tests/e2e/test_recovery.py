@@ -35,7 +35,7 @@ def test_producer_killed_after_commit_relay_finishes(
     assert (planned, published) == (35, (kill_on_chunk - 1) * 10)
     processes.relay()
     result = FanInResult(producer, batch_id)
-    status = result.wait(timeout=60)
+    status = result.wait_batch(timeout=60)
     assert (status.planned, status.succeeded, status.failed, status.published) == (35, 35, 0, 35)
     runs = successor_runs(batch_id)
     assert len(runs) == 1 and runs[0]["outcome"]["succeeded"] == 35
@@ -48,13 +48,13 @@ def test_relay_stopped_while_batches_complete_then_started(producer: Any, proces
         for k in range(5)
     ]
     for h in handles:
-        wait_for(lambda h=h: h.status().state == "complete", 30, message=f"batch {h.batch_id} complete")
+        wait_for(lambda h=h: h.batch_status().state == "complete", 30, message=f"batch {h.batch_id} complete")
     # No relay: every successor waits in the outbox and nothing ran.
-    assert all(h.status().successor_state == "pending" for h in handles)
+    assert all(h.batch_status().successor_state == "pending" for h in handles)
     assert all(successor_runs(h.batch_id) == [] for h in handles)
     processes.relay()
     for h in handles:
-        assert h.wait(timeout=30).successor_state == "succeeded"
+        assert h.wait_batch(timeout=30).successor_state == "succeeded"
         assert len(successor_runs(h.batch_id)) == 1
 
 
@@ -70,7 +70,7 @@ def test_two_relays_publish_each_successor_once(
         for k in range(30)
     ]
     for h in handles:
-        status = h.wait(timeout=60)
+        status = h.wait_batch(timeout=60)
         assert status.successor_state == "succeeded"
         assert status.successor_duplicates == 0
         assert len(successor_runs(h.batch_id)) == 1
@@ -96,15 +96,15 @@ def test_successor_delivered_twice_runs_once(producer: Any, processes: Any, succ
     processes.worker(RELAY_PUBLISHES)  # this test's relay rounds publish it
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("twice")).apply_async()
     fanin = FanIn.of(producer)
-    wait_for(lambda: handle.status().state == "complete", 30, message="batch complete")
+    wait_for(lambda: handle.batch_status().state == "complete", 30, message="batch complete")
     relay = Relay(fanin)
     assert relay.run_once() == 1
-    assert handle.wait(timeout=30).successor_state == "succeeded"
+    assert handle.wait_batch(timeout=30).successor_state == "succeeded"
     # As if the relay had died after publishing but before marking the row sent: the row goes out again.
     with fanin.engine.begin() as conn:
         conn.execute(text("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b"), {"b": handle.batch_id})
     assert relay.run_once() == 1
-    wait_for(lambda: handle.status().successor_duplicates == 1, 30, message="the duplicate to be refused")
-    status = handle.status()
+    wait_for(lambda: handle.batch_status().successor_duplicates == 1, 30, message="the duplicate to be refused")
+    status = handle.batch_status()
     assert status.successor_runs == 1 and status.successor_state == "succeeded"
     assert len(successor_runs(handle.batch_id)) == 1

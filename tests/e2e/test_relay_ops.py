@@ -75,7 +75,7 @@ def test_relay_with_a_json_logfile_metrics_and_probes(
 
         processes.worker(RELAY_PUBLISHES)  # the relay's counter of successors it published
         handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("ops")).apply_async()
-        assert handle.wait(timeout=60).successor_state == "succeeded"
+        assert handle.wait_batch(timeout=60).successor_state == "succeeded"
         wait_for(
             lambda: "fanin_relay_successors_published_total 1.0" in _get(port, "/metrics")[1],
             30,
@@ -119,7 +119,7 @@ def test_a_child_the_relay_cannot_publish_is_counted_rejected_by_a_worker_and_it
     assert mark.published_upto == 0, "the producer published nothing of the failing chunk"
     processes.worker(concurrency=2)
     relay = processes.relay(process=True)
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.state, status.succeeded, status.failed, status.successor_state) == ("complete", 2, 1, "succeeded")
     [misfit] = rows(
         producer,

@@ -82,7 +82,7 @@ def _children() -> list[Any]:
 def _run(env: dict[str, str], producer: Any, successor_runs: Runs, label: str) -> tuple[Any, list[str], list[str]]:
     """Run the batch to its end; its handle, its children's task ids (from PostgreSQL) and the chain's first."""
     handle = fan_in_group(_children(), then=record_run.s(label, True), app=producer).apply_async()
-    status = handle.wait(timeout=TIMEOUT)
+    status = handle.wait_batch(timeout=TIMEOUT)
     assert status.successor_state == "succeeded" and (status.succeeded, status.failed) == (6, 2), status
     (run,) = successor_runs(handle.batch_id)
     # The successor's outcome is complete: every success's value, in child order, from PostgreSQL.
@@ -132,7 +132,7 @@ def test_by_default_no_child_result_is_in_the_backend(
 
     # A fan-in applied with ignore_result=False gives it to every child (and its successor): all stored.
     every = fan_in_group([ok.s(1), ok.s(2)], then=record_run.s("asked"), app=producer).apply_async(ignore_result=False)
-    assert every.wait(timeout=TIMEOUT).succeeded == 2
+    assert every.wait_batch(timeout=TIMEOUT).succeeded == 2
     children = _child_ids(e2e_env, every.batch_id)
     wait_for(lambda: _meta(backend, every.id), TIMEOUT, message="the second successor's result")
     assert [producer.AsyncResult(c).result for c in children] == [10, 20]

@@ -164,7 +164,7 @@ def test_fan_in_step_rejected_by_its_successor_compensates_only_succeeded_childr
     stage0 = [c for c in status.compensations if c.stage == 0]
     assert len(stage0) == 4 and {c.batch_id for c in stage0} == {stage0[0].batch_id}
     [group_batch] = _rows(producer, "SELECT id FROM fanin_batches WHERE successor_name = 'tests.app.saga_merge'")
-    merged = FanInResult(producer, str(group_batch.id)).result(timeout=5)
+    merged = FanInResult(producer, str(group_batch.id)).get(timeout=5)
     assert merged["rejected"] is True and merged["compensation_batch"] == stage0[0].batch_id
     assert len(_rows(producer, "SELECT 1 FROM fanin_batches WHERE key = :k", k=f"compensate:{group_batch.id}:1")) == 1
 
@@ -203,10 +203,10 @@ def test_outcome_compensate_outside_a_saga(producer: Any, processes: Any, saga_d
     processes.relay()
     pieces = [compensated(tasks.saga_piece.s(i, i in (1, 3)), tasks.saga_undo.s("piece", f"b{i}")) for i in range(4)]
     handle = fan_in_group(pieces, then=tasks.saga_merge.s()).apply_async()
-    result = handle.result(timeout=60)
+    result = handle.get(timeout=60)
     assert result["rejected"] is True
     undo_batch = FanInResult(producer, result["compensation_batch"])
-    final = undo_batch.wait(timeout=60)
+    final = undo_batch.wait_batch(timeout=60)
     assert (final.planned, final.succeeded, final.failed) == (2, 2, 0)
     labels = [
         r[0] for r in saga_db.execute("SELECT label FROM e2e_saga_effects WHERE action = 'undo:piece' ORDER BY label")

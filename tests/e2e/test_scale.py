@@ -39,7 +39,7 @@ def test_generator_of_20k_children_streams_into_a_tree_and_counts_exactly(produc
     n = 20_000
     source = (tasks.ok.s(i).set(queue="scale-test-nobody") for i in range(n))  # nobody consumes: reported below
     handle = fan_in_group(source, then=tasks.record_run.s("20k"), max_width=1000).apply_async()
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.planned, status.published, status.state) == (n, n, "running")
     shape = _rows(
         producer,
@@ -75,7 +75,7 @@ def test_generator_of_20k_children_streams_into_a_tree_and_counts_exactly(produc
 
     with ThreadPoolExecutor(12) as pool:  # within the engine's pool (5 + 10 overflow)
         list(pool.map(report, [task_ids[k::12] for k in range(12)]))
-    final = handle.status()
+    final = handle.batch_status()
     expected_failed = sum(1 for s in states.values() if s == "failed")
     assert (final.succeeded, final.failed, final.remaining, final.state) == (
         n - expected_failed,
@@ -103,7 +103,7 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     batch_id = proc.stdout.split()[0]
     from celery_fanin import FanInResult
 
-    open_status = FanInResult(producer, batch_id).status()
+    open_status = FanInResult(producer, batch_id).batch_status()
     assert open_status.state == "open" and open_status.planned == 2000  # four chunks committed, three published
     processes.worker()
     processes.relay()
@@ -116,7 +116,7 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     finally:
         tasks.app.conf.fanin_chunk_size = chunk_size
     assert handle.batch_id == batch_id
-    final = handle.wait(timeout=180)
+    final = handle.wait_batch(timeout=180)
     assert (final.planned, final.succeeded, final.failed) == (3000, 3000, 0)
     idx = _rows(
         producer,
@@ -168,7 +168,7 @@ def test_tree_batch_with_leaves_completing_concurrently(producer: Any, processes
     assert (leaves.n, leaves.widest) == (12, 50)
 
     def consistent() -> bool:
-        s = handle.status()
+        s = handle.batch_status()
         assert s.succeeded + s.failed + s.remaining == s.planned == 600
         return s.finished
 
@@ -228,7 +228,7 @@ def test_fan_in_whose_children_are_fan_ins(producer: Any, processes: Any, succes
         tasks.ok.s(7),
     ]
     handle = fan_in_group(children, then=tasks.record_run.s("outer", with_values=True)).apply_async()
-    status = handle.wait(timeout=90)
+    status = handle.wait_batch(timeout=90)
     assert (status.planned, status.succeeded, status.failed) == (3, 2, 1)
     run = successor_runs(handle.batch_id)
     assert len(run) == 1

@@ -27,7 +27,7 @@ def test_relay_and_worker_exit_0_on_sigterm(producer: Any, processes: Any, succe
     worker = processes.worker()
     relay = processes.relay(process=True)
     handle = fan_in_group([tasks.ok.s(i) for i in range(5)], then=tasks.record_run.s("before-stop")).apply_async()
-    assert handle.wait(timeout=60).successor_state == "succeeded"  # both did work (the relay published it)
+    assert handle.wait_batch(timeout=60).successor_state == "succeeded"  # both did work (the relay published it)
     assert len(successor_runs(handle.batch_id)) == 1
 
     # Far longer than either needs: a shutdown that hangs is killed, and `killed` then says so.

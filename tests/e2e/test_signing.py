@@ -77,7 +77,7 @@ def test_signed_children_successor_and_relay(
     client.rpush("celery", json.dumps(forged), json.dumps(unknown))
     processes.worker(env)
     processes.relay(env)
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.successor_state == "succeeded", status
     assert (status.planned, status.succeeded, status.failed, status.refused_reports) == (3, 2, 1, 0)
     runs = successor_runs(handle.batch_id)
@@ -130,7 +130,7 @@ def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
             ).apply_async()
             worker = processes.worker(env)
             processes.relay(env)
-            status = handle.wait(timeout=90)
+            status = handle.wait_batch(timeout=90)
             assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (
                 2,
                 1,
@@ -138,7 +138,7 @@ def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
                 "succeeded",
             )
             assert [r["values"] for r in successor_runs(handle.batch_id)] == [[10, 300]]
-            status = orphan.wait(timeout=60)
+            status = orphan.wait_batch(timeout=60)
             assert (status.published, status.succeeded, status.refused_reports) == (2, 2, 0)
             assert [r["values"] for r in successor_runs(orphan.batch_id)] == [[40, 50]]
             assert "report refused" not in worker.output() and "not counted" not in worker.output()
@@ -200,7 +200,7 @@ def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
     ]
     client.rpush("celery", *forgeries)
     worker = processes.worker(env)
-    wait_for(lambda: handle.status().refused_reports == 4, timeout=60, message="four refused reports")
+    wait_for(lambda: handle.batch_status().refused_reports == 4, timeout=60, message="four refused reports")
     # Refused before they ran: no child started or finished, nothing was counted late.
     assert _children(e2e_env, handle.batch_id) == [(0, "pending", 0, 0), (1, "pending", 0, 0), (2, "pending", 0, 0)]
     assert worker.output().count("report refused") == 4, worker.output()
@@ -209,7 +209,7 @@ def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
     # The genuine messages count each child with its own value.
     client.lpush("celery", *genuine)
     processes.relay(env)
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (3, 0, 4, "succeeded")
     assert [r["values"] for r in successor_runs(handle.batch_id)] == [[10, 20, 30]]
     assert [row[1] for row in _children(e2e_env, handle.batch_id)] == ["succeeded"] * 3
@@ -245,8 +245,8 @@ def test_a_signed_successor_replayed_or_reheaded_is_refused(
     assert "report refused" in worker.output()
     assert successor_runs(b1.batch_id) == [] and successor_runs(b2.batch_id) == []
     client.lpush("celery", *genuine)
-    assert b1.wait(timeout=60).successor_state == "succeeded"
-    assert b2.wait(timeout=60).successor_state == "succeeded"
+    assert b1.wait_batch(timeout=60).successor_state == "succeeded"
+    assert b2.wait_batch(timeout=60).successor_state == "succeeded"
     # The same signed message again (a broker redelivery, or a publisher replaying what it captured).
     client.rpush("celery", _reheaded(first))
     wait_for(lambda: (_successor_state(e2e_env, b1.batch_id) or ())[2] == 1, timeout=60, message="B1 replay refused")

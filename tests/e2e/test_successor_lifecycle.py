@@ -43,12 +43,12 @@ def test_a_successor_that_retries_at_once_finishes(producer: Any, processes: Any
     processes.worker(concurrency=2)
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.retrying_successor.s("retry", 3)).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.successor_state == "succeeded"
     assert (status.successor_runs, status.successor_duplicates) == (4, 0)
     assert _attempts(producer, "retrying_successor", handle.batch_id) == 4
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["retry"]
-    assert handle.result() == 3, "the last attempt ran as Celery's retry number 3"
+    assert handle.result == 3, "the last attempt ran as Celery's retry number 3"
     _nothing_to_rerun(producer)
 
 
@@ -60,12 +60,12 @@ def test_autoretry_with_backoff_finishes_and_exhausted_retries_fail_for_good(
     recovers = fan_in_group([tasks.ok.s(1)], then=tasks.autoretry_successor.s("recovers", 2)).apply_async()
     gives_up = fan_in_group([tasks.ok.s(2)], then=tasks.autoretry_successor.s("gives-up", 10)).apply_async()
 
-    status = recovers.wait(timeout=60)
+    status = recovers.wait_batch(timeout=60)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 3)
-    assert recovers.result() == 2
+    assert recovers.result == 2
     assert len(successor_runs(recovers.batch_id)) == 1
 
-    status = gives_up.wait(timeout=60)
+    status = gives_up.wait_batch(timeout=60)
     assert (status.successor_state, status.successor_runs) == ("failed", 4)  # max_retries=3: four attempts
     assert _attempts(producer, "autoretry_successor", gives_up.batch_id) == 4
     assert successor_runs(gives_up.batch_id) == []
@@ -78,7 +78,7 @@ def test_a_successor_that_raises_ignore_is_final_and_never_rerun(
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.ignoring_successor.s("ignored")).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.successor_state, status.successor_runs) == ("ignored", 1)
     _nothing_to_rerun(producer)
     assert len(successor_runs(handle.batch_id)) == 1
@@ -91,12 +91,12 @@ def test_a_replaced_successor_ends_with_its_replacement(
     processes.worker(concurrency=2)
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.replacing_successor.s("swap", as_chain)).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.successor_state == "succeeded"
     assert status.successor_runs == 2 and status.successor_duplicates == 0  # the original, then its replacement
     assert _attempts(producer, "replacing_successor", handle.batch_id) == 1, "the original ran once"
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["swap-replacement"]
-    assert handle.result() == {"label": "swap-replacement", "succeeded": 1, "failed": 0}
+    assert handle.result == {"label": "swap-replacement", "succeeded": 1, "failed": 0}
     _nothing_to_rerun(producer)
 
 
@@ -106,7 +106,7 @@ def test_a_successor_rejected_with_requeue_runs_on_its_redelivery(
     processes.worker(concurrency=2)
     processes.relay()
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.requeueing_successor.s("requeued")).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 2)
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["requeued"]
     _nothing_to_rerun(producer)
@@ -120,7 +120,7 @@ def test_children_that_replace_themselves_are_counted_with_their_replacements_ou
     handle = fan_in_group(
         [tasks.replacing_child.s(i) for i in range(4)], then=tasks.record_run.s("replaced", with_values=True)
     ).apply_async()
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.remaining) == (4, 0, 0)
     runs = successor_runs(handle.batch_id)
     assert len(runs) == 1

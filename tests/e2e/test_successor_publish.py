@@ -74,7 +74,7 @@ def test_without_a_relay_the_worker_publishes_every_kind_of_successor(
     ).apply_async()
 
     for handle, label in ((plain, "plain"), (tree, "tree"), (failures, "failures"), (threshold, "on-failure")):
-        status = handle.wait(timeout=60)
+        status = handle.wait_batch(timeout=60)
         assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
         [run] = successor_runs(handle.batch_id)
         assert run["label"] == label
@@ -82,7 +82,7 @@ def test_without_a_relay_the_worker_publishes_every_kind_of_successor(
     assert successor_runs(plain.batch_id)[0]["values"] == [0, 10, 20], "the outcome was built from the child rows"
     outcome = successor_runs(failures.batch_id)[0]["outcome"]
     assert (outcome["succeeded"], outcome["failed"], [f["index"] for f in outcome["failures"]]) == (1, 1, [1])
-    assert threshold.status().state == "failed_threshold"
+    assert threshold.batch_status().state == "failed_threshold"
     assert _successor(e2e_env, threshold.batch_id) == ("succeeded", 1, "on_failure")
     # The child still running when the threshold passed was abandoned by the worker's publish, as the relay does.
     assert _sql(e2e_env, "SELECT state FROM fanin_children WHERE batch_id = %s AND idx = 1", threshold.batch_id) == [
@@ -110,7 +110,7 @@ def test_with_the_setting_off_the_successor_waits_for_a_relay(
     )
     assert successor_runs(handle.batch_id) == []
     processes.relay()
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
     assert len(successor_runs(handle.batch_id)) == 1
     assert _outbox(e2e_env, handle.batch_id) == [(True, 1)]
@@ -130,13 +130,13 @@ def test_a_worker_killed_between_commit_and_publish_leaves_the_successor_to_the_
         30,
         message="the pool process to be killed",
     )
-    assert handle.status().state == "complete", "the report committed before the kill"
+    assert handle.batch_status().state == "complete", "the report committed before the kill"
     assert _successor(e2e_env, handle.batch_id) == ("pending", 0, "then")
     assert _outbox(e2e_env, handle.batch_id) == [(False, 0)], "nothing published it, nothing claims it"
     assert successor_runs(handle.batch_id) == []
 
     processes.relay()  # its scan finds the unsent row (no NOTIFY was sent for it)
-    status = handle.wait(timeout=30)
+    status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert len(successor_runs(handle.batch_id)) == 1
     assert _outbox(e2e_env, handle.batch_id) == [(True, 1)]
@@ -158,8 +158,10 @@ def test_a_worker_slower_than_the_handoff_and_the_relay_both_publish_and_the_suc
     handle = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("slow-publisher")).apply_async()
     wait_for(lambda: relay.relay.stats.successors_published == 1, 30, message="the relay to publish past the handoff")
     wait_for(lambda: _published_by(worker) == [handle.batch_id], 30, message="the slow worker to publish its copy")
-    wait_for(lambda: handle.status().successor_duplicates == 1, 30, message="the second copy refused by the guard")
-    status = handle.status()
+    wait_for(
+        lambda: handle.batch_status().successor_duplicates == 1, 30, message="the second copy refused by the guard"
+    )
+    status = handle.batch_status()
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
     assert len(successor_runs(handle.batch_id)) == 1, "the body ran once"
     assert _outbox(e2e_env, handle.batch_id)[0][0], "marked sent"
@@ -177,7 +179,7 @@ def test_workers_and_a_relay_side_by_side_publish_and_run_each_successor_once(
         for b, i in enumerate(range(n))
     ]
     for handle in handles:
-        status = handle.wait(timeout=60)
+        status = handle.wait_batch(timeout=60)
         assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
         assert len(successor_runs(handle.batch_id)) == 1, handle.batch_id
         assert _outbox(e2e_env, handle.batch_id) == [(True, 1)], handle.batch_id

@@ -45,7 +45,7 @@ def test_a_ratio_stops_the_batch_one_failure_past_floor_of_ratio_times_planned(
         wait_for(lambda n=n: counters(producer, handle.batch_id)[3] == n, 30, message=f"failure {n} counted")
         assert counters(producer, handle.batch_id) == ("running", 10 - n, 0, n)  # at the threshold, not past it
     holds.consume(producer, worker, fails[2])
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.state == "failed_threshold"
 
     [run] = successor_runs(handle.batch_id)

@@ -44,7 +44,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
     leaves = _sql(producer, "SELECT id FROM fanin_batches WHERE parent_id = :b", b=handle.batch_id)
     assert len(leaves) == 4
 
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert status.state == "failed_threshold"
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["too-many"]
@@ -53,7 +53,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
     assert outcome["succeeded"] <= 2 and outcome["unfinished"] >= 8  # well before the tree could have finished
 
     # The relay stopped the whole tree: every unfinished child of every leaf abandoned, the counters final.
-    final = handle.status()
+    final = handle.batch_status()
     assert (final.remaining, final.succeeded + final.failed) == (0, 12)
     abandoned = _sql(
         producer,
@@ -83,7 +83,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
         b=handle.batch_id,
     )[0].n
     assert ran <= 3  # most of the 2 s children never ran
-    after = handle.status()
+    after = handle.batch_status()
     assert (after.remaining, after.succeeded, after.failed) == (0, final.succeeded, final.failed)
     assert len(successor_runs(handle.batch_id)) == 1
 
@@ -106,7 +106,7 @@ def test_an_outcome_with_many_large_failures_stops_at_its_byte_budget_and_the_re
     handle = fan_in_group([tasks.fail.s(f"{i}:{big}") for i in range(40)], then=tasks.record_run.s("big")).apply_async()
     relay = Relay(FanIn.of(producer))
     wait_for(lambda: relay.run_once() >= 1, 60, message="the successor published")
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.failed, status.successor_state) == (40, "succeeded")
     [run] = successor_runs(handle.batch_id)
     outcome = run["outcome"]
@@ -154,12 +154,12 @@ def test_a_streamed_tree_passing_its_threshold_before_it_is_sealed_stops_its_pro
         max_width=2,
     ).apply_async()
     assert len(consumed) <= 8 + small_chunks  # the chunk read after the threshold was rolled back, and no more read
-    status = handle.wait(timeout=60)
+    status = handle.wait_batch(timeout=60)
     assert (status.state, status.planned) == ("failed_threshold", 8)
     runs = successor_runs(handle.batch_id)
     assert [r["label"] for r in runs] == ["too-many"]
     assert runs[0]["outcome"]["failed"] == 3
-    final = handle.status()
+    final = handle.batch_status()
     assert (final.remaining, final.succeeded + final.failed) == (0, 8)
     abandoned = _sql(
         producer,

@@ -255,6 +255,6 @@ def test_an_immutable_successor_gets_no_outcome_on_either_publishing_path(
     body gets no header results."""
     app.conf.fanin_bulk_publish = bulk
     handle = fan_in_group([], then=strict["one"].si(5)).apply_async()  # empty: its successor is published now
-    assert handle.status().successor_state == "sent"
+    assert handle.batch_status().successor_state == "sent"
     [message] = queued_messages(broker)
     assert (message.headers["task"], message.args, message.kwargs) == ("tests.args.one", [5], {})

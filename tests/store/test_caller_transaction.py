@@ -46,7 +46,7 @@ def test_committed_with_the_caller_and_published_by_the_relay(
     assert _counts(store_engine) == (1, 3, 0) and broker.llen("celery") == 0  # nobody said it committed
     Relay(FanIn.of(app)).run_once()
     assert _counts(store_engine) == (1, 3, 3) and broker.llen("celery") == 3
-    assert handle.status().planned == 3
+    assert handle.batch_status().planned == 3
 
 
 def test_rolled_back_with_the_caller(

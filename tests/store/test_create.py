@@ -124,7 +124,7 @@ def test_apply_async_writes_batch_and_every_child_then_publishes_them(
     assert rows[3]["task_id"] == "my-own-child-id"
     assert len({r["task_id"] for r in rows}) == planned
 
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.planned, status.remaining, status.published, status.successor_state) == (25, 25, 25, None)
 
     # Every child is on the broker exactly once, with its stored task id, its index and the batch id.
@@ -338,7 +338,7 @@ def test_unreachable_broker_after_commit_returns_the_handle_and_the_relay_publis
     handle = fan_in_group([dead.add.s(i, 1) for i in range(planned)], then=dead.collect.s()).apply_async()
 
     assert isinstance(handle, FanInResult)
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.planned, status.remaining) == ("running", planned, planned)
     assert status.published < planned
     assert len(_children(store_engine, handle.batch_id)) == planned
@@ -351,7 +351,7 @@ def test_unreachable_broker_after_commit_returns_the_handle_and_the_relay_publis
     assert relay.run_once() == planned
     assert relay.stats.children_published == planned
     assert broker.llen(QUEUE) == planned
-    assert handle.status().published == planned
+    assert handle.batch_status().published == planned
     rows = _children(store_engine, handle.batch_id)
     messages = queued_messages(broker)
     assert [m.headers["id"] for m in messages] == [r["task_id"] for r in rows]  # in index order
@@ -393,7 +393,7 @@ def test_empty_group_is_complete_and_its_producer_publishes_the_successor(
 ) -> None:
     handle = fan_in_group([], then=tasks.collect.s("tail", flag=True), step="empty").apply_async()
 
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.planned, status.remaining, status.succeeded, status.failed) == ("complete", 0, 0, 0, 0)
     assert status.completed_at is not None
     assert status.successor_state == "sent"
@@ -431,8 +431,8 @@ def test_empty_group_with_dead_broker_leaves_the_successor_to_the_relay(
     dead = define_tasks(dead_broker_app)
     handle = fan_in_group([], then=dead.collect.s()).apply_async()  # does not raise: the batch is recorded
 
-    assert handle.status().state == "complete"
-    assert handle.status().successor_state == "pending"
+    assert handle.batch_status().state == "complete"
+    assert handle.batch_status().successor_state == "pending"
     with store_engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM fanin_outbox WHERE sent_at IS NULL")).scalar_one() == 1
     assert broker.llen(QUEUE) == 0
@@ -440,7 +440,7 @@ def test_empty_group_with_dead_broker_leaves_the_successor_to_the_relay(
     relay = Relay(FanIn.of(app))
     # The failed attempt may have scheduled a short backoff; the relay polls, and so does this test.
     wait_for(lambda: relay.run_once() > 0, 10, "the relay to publish the successor", interval=0.1)
-    assert handle.status().successor_state == "sent"
+    assert handle.batch_status().successor_state == "sent"
     [message] = queued_messages(broker)
     assert message.headers["id"] == handle.successor_task_id
     assert message.args[0]["planned"] == 0
@@ -465,10 +465,10 @@ def test_streamed_batch_stops_publishing_at_a_chunk_the_broker_refused_and_the_r
     monkeypatch.setattr(publish, "publish_children", real)
 
     assert len(calls) == 2, "after a refused chunk the producer leaves the rest to the relay"
-    assert handle.status().published == 3
+    assert handle.batch_status().published == 3
     assert len(_children(store_engine, handle.batch_id)) == 9, "every child is still recorded"
     assert [m.headers["fanin_index"] for m in queued_messages(broker)] == [0, 1, 2]
 
     assert Relay(FanIn.of(app)).run_once() == 6
     assert sorted(m.headers["fanin_index"] for m in queued_messages(broker)) == list(range(9))
-    assert handle.status().published == 9
+    assert handle.batch_status().published == 9

@@ -103,7 +103,7 @@ def test_apply_does_not_switch_eager_mode_on_for_other_threads(app: Celery, brok
         t["double"].apply_async((7,))
         sent = fan_in_group([t["double"].s(8)], then=t["total"].s()).apply_async()
         wait_for(lambda: broker.llen(QUEUE) == 2, TIMEOUT, "both messages on the broker")
-        assert sent.status().state == "running"  # published, not run inline
+        assert sent.batch_status().state == "running"  # published, not run inline
         # A second `apply` that starts and ends while the first is still running.
         assert fan_in_group([t["double"].s(9)], then=t["total"].s()).apply().get(timeout=TIMEOUT) == [1, 0]
     finally:

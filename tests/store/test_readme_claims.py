@@ -30,7 +30,7 @@ def test_settings_are_read_on_use_so_an_app_configured_after_fanin_works(clean_d
     try:
         assert FanIn.of(app).settings.chunk_size == 7
         handle = fan_in_group([tasks.add.s(i, i) for i in range(3)], then=tasks.collect.s(), app=app).apply_async()
-        assert handle.status().planned == 3  # written to the database configured after FanIn(app)
+        assert handle.batch_status().planned == 3  # written to the database configured after FanIn(app)
     finally:
         fanin.dispose()
 
@@ -64,7 +64,7 @@ def test_a_lost_child_is_redriven_max_redrives_times_then_counted_lost(app: Cele
     report = maintenance.handle_lost_children(FanIn.of(app))
     assert (len(report.redriven), len(report.failed)) == (0, 1)  # past max_redrives: lost, not redriven again
     assert (_children(app, handle.batch_id).state, _children(app, handle.batch_id).redrives) == ("lost", 2)
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.failed, status.remaining) == ("complete", 1, 0)
 
 
@@ -91,5 +91,5 @@ def test_a_streamed_batch_reads_its_input_at_most_a_chunk_ahead_of_what_it_wrote
             yield tasks.add.s(i, i)
 
     handle = fan_in_group(source(), then=tasks.collect.s(), app=app).apply_async()
-    assert handle.status().planned == 200
+    assert handle.batch_status().planned == 200
     assert max(ahead) <= small_chunks  # a whole list in memory would be 199 ahead at the end

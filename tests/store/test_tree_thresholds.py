@@ -263,13 +263,13 @@ def test_reconcile_and_status_agree_with_failures_handed_up(app: Celery, tasks: 
         _report(store_engine, ids[i], "failed" if i < 2 else "succeeded")
     with store_engine.begin() as conn:
         assert recovery.reconcile_batch(conn, batch_id) is None  # nothing to repair
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.failed, status.succeeded, status.remaining) == ("running", 2, 1, 5)
     for i in (3, 4):  # the fifth failure of eight passes 0.5 * 8 = 4 on another leaf
         _report(store_engine, ids[i], "failed")
-    assert handle.status().state == "running"
+    assert handle.batch_status().state == "running"
     assert _report(store_engine, ids[5], "failed").successor_created
-    status = handle.status()
+    status = handle.batch_status()
     assert (status.state, status.failed) == ("failed_threshold", 5)
 
 
