@@ -82,21 +82,31 @@ class BatchOutcome:
     def _app(self) -> Celery:
         return self.app or current_app
 
-    def results(self, fetch_size: int = 1000) -> Iterator[ChildResult]:
+    def results(self, fetch_size: int = 1000, rounds: str = "all") -> Iterator[ChildResult]:
         """Every child's terminal state and return value, in child order, streamed from Postgres.
 
         Values were stored with the app's result serializer by the worker that ran the child, so no Celery
         result backend is involved. Failed children yield `value=None`.
+
+        In a retry round (`celery -A proj fanin retry-failed`; `round` > 1), `rounds="all"` (the default) yields
+        every child of round 1, in its order, with its last outcome in the rounds up to this one: a successor that
+        aggregates sees the whole batch, the children that succeeded in an earlier round included. `index` is then
+        the child's in round 1, `task_id` the run's that gave its outcome. `rounds="this"`: this round's children
+        only. A batch never retried is the same either way.
         """
+        if rounds not in ("all", "this"):
+            raise ValueError(f'rounds must be "all" or "this", not {rounds!r}')
         app = self._app()
         engine = FanIn.of(app).engine
-        for idx, task_id, state, encoded in queries.child_results(engine, uuid.UUID(self.batch_id), fetch_size):
+        across = rounds == "all" and self.round > 1
+        bid = uuid.UUID(self.batch_id)
+        for idx, task_id, state, encoded in queries.child_results(engine, bid, fetch_size, across_rounds=across):
             value = decode_result(app, encoded) if encoded is not None else None
             yield ChildResult(idx, task_id, state, value)
 
-    def values(self) -> Iterator[Any]:
-        """The return values of the children that succeeded, in child order."""
-        return (r.value for r in self.results() if r.ok)
+    def values(self, rounds: str = "all") -> Iterator[Any]:
+        """The return values of the children that succeeded, in child order (across retry rounds: `results`)."""
+        return (r.value for r in self.results(rounds=rounds) if r.ok)
 
     def all_failures(self) -> list[dict[str, Any]]:
         """Every failed child, read from Postgres (the message lists at most `fanin_outcome_failures_limit`, and

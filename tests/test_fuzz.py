@@ -105,7 +105,7 @@ def test_fan_in_group_works_or_raises_invalid_fan_in_and_writes_nothing(
         assert str(exc) and "\n" not in str(exc)
         assert _rows(clean_db) == before, "a refused batch wrote rows"
         return
-    assert handle.status().planned == len(built)
+    assert handle.batch_status().planned == len(built)
 
 
 _json = st.recursive(

@@ -162,8 +162,8 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         for key in (None, f"open-{cluster.suffix}"):
             with pytest.raises(RuntimeError, match="source failed"):
                 fan_in_group(_raising(child), then=then, app=producer, key=key).apply_async()
-        assert (plain.status().planned, tree.status().planned, redrive.status().planned) == (3, 5, 1)
-        assert empty.status().successor_state in ("sent", "pending")
+        assert (plain.batch_status().planned, tree.batch_status().planned, redrive.batch_status().planned) == (3, 5, 1)
+        assert empty.batch_status().successor_state in ("sent", "pending")
 
         # --- a worker's hooks: starts, terminal outcomes, the successor's run ---------------------------------
         fanin_w = FanIn.of(worker)
@@ -187,21 +187,21 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
                 fanin_w, task_id, protocol.Marker(tree.batch_id, index, None), "succeeded", value=index, has_value=True
             )
             assert rec is not None and rec.counted
-        assert tree.status().state == "complete", "the leaves settled their root as the worker role"
+        assert tree.batch_status().state == "complete", "the leaves settled their root as the worker role"
         marker = protocol.Marker(threshold.batch_id, 0, None)
         rec = hooks.worker_hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
         assert rec is not None and rec.successor_created, "a leaf's failure passed its root's threshold"
         # Each successor those reports created was published by the worker itself, as the worker role: its outbox
         # row claimed and marked sent, and the rest of the tree past its threshold abandoned.
         for handle in (plain, tree, threshold):
-            assert handle.status().successor_state == "sent", handle.batch_id
+            assert handle.batch_status().successor_state == "sent", handle.batch_id
         with FanIn.of(producer).engine.connect() as conn:
             unsent = conn.execute(
                 text("SELECT count(*) FROM fanin_outbox WHERE batch_id IN (:a, :b, :c) AND sent_at IS NULL"),
                 {"a": plain.batch_id, "b": tree.batch_id, "c": threshold.batch_id},
             ).scalar_one()
         assert unsent == 0
-        assert threshold.status().remaining == 0, "the worker abandoned the rest of the tree as the worker role"
+        assert threshold.batch_status().remaining == 0, "the worker abandoned the rest of the tree as the worker role"
 
         # --- the relay: outbox, orphaned children, lost children, deadlines, stalled successors, reconcile ------
         with psycopg.connect(
@@ -238,7 +238,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         ) as admin:  # the retention check below counts the batches before these
             admin.execute("DELETE FROM fanin_batches WHERE key LIKE 'open-%' OR state = 'cancelled'")
         for handle in (plain, tree, lost, late, threshold):
-            assert handle.status().successor_state in ("sent", "pending"), handle.batch_id
+            assert handle.batch_status().successor_state in ("sent", "pending"), handle.batch_id
 
         # The operator's reads (`status`, `ls`: the node view, version 22) work with each role that reads batches.
         with psycopg.connect(cluster.url("owner")) as conn:
@@ -251,14 +251,14 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
             assert str(tree.batch_id) in {e["batch_id"] for e in inspection.list_batches(FanIn.of(app))}, app.main
 
         # The successor of `plain` runs on a worker: start guard, body reading the results, state and result.
-        status = plain.status()
+        status = plain.batch_status()
         succ_marker = protocol.Marker(plain.batch_id, None, status.step)
         live = successor_runs.admit(fanin_w, plain.batch_id, status.step, status.successor_task_id, 0)
         assert live is not None
         outcome = BatchOutcome(plain.batch_id, status.step, 3, 2, 1, app=worker)
         assert list(outcome.values()) == [0, 10]
         assert hooks.worker_hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
-        assert plain.status().successor_state == "succeeded"
+        assert plain.batch_status().successor_state == "succeeded"
 
         # --- retention ----------------------------------------------------------------------------------------
         statement = (DOCS / "retention.sql").read_text().replace("interval '30 days'", "interval '0 seconds'")
@@ -269,7 +269,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
             left = conn.execute("SELECT count(*) FROM fanin_children WHERE batch_id = %s", (plain.batch_id,))
             assert left.fetchone() == (0,), "its children went with it"
         # `fanin prune` as the same role, once the empty batch's successor has run.
-        status = empty.status()
+        status = empty.batch_status()
         marker = protocol.Marker(empty.batch_id, None, status.step)
         live = successor_runs.admit(fanin_w, empty.batch_id, status.step, status.successor_task_id, 0)
         assert live is not None
@@ -278,7 +278,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         apps = (*apps, maintenance)
         assert retention.prune(FanIn.of(maintenance), 0).batches == 1
         with pytest.raises(BatchNotFound):
-            empty.status()
+            empty.batch_status()
 
         # --- and what each role must not do ---------------------------------------------------------------------
         _refused(cluster.url("producer"), "DELETE FROM fanin_batches")
@@ -517,9 +517,9 @@ def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> N
             conn.execute("CREATE TEMP TABLE fanin_batches (id uuid, remaining integer)")
             forged = conn.execute(_report_sql(ids[0], bid, 1, "roles.child")).fetchone()
             assert forged is not None and forged[4] is True, "refused"
-            assert handle.status().remaining == 2 and handle.status().refused_reports == 1
+            assert handle.batch_status().remaining == 2 and handle.batch_status().refused_reports == 1
             counted = conn.execute(_report_sql(ids[0], bid, 0, "roles.child")).fetchone()
-            assert counted is not None and counted[0] is True and handle.status().remaining == 1
+            assert counted is not None and counted[0] is True and handle.batch_status().remaining == 1
 
         producer_url, relay = cluster.url("producer"), cluster.url("relay")
         for url in (producer_url, relay):
@@ -532,7 +532,7 @@ def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> N
         _refused(
             cluster.url("maintenance"), "SELECT fanin_record_starts(ARRAY['x'], ARRAY[0], ARRAY['w'], ARRAY[now()])"
         )
-        assert handle.status().remaining == 1
+        assert handle.batch_status().remaining == 1
     finally:
         FanIn.of(producer).dispose()
 
@@ -623,7 +623,7 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
         first = _one(worker, _report_sql(ids[0], bid, 0, "roles.child"))
         again = _one(worker, _report_sql(ids[0], bid, 0, "roles.child"))
         assert first is not None and first[0] is True and again is not None and again[:2] == (False, True)
-        assert running.status().remaining == 1, "a second report of a counted child is late and moves nothing"
+        assert running.batch_status().remaining == 1, "a second report of a counted child is late and moves nothing"
         for fn in ("fanin_expire_batch(%s, 'cancel', NULL)", "fanin_reconcile_batch(%s)", "fanin_seal_open(%s, NULL)"):
             _refused(worker, "SELECT * FROM " + fn.replace("%s", f"'{bid}'"))
         _refused(worker, f"SELECT fanin_ensure_successor('{bid}', 'then')")
@@ -631,7 +631,7 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
 
         last = _one(worker, _report_sql(ids[2], finished.batch_id, 0, "roles.child"))
         assert last is not None and last[3] is True, "the last report created the successor"
-        status = finished.status()
+        status = finished.batch_status()
         fbid, step, stid = finished.batch_id, status.step, status.successor_task_id
         finish = (
             "SELECT fanin_finish_successor_v2('{b}', '{s}', {t}, {r}, 'succeeded', NULL, NULL, NULL, NULL, NULL, NULL,"
@@ -645,7 +645,7 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
         assert _one(worker, claim.format(t=stid)) == (1,)
         assert _one(worker, claim.format(t=stid)) == (None,), "and only once while it runs"
         assert _one(worker, finish.format(b=fbid, s=step, t="NULL", r=2)) == (False,), "not its run"
-        assert finished.status().successor_state == "running"
+        assert finished.batch_status().successor_state == "running"
         assert _one(worker, finish.format(b=fbid, s=step, t="NULL", r=1)) == (True,), "its own run finishes it"
 
         # --- the relay: recovery moves only what is overdue, expired or due -----------------------------------
@@ -682,7 +682,7 @@ def test_each_role_writes_only_through_its_functions(cluster: Cluster) -> None:
             finish.format(b=fbid, s=step, t=f"'{stid}'", r="NULL"),
         ):
             _refused(producer_url, statement)
-        status = running.status()
+        status = running.batch_status()
         assert (status.state, status.remaining, status.succeeded, status.planned) == ("running", 1, 1, 2)
     finally:
         FanIn.of(producer).dispose()
@@ -765,7 +765,7 @@ def test_the_dashboard_serves_every_page_as_a_select_only_role(cluster: Cluster)
         _refused(viewer_url, f"SELECT * FROM fanin_settle('{flat.batch_id}', 1, 0)")
         _refused(viewer_url, _report_sql(ids[2], flat.batch_id, 2, "roles.child"))
         _refused(viewer_url, "CREATE TABLE fanin_extra (id int)")
-        assert flat.status().remaining == 1
+        assert flat.batch_status().remaining == 1
     finally:
         web.state.engine.dispose()
         for app in apps:

@@ -77,7 +77,7 @@ def test_a_driver_error_quoting_the_password_is_redacted_everywhere(
     assert "cannot connect" in logged and SECRET not in logged
     # The API's error.
     with pytest.raises(FanInDatabaseError) as caught:
-        fan_in_group([], then=broken_app.signature("t.s"), app=broken_app).apply_async().status()
+        fan_in_group([], then=broken_app.signature("t.s"), app=broken_app).apply_async().batch_status()
     assert SECRET not in str(caught.value)
     # The CLI, plain and --json: one line, exit 1, no password.
     runner = CliRunner()

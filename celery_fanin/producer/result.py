@@ -24,7 +24,7 @@ from ..context import FanIn
 from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
 from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
 from ..relay import maintenance
-from ..store import batches, queries
+from ..store import admin, batches, queries
 
 
 @dataclass(frozen=True)
@@ -253,9 +253,16 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
 
         Raises its error if it failed (with `propagate`; else returns it), `TaskRevokedError` if it was revoked or
         the batch ended with nothing to run, `celery.exceptions.TimeoutError` after `timeout` seconds. A frozen
-        handle whose batch does not exist yet waits for it. Other keyword arguments of Celery's (`callback`,
-        `disable_sync_subtasks`, ...) are accepted and ignored: nothing here waits on a result backend."""
+        handle whose batch does not exist yet waits for it. A batch retried with `fanin retry-failed` answers with
+        its last round's successor (waiting for it, within the same `timeout`). Other keyword arguments of
+        Celery's (`callback`, `disable_sync_subtasks`, ...) are accepted and ignored: nothing here waits on a
+        result backend."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         status = self.wait_batch(timeout, interval)
+        latest = self._latest_round()
+        if latest is not None:  # retried (`fanin retry-failed`): the last round's successor is the answer
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return latest.get(left, propagate, interval)
         value, exc = self._outcome(status)
         if exc is None:
             return value
@@ -268,6 +275,18 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
     ) -> Any:
         """`get`, as Celery's alias (before 0.1 this returned the batch's status: `wait_batch()` does now)."""
         return self.get(timeout, propagate, interval, **kwargs)
+
+    def _latest_round(self) -> FanInResult | None:
+        """The handle of this batch's last retry round (`fanin retry-failed`), if one came after this batch's."""
+        bid = parse_batch_id(self.batch_id)
+        with FanIn.of(self.app).engine.connect() as conn:
+            node = admin.node(conn, bid)
+            latest = admin.latest_round(conn, node.retry_of or node.id) if node is not None else None
+            later = node is not None and latest is not None and latest != bid
+            found = admin.node(conn, latest) if later and latest is not None else None
+        if found is None or node is None or found.round <= node.round:
+            return None
+        return FanInResult(self.app, str(found.id))
 
     def _outcome(self, status: BatchStatus) -> tuple[Any, BaseException | None]:
         """(value, None) for a successor that succeeded; (None, its error) for one that did not, or none ran."""
@@ -288,10 +307,13 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
     @property
     def result(self) -> Any:
         """As Celery's: the successor's return value once it succeeded, its error once it failed or was revoked,
-        None until then (it does not wait: `get` does)."""
+        None until then (it does not wait: `get` does). After `fanin retry-failed`, the last round's, as `get`."""
         status = self._status_or_none()
         if status is None or not status.done:
             return None
+        latest = self._latest_round()
+        if latest is not None:
+            return latest.result
         value, exc = self._outcome(status)
         return value if exc is None else exc
 

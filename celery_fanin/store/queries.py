@@ -209,12 +209,15 @@ def _failure_row(r: Any) -> FailureRow:
 
 
 def child_results(
-    engine: Engine, batch_id: uuid.UUID, fetch_size: int = 1000
+    engine: Engine, batch_id: uuid.UUID, fetch_size: int = 1000, across_rounds: bool = False
 ) -> Iterator[tuple[int, str, str, Encoded | None]]:
-    """Every child's (index, task id, state, encoded result), in child order, streamed with a server-side cursor."""
+    """Every child's (index, task id, state, encoded result), in child order, streamed with a server-side cursor.
+
+    `across_rounds`: round 1's children instead, each with its last outcome in the rounds up to `batch_id`'s
+    (`retry-failed`); the same as without it for a batch never retried."""
     with engine.connect() as conn:
         rows = conn.execution_options(stream_results=True, yield_per=fetch_size).execute(
-            q("child_results").text,
+            q("round_results" if across_rounds else "child_results").text,
             {"id": batch_id},
         )
         for r in rows:

@@ -134,7 +134,7 @@ def test_watch_exits_when_the_successor_finishes(e2e_env: dict[str, str], produc
     watched = celery(e2e_env, "watch", handle.batch_id, "--interval", "0.2", "--timeout", "60")
     assert watched.returncode == 0, watched.stderr
     assert f"batch {handle.batch_id}: complete, 6 succeeded, 0 failed; successor succeeded" in watched.stdout
-    assert handle.status().finished
+    assert handle.batch_status().finished
 
     failing = fan_in_group([tasks.ok.s(1)], then=tasks.failing_successor.s("watch-fails")).apply_async()
     watched = fanin(producer, "watch", failing.batch_id, "--interval", "0.2", "--timeout", "60")
@@ -172,7 +172,7 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
         step="ls-moving",
         child_timeout=None,
     ).apply_async()
-    wait_for(lambda: moving.status().succeeded == 1, 30, message="the first child of ls-moving")
+    wait_for(lambda: moving.batch_status().succeeded == 1, 30, message="the first child of ls-moving")
     _backdate(producer, moving.batch_id, days=1)
     _sql(
         producer,
@@ -286,11 +286,14 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
     second = FanInResult(producer, started["batch_id"])
     second.wait_batch(timeout=30)
 
-    (run2,) = successor_runs(second.batch_id)  # the successor ran again, once, with the retried children only
+    (run2,) = successor_runs(second.batch_id)  # the successor ran again, once, with the retried children's counts
     outcome = run2["outcome"]
     assert (outcome["round"], outcome["retry_of"], outcome["step"]) == (2, first.batch_id, "rounds")
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (2, 2, 0)
-    assert run2["values"] == [f"{key}-a", f"{key}-b"] and run2["label"] == "rounds"
+    # ... and every child's last outcome across the rounds, in round 1's order (issue 40, item 4)
+    assert run2["values"] == [10, f"{key}-a", 30, f"{key}-b"] and run2["label"] == "rounds"
+    # The first handle answers with the last round's successor, as Celery users read the chord they started.
+    assert first.get(timeout=30) == second.get(timeout=5) == {"label": "rounds", "succeeded": 2, "failed": 0}
     assert len(successor_runs(first.batch_id)) == 1  # round 1's successor did not run again
     old_ids = {
         r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=first.batch_id)
@@ -299,7 +302,7 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
         r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=second.batch_id)
     }
     assert len(new_ids) == 2 and not old_ids & new_ids
-    assert second.status().successor_task_id != first.status().successor_task_id
+    assert second.batch_status().successor_task_id != first.batch_status().successor_task_id
 
     for shown_id in (first.batch_id, second.batch_id):  # either round's status shows both rounds
         data = _json(producer, "status", shown_id)
@@ -324,7 +327,7 @@ def test_retry_failed_is_refused_while_the_batch_runs(e2e_env: dict[str, str], p
     handle = fan_in_group(
         [tasks.fail.s(1), tasks.ok.s(2).set(queue=NOBODY)], then=tasks.record_run.s("running")
     ).apply_async()
-    wait_for(lambda: handle.status().failed == 1, 30, message="the failing child")
+    wait_for(lambda: handle.batch_status().failed == 1, 30, message="the failing child")
     refused = fanin(producer, "retry-failed", handle.batch_id)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert f"batch {handle.batch_id} is still running (1 of 2 children unfinished)" in refused.stderr
@@ -378,7 +381,7 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
     assert (report["batches"], report["leaves"], report["children"], report["complete"]) == (2, 3, 7, True)
     assert report["transactions"] >= 4  # at most 2 children per transaction: the tree went leaf by leaf
     assert rows(old_ids) == (0, 0, 0, 0)
-    assert old_running.status().state == "running"
+    assert old_running.batch_status().state == "running"
     assert rows([recent.batch_id]) == (1, 1, 1, 1) and rows([old_running.batch_id])[:2] == (1, 1)
     assert _json(producer, "prune", "--older-than", "30d")["batches"] == 0
 

@@ -12,7 +12,8 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from celery_fanin import FanIn, InvalidFanIn, fan_in_group
+from celery_fanin import BatchOutcome, FanIn, FanInResult, InvalidFanIn, fan_in_group
+from celery_fanin.codec import encode_result
 from celery_fanin.exceptions import BatchNotFinished, BatchNotFound
 from celery_fanin.ops.rounds import retry_failed
 from celery_fanin.relay.payload import build_outcome
@@ -136,3 +137,65 @@ def test_retry_refused_for_an_open_batch_a_leaf_and_an_unknown_id(
         retry_failed(fanin, uuid.uuid4())
     with store_engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM fanin_batches WHERE retry_of IS NOT NULL")).scalar_one() == 0
+
+
+def _report_values(app: Celery, engine: Engine, batch_id: str, outcomes: dict[int, object]) -> None:
+    """Report each child of the batch by index: a value (succeeded, its result stored) or the string "failed"."""
+    with engine.begin() as conn:
+        rows = fetch_all(conn, "SELECT task_id, idx FROM fanin_children WHERE batch_id = :b", b=batch_id)
+        for row in rows:
+            value = outcomes[row["idx"]]
+            if value == "failed":
+                batches.record_terminal(conn, row["task_id"], "failed", exc_type="E")
+            else:
+                batches.record_terminal(conn, row["task_id"], "succeeded", result=encode_result(app, value))
+        conn.execute(text("UPDATE fanin_successors SET state = 'succeeded' WHERE batch_id = :b"), {"b": batch_id})
+
+
+def test_a_rounds_successor_sees_every_childs_last_outcome_across_the_rounds(
+    app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis
+) -> None:
+    """Issue 40, item 4: a successor that sums its children saw only the retried round's (34 of 285). Round k of a
+    retry holds the failures of round k - 1 in child order, so its child j stands for that round's j-th failure."""
+    first = fan_in_group([tasks.add.s(i, i) for i in range(5)], then=tasks.collect.s("sum")).apply_async()
+    _report_values(app, store_engine, first.batch_id, {0: 0, 1: "failed", 2: 4, 3: "failed", 4: 8})
+    second = retry_failed(FanIn.of(app), first.batch_id)  # children 1 and 3
+    assert second.batch_id is not None
+    _report_values(app, store_engine, second.batch_id, {0: 2, 1: "failed"})
+    third = retry_failed(FanIn.of(app), first.batch_id)  # child 3 again
+    assert third.batch_id is not None
+    _report_values(app, store_engine, third.batch_id, {0: 6})
+    broker.delete(QUEUE)
+
+    def outcome(batch_id: str) -> BatchOutcome:
+        with store_engine.connect() as conn:
+            message = build_outcome(conn, queries.batch(conn, uuid.UUID(batch_id)), 100)  # type: ignore[arg-type]
+        return BatchOutcome.from_message(message, app=app)
+
+    round2, round3 = outcome(second.batch_id), outcome(third.batch_id)
+    assert [(r.index, r.state) for r in round2.results()] == [
+        (0, "succeeded"),
+        (1, "succeeded"),
+        (2, "succeeded"),
+        (3, "failed"),
+        (4, "succeeded"),
+    ]
+    assert list(round2.values()) == [0, 2, 4, 8] and sum(round3.values()) == 0 + 2 + 4 + 6 + 8
+    assert [r.state for r in round3.results()] == ["succeeded"] * 5
+    with store_engine.connect() as conn:
+        ids = fetch_all(conn, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=third.batch_id)
+    assert [r.task_id for r in round3.results()][3] == ids[0]["task_id"]  # the run that gave child 3's outcome
+    assert list(round2.values(rounds="this")) == [2] and list(outcome(first.batch_id).values()) == [0, 4, 8]
+    with pytest.raises(ValueError, match="rounds must be"):
+        list(round2.results(rounds="every"))
+    # The first round's handle answers with the last round's successor (its stored result here).
+    with store_engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE fanin_successors SET result = :r, result_content_type = 'application/json', "
+                "result_content_encoding = 'utf-8' WHERE batch_id = :b"
+            ),
+            {"r": b"20", "b": third.batch_id},
+        )
+    assert first.get(timeout=5) == 20 and first.result == 20
+    assert FanInResult(app, second.batch_id).get(timeout=5) == 20

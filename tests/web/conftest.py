@@ -44,7 +44,7 @@ class Store:
         if step is not None:
             options["step"] = step
         handle = fan_in_group(children, then=app.signature("web.then"), app=app, **options).apply_async()
-        return Batch(handle.batch_id, task_ids, handle.status().step, app)
+        return Batch(handle.batch_id, task_ids, handle.batch_status().step, app)
 
     def finish(self, batch: Batch, index: int, state: str = "succeeded", message: str = "") -> None:
         fanin = FanIn.of(batch.app)

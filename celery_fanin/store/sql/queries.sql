@@ -69,6 +69,31 @@ SELECT idx, task_id, state, result, result_content_type, result_content_encoding
  WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
  ORDER BY idx;
 
+-- name: round_results
+-- Every child of round 1 of `id`'s batch, in round 1's child order, with its last outcome in rounds up to `id`'s:
+-- a retry round's children are the failures of the round before in child order (ops/rounds.py), so its child k
+-- is that round's k-th failure. Streamed with a server-side cursor, as child_results
+WITH RECURSIVE this AS (
+    SELECT coalesce(retry_of, id) AS original, round FROM fanin_batches WHERE id = :id
+), rounds AS (
+    SELECT b.id, b.round FROM fanin_batches b, this
+     WHERE (b.id = this.original OR b.retry_of = this.original) AND b.parent_id IS NULL AND b.round <= this.round
+), kids AS (
+    SELECT r.round, c.idx, c.task_id, c.state, c.result, c.result_content_type, c.result_content_encoding,
+           CASE WHEN c.state NOT IN ('pending', 'started', 'succeeded')
+                THEN row_number() OVER (PARTITION BY r.round, c.state NOT IN ('pending', 'started', 'succeeded')
+                                        ORDER BY c.idx) - 1 END AS failure_rank
+      FROM rounds r
+      JOIN fanin_children c ON c.batch_id IN (SELECT l.id FROM fanin_batches l WHERE l.id = r.id OR l.parent_id = r.id)
+), last AS (
+    SELECT k.idx AS first_idx, k.* FROM kids k WHERE k.round = 1
+    UNION ALL
+    SELECT l.first_idx, k.* FROM last l JOIN kids k ON k.round = l.round + 1 AND k.idx = l.failure_rank
+)
+SELECT DISTINCT ON (first_idx) first_idx AS idx, task_id, state, result, result_content_type, result_content_encoding
+  FROM last
+ ORDER BY first_idx, round DESC;
+
 -- name: unfinished_children
 -- A batch's children (leaves included) not yet terminal, in child order, with their stored messages
 SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.content_encoding
