@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -257,6 +257,17 @@ class Pages:
             return self.error(request, 404, f"no fan-in batch with id {batch_id}")
         return self.render(request, "batch.html", final=page.final, page=page, title=f"Batch {batch_id}")
 
+    def lookup(self, request: Request) -> Response:
+        """`/lookup?id=`: the batch a batch id, a child's task id or a successor's task id belongs to."""
+        value = (request.query_params.get("id") or "").strip()
+        if not value:
+            raise data.BadRequest("give a batch id, or a child's or a successor's task id (?id=)")
+        with data.read(self.engine) as conn:
+            found = data.lookup(conn, value)
+        if found is None:
+            return self.error(request, 404, f"no batch, child or successor with id {value}")
+        return RedirectResponse(_link(request)(f"/batches/{found}"), status_code=303)
+
     def sagas(self, request: Request) -> Response:
         state = request.query_params.get("state") or None
         before = data.Cursor.decode(request.query_params.get("before"))
@@ -271,6 +282,49 @@ class Pages:
         if page is None:
             return self.error(request, 404, f"no saga with id {saga_id}")
         return self.render(request, "saga.html", final=page.final, page=page, title=f"Saga {saga_id}")
+
+
+class Api:
+    """The JSON API (docs/how-to/dashboard.md#json-api): the batches list and one batch, as the pages show them."""
+
+    def __init__(self, pages: Pages) -> None:
+        self.pages = pages
+
+    def guarded(self, endpoint: Callable[[Request], Response]) -> Callable[[Request], Response]:
+        """Bad input a 400, a database error a 503, each as `{"error": why}`."""
+
+        def guarded_endpoint(request: Request) -> Response:
+            try:
+                return endpoint(request)
+            except data.BadRequest as exc:
+                return _json_error(400, str(exc))
+            except SQLAlchemyError as exc:
+                return _json_error(503, f"the database could not be read: {summarise(exc)}")
+
+        return guarded_endpoint
+
+    def batches(self, request: Request) -> Response:
+        filters = data.BatchFilters.from_query(request.query_params)
+        before = data.Cursor.decode(request.query_params.get("before"))
+        limit = min(_int(request.query_params.get("limit"), self.pages.options.page_size), 1000)
+        if limit < 1:
+            raise data.BadRequest("limit must be at least 1")
+        with data.read(self.pages.engine) as conn:
+            page = data.batches_page(conn, filters, before, limit)
+        return JSONResponse(data.batches_json(page), headers={"cache-control": "no-store"})
+
+    def batch(self, request: Request) -> Response:
+        batch_id = _uuid(request.path_params["batch_id"], "batch")
+        after = _int(request.query_params.get("failures_after"), -1)
+        with data.read(self.pages.engine) as conn:
+            page = data.batch_page(conn, batch_id, after)
+        if page is None:
+            return _json_error(404, f"no fan-in batch with id {batch_id}")
+        return JSONResponse(data.batch_json(page), headers={"cache-control": "no-store"})
+
+
+def _json_error(status: int, message: str) -> Response:
+    return JSONResponse({"error": message}, status_code=status, headers={"cache-control": "no-store"})
 
 
 def _uuid(value: str, what: str) -> uuid.UUID:
@@ -301,10 +355,14 @@ def build(
 ) -> Starlette:
     engine = read_only_engine(fanin, pool_size, statement_timeout)
     pages = Pages(engine, Options(refresh, page_size))
+    api = Api(pages)
     routes = [
         Route("/", pages.index, methods=["GET"]),
         Route("/batches", pages.guarded(pages.batches), methods=["GET"], name="batches"),
         Route("/batches/{batch_id}", pages.guarded(pages.batch), methods=["GET"], name="batch"),
+        Route("/lookup", pages.guarded(pages.lookup), methods=["GET"], name="lookup"),
+        Route("/api/batches", api.guarded(api.batches), methods=["GET"], name="api_batches"),
+        Route("/api/batches/{batch_id}", api.guarded(api.batch), methods=["GET"], name="api_batch"),
         Route("/sagas", pages.guarded(pages.sagas), methods=["GET"], name="sagas"),
         Route("/sagas/{saga_id}", pages.guarded(pages.saga), methods=["GET"], name="saga"),
         Mount("/static", StaticFiles(packages=[("celery_fanin.web", "static")]), name="static"),

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection, Engine, text
@@ -433,3 +434,77 @@ def saga_page(conn: Connection, saga_id: uuid.UUID) -> SagaPage | None:
 def read(engine: Engine) -> Connection:
     """A connection for one page's reads (one REPEATABLE READ snapshot: the counts on a page agree)."""
     return engine.connect().execution_options(isolation_level="REPEATABLE READ")
+
+
+# --- the JSON API and the lookup ------------------------------------------------------------------------------
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as JSON types: dataclasses and rows as objects, datetimes in ISO 8601, UUIDs as strings."""
+    if isinstance(value, admin.Node):
+        return value.as_dict()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in fields(value)}
+    if hasattr(value, "_mapping"):  # a SQLAlchemy row
+        return {key: jsonable(v) for key, v in value._mapping.items()}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (bytes, memoryview)):
+        return None  # a stored message or result: not the API's to decode
+    if isinstance(value, Decimal):
+        return float(value)
+    return value
+
+
+def batches_json(page: BatchesPage) -> dict[str, Any]:
+    return {
+        "batches": [{**jsonable(b), "id": str(b.id)} for b in page.rows],
+        "next": page.next.encode() if page.next else None,
+        "active": page.active,
+        "now": page.now.isoformat(),
+    }
+
+
+def batch_json(page: BatchPage) -> dict[str, Any]:
+    row = jsonable(page.row)
+    row.pop("message", None)
+    return {
+        "batch": row,
+        "remaining": page.remaining,
+        "counts": dict(page.counts),
+        "successor": jsonable(page.successor),
+        "failures": [{**f.entry, "worker": f.worker, "finished_at": jsonable(f.finished_at)} for f in page.failures],
+        "failures_total": page.failures_total,
+        "failures_next": page.failures_next,
+        "leaves_total": page.leaves_total,
+        "rounds": [n.as_dict() for n in page.rounds],
+        "nested_in": (
+            {"batch_id": str(page.nested_in[0]), "index": page.nested_in[1]} if page.nested_in is not None else None
+        ),
+        "final": page.final,
+        "now": page.now.isoformat(),
+    }
+
+
+def lookup(conn: Connection, value: str) -> uuid.UUID | None:
+    """The root batch `value` names: a batch id, a child's task id, or a successor's task id (None: none)."""
+    value = value.strip()
+    try:
+        as_batch = uuid.UUID(value)
+    except ValueError:
+        as_batch = None
+    if as_batch is not None and admin.node(conn, as_batch) is not None:
+        node = admin.node(conn, as_batch)
+        assert node is not None
+        return node.parent_id or node.id
+    child = admin.child_location(conn, value)
+    if child is not None:
+        return child[0]
+    found = conn.execute(_q("successor_by_task_id"), {"t": value}).first()
+    return None if found is None else found.batch_id

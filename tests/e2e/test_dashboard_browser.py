@@ -136,6 +136,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     producer: Any, processes: Any, dashboard: str, browser: Any, tmp_path: Path
 ) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     processes.worker(concurrency=3)  # the two gated children hold two processes; the third runs everything else
     processes.relay()
@@ -213,6 +214,17 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     assert "tests.app.record_run" in successor, successor
     _until(browser, "the page final", lambda d: "final" in d.find_element(By.ID, "live-status").text)
     assert browser.execute_script("return window.fanInMarker") == "not reloaded"
+
+    # --- found again from a child's task id, typed into the lookup form on the batches page ----------------------
+    with FanIn.of(producer).engine.connect() as conn:
+        child = conn.execute(
+            text("SELECT task_id FROM fanin_children WHERE batch_id = :b AND idx = 2"), {"b": handle.batch_id}
+        ).one()
+    browser.get(f"{dashboard}/batches")
+    box = _until(browser, "the lookup box", lambda d: d.find_element(By.CSS_SELECTOR, "form.lookup input[name=id]"))
+    box.send_keys(child.task_id + Keys.ENTER)
+    _until(browser, "the batch found", lambda d: d.current_url.endswith(f"/batches/{handle.batch_id}"))
+    assert "nightly-import" in _visible(browser)
 
     # --- the saga: its steps in order, the compensation that ran, and what the operator must acknowledge ---------
     status = rollback.wait(timeout=120)

@@ -103,3 +103,8 @@ SELECT g.id, g.app_name, g.key, g.state, g.steps, g.current_step, g.failed_step,
         OR (g.created_at, g.id) < (CAST(:before_at AS timestamptz), CAST(:before_id AS uuid)))
  ORDER BY g.created_at DESC, g.id DESC
  LIMIT :n;
+
+-- name: successor_by_task_id
+-- The batch whose successor has this task id (pre-assigned when the batch was created). No index serves it: a scan
+-- of the batches, bounded by the dashboard's statement timeout (a child's task id, the usual lookup, is a key)
+SELECT id AS batch_id FROM fanin_batches WHERE successor_task_id = :t AND parent_id IS NULL LIMIT 1;
