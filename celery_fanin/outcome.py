@@ -110,17 +110,18 @@ class BatchOutcome:
 
     def all_failures(self) -> list[dict[str, Any]]:
         """Every failed child, read from Postgres (the message lists at most `fanin_outcome_failures_limit`, and
-        at most `fanin_outcome_max_bytes` of them). For a batch with many failures, prefer `iter_failures`."""
+        at most `fanin_outcome_max_bytes` of them), each with its `traceback` (kept in the database only: the
+        entries in `failures` have none). For a batch with many failures, prefer `iter_failures`."""
         engine = FanIn.of(self._app()).engine
         with engine.connect() as conn:
-            return [failure_entry(f) for f in queries.failures(conn, uuid.UUID(self.batch_id))]
+            return [failure_entry(f, with_traceback=True) for f in queries.failures(conn, uuid.UUID(self.batch_id))]
 
     def iter_failures(self, after: int | None = None, fetch_size: int = 1000) -> Iterator[dict[str, Any]]:
         """Every failed child in child order, streamed from Postgres with a server-side cursor; `after`: only
         those past that child index (the last one listed in `failures`, to read on where the message stopped)."""
         engine = FanIn.of(self._app()).engine
         for row in queries.stream_failures(engine, uuid.UUID(self.batch_id), after, fetch_size):
-            yield failure_entry(row)
+            yield failure_entry(row, with_traceback=True)
 
     def compensate(self) -> FanInResult:
         """Roll back this batch's work: run the undo of every child created with `compensated(task.s(...),

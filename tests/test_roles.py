@@ -434,6 +434,8 @@ EXECUTES = {
         "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
         # a main-process event about a copy that never ran (counted only while no copy started the child)
         "fanin_report_unrun(text,uuid,integer,text,text,text,text)",
+        "fanin_note_traceback(text,text)",
+        "fanin_note_successor_traceback(uuid,text,text)",
         "fanin_claim_run_v2(uuid,text,text,integer,double precision,double precision,text,text,text,text)",
         "fanin_count_duplicate(uuid,text)",
         "fanin_hand_over_v2(uuid,text,integer,text,timestamp with time zone,text)",

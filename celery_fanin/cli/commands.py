@@ -256,11 +256,15 @@ def _render(data: dict[str, Any]) -> None:
         ("completed", _when(data["completed_at"])),
         ("deadline", deadline),
         ("successor", f"{data['successor_state'] or 'not created'} ({data['successor_task_id']})"),
+        *((("successor error", data["successor_error"]),) if data.get("successor_error") else ()),
         ("duplicate deliveries", data["successor_duplicates"]),
         ("refused reports", data.get("refused_reports", 0)),
     ):
         table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     console.print(table)
+    if data.get("successor_traceback"):
+        console.print("successor traceback:", highlight=False)
+        console.print(escape(data["successor_traceback"]))
     with Progress(
         TextColumn("children"),
         BarColumn(),
@@ -475,11 +479,13 @@ def ls(
 @click.option(
     "--limit", type=click.IntRange(1, MAX_COUNT), default=100, show_default=True, help="Most failures listed."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the failures as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the failures as JSON (each with its traceback).")
+@click.option("--traceback", "tracebacks", is_flag=True, help="Print each failure's traceback under the table.")
 @click.pass_context
 @_errors_as_exit
-def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> None:
-    """List a batch's failed and lost children: task, state, exception and attempts, in child order."""
+def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool, tracebacks: bool) -> None:
+    """List a batch's failed and lost children: task, state, exception and attempts, in child order; with
+    --traceback, the traceback each one raised (kept for a failure in the task's code)."""
     data = read_failures(_fanin(ctx), batch_id, limit=limit)
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -498,6 +504,10 @@ def failures(ctx: click.Context, batch_id: str, limit: int, as_json: bool) -> No
             str(f["index"]), f["task_id"], escape(f["task_name"]), f["state"], escape(exc or "-"), str(f["attempts"])
         )
     console.print(table)
+    if tracebacks:
+        for f in listed:
+            console.print(f"\nchild {f['index']} ({f['task_id']}):", highlight=False)
+            console.print(escape(f["traceback"] or "no traceback kept (no error raised in the task's code)"))
 
 
 @fanin.command(name="retry-failed")

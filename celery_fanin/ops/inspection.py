@@ -149,6 +149,10 @@ def describe(fanin: FanIn, batch_id: str | uuid.UUID, tree_limit: int = 200) -> 
                 found = admin.child_location(conn, n.parent_task_id)
                 nested_in = {"batch_id": str(found[0]), "child_index": found[1]} if found else None
             data["nested_in"] = nested_in
+            succ = queries.successor(conn, bid, status.step) if n.parent_id is None else None
+            failed = succ is not None and succ.exc_type is not None
+            data["successor_error"] = f"{succ.exc_type}: {succ.exc_message or ''}" if succ and failed else None
+            data["successor_traceback"] = succ.traceback if succ is not None else None
             original = n.retry_of or n.id
             rounds = admin.rounds(conn, original)
             data["rounds"] = [r.as_dict() for r in rounds] if len(rounds) > 1 or n.retry_of else []
@@ -219,5 +223,5 @@ def failures(fanin: FanIn, batch_id: str | uuid.UUID, limit: int | None = 100) -
         "state": n.state,
         "round": n.round,
         "total": total,
-        "failures": [failure_entry(r) for r in rows],
+        "failures": [failure_entry(r, with_traceback=True) for r in rows],
     }

@@ -324,13 +324,17 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
 
     @property
     def traceback(self) -> str | None:
-        """The successor's traceback as Celery gives it: None unless it failed; then its error as
-        ``Type: message``, the part of it the store keeps."""
+        """The successor's traceback as Celery gives it: None unless it failed; then the traceback its run raised
+        (kept in PostgreSQL, its last 16,000 characters), or ``Type: message`` for a failure that raised nothing
+        in its code (a lost worker, a time limit seen by the main process)."""
         status = self._status_or_none()
         if status is None or status.successor_state != SuccessorState.FAILED:
             return None
-        _, exc = self._outcome(status)
-        return None if exc is None else f"{type(exc).__name__}: {exc}"
+        with FanIn.of(self.app).engine.connect() as conn:
+            succ = queries.successor(conn, parse_batch_id(self.batch_id), status.step)
+        if succ is None:
+            return None
+        return succ.traceback or f"{succ.exc_type or 'Exception'}: {succ.exc_message or ''}"
 
     @property
     def date_done(self) -> datetime | None:

@@ -90,11 +90,12 @@ def _listed_failures(
     return listed, None
 
 
-def failure_entry(row: queries.FailureRow) -> dict[str, Any]:
+def failure_entry(row: queries.FailureRow, with_traceback: bool = False) -> dict[str, Any]:
     """One failed child as the outcome lists it: which child (index, task, its arguments) and why it failed.
 
     Arguments are included when the child was encoded as JSON, so the entry stays JSON-serialisable whatever
-    serializer the successor uses; other serializers' arguments stay in Postgres only.
+    serializer the successor uses; other serializers' arguments stay in Postgres only. `with_traceback`: with the
+    child's traceback too (None if none was kept), for what reads the database; never in the successor's message.
     """
     entry: dict[str, Any] = {
         "index": row.index,
@@ -107,6 +108,8 @@ def failure_entry(row: queries.FailureRow) -> dict[str, Any]:
     }
     if row.late_state is not None:
         entry["late_state"] = row.late_state
+    if with_traceback:
+        entry["traceback"] = row.traceback
     if row.message.content_type == "application/json":
         try:
             sig = json.loads(row.message.body)

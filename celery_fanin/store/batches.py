@@ -423,6 +423,7 @@ RECORD_STARTS_SQL = RECORD_STARTS.psycopg
 SUCCESSOR_PUBLISHER_SQL = q("successor_publisher").psycopg
 # The relay woken by hand, for a successor such a connection created that its worker leaves to the relay.
 WAKE_RELAY = q("wake_relay")
+NOTE_TRACEBACK = q("note_traceback")
 
 
 @dataclass(frozen=True)

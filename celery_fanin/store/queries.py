@@ -60,6 +60,7 @@ class SuccessorRow:
     started_at: datetime | None
     finished_at: datetime | None
     kind: str = "then"
+    traceback: str | None = None  # a failed run's (the `successor` statement reads it; the outbox's do not)
 
 
 def _encoded(body: bytes | None, content_type: str | None, content_encoding: str | None) -> Encoded | None:
@@ -110,6 +111,7 @@ def successor_row(r: Any) -> SuccessorRow | None:
         r.s_started_at,
         r.s_finished_at,
         r.s_kind,
+        getattr(r, "s_traceback", None),
     )
 
 
@@ -169,6 +171,7 @@ class FailureRow:
     attempts: int
     late_state: str | None
     message: Encoded
+    traceback: str | None = None
 
 
 def failures(conn: Connection, batch_id: uuid.UUID, limit: int | None = None) -> list[FailureRow]:
@@ -205,6 +208,7 @@ def _failure_row(r: Any) -> FailureRow:
         r.starts,
         r.late_state,
         Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+        r.traceback,
     )
 
 
@@ -217,7 +221,7 @@ def child_results(
     (`retry-failed`); the same as without it for a batch never retried."""
     with engine.connect() as conn:
         rows = conn.execution_options(stream_results=True, yield_per=fetch_size).execute(
-            q("round_results" if across_rounds else "child_results").text,
+            (q("round_results") if across_rounds else q("child_results")).text,
             {"id": batch_id},
         )
         for r in rows:

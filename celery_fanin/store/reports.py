@@ -24,6 +24,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from .batches import (
+    NOTE_TRACEBACK,
     RECORD_STARTS,
     RECORD_TERMINAL,
     RECOVERY_TERMINAL,
@@ -40,7 +41,7 @@ from .batches import (
 )
 from .outbox import HANDED_OFF, MARK_SENT_ASYNC, OutboxRow, handed_off_rows
 from .statements import Statement
-from .successors import CLAIM_RUN, COUNT_DUPLICATE
+from .successors import CLAIM_RUN, COUNT_DUPLICATE, NOTE_SUCCESSOR_TRACEBACK
 from .urls import libpq_conninfo, sqlalchemy_url
 
 __all__ = ["CONNECT_OPTIONS", "ReportConnection", "connect_options", "libpq_conninfo"]
@@ -130,6 +131,15 @@ class ReportConnection:
         """The successor run guard's statement (`store.successors.claim_run`, parameters from `claim_params`):
         a successor's admission on its critical path, one round trip on a connection already open."""
         return self._run(CLAIM_RUN, params)
+
+    def note_traceback(self, task_id: str, traceback: str) -> bool:
+        """Keep a failed child's traceback (`fanin_note_traceback`: once, bounded); False if nothing took it."""
+        return bool(self._run(NOTE_TRACEBACK, {"task_id": task_id, "traceback": traceback})[0])
+
+    def note_successor_traceback(self, batch_id: object, step: str, traceback: str) -> bool:
+        """Keep a failed successor's traceback (`fanin_note_successor_traceback`)."""
+        params = {"id": batch_id, "step": step, "traceback": traceback}
+        return bool(self._run(NOTE_SUCCESSOR_TRACEBACK, params)[0])
 
     def count_duplicate(self, batch_id: object, step: str) -> None:
         """Count a delivery the guard refused (`store.successors.count_duplicate`)."""

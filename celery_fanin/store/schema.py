@@ -103,6 +103,8 @@ children = Table(
     Column("expires_at", DateTime(timezone=True)),
     Column("eta_at", DateTime(timezone=True)),
     Column("duplicates", Integer, nullable=False),
+    # A failed child's traceback, kept here only (migration 0028).
+    Column("traceback", Text),
 )
 
 successors = Table(
@@ -130,6 +132,7 @@ successors = Table(
     Column("run_owner", Text),
     Column("carrier", Text),
     Column("run_owner_key", Text),
+    Column("traceback", Text),
 )
 
 outbox = Table(

@@ -54,6 +54,7 @@ class Refusal:
 # (`store.reports.ReportConnection.claim_run`), one round trip without a pool checkout and its pre-ping.
 CLAIM_RUN = q("claim_run")
 COUNT_DUPLICATE = q("count_duplicate")
+NOTE_SUCCESSOR_TRACEBACK = q("note_successor_traceback")
 
 
 def claim_params(

@@ -316,8 +316,9 @@ def _failure(r: Any) -> Failure:
         attempts=r.starts,
         late_state=r.late_state,
         message=Encoded(r.content_type, r.content_encoding, bytes(r.message)),
+        traceback=r.traceback,
     )
-    return Failure(failure_entry(row), r.worker, r.finished_at)
+    return Failure(failure_entry(row, with_traceback=True), r.worker, r.finished_at)
 
 
 def _is_final(state: str, successor: queries.SuccessorRow | None, is_leaf: bool) -> bool:

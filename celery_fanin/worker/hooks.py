@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import traceback
 import uuid
 import weakref
 from collections import OrderedDict
@@ -116,6 +117,18 @@ def _exc_fields(exc: BaseException | None) -> tuple[str | None, str | None]:
     if exc is None:
         return None, None
     return type(exc).__name__, str(exc)[:2000]
+
+
+TRACEBACK_LIMIT = 16_000  # characters kept of a traceback (its end: the error); the store bounds it the same
+
+
+def format_traceback(exc: BaseException | None) -> str | None:
+    """The traceback of a failure, as Python prints it, its last `TRACEBACK_LIMIT` characters; None without one
+    (an error raised nowhere: a time limit or a lost process seen by the main process)."""
+    if exc is None or exc.__traceback__ is None:
+        return None
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return text if len(text) <= TRACEBACK_LIMIT else "...\n" + text[-(TRACEBACK_LIMIT - 4) :]
 
 
 def claim_of(marker: Marker) -> batches.Claim:
@@ -224,6 +237,11 @@ class WorkerHooks:
         extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
         if rec is None:
             return None
+        trace = format_traceback(exc) if rec.counted and state != ChildState.SUCCEEDED else None
+        if trace is not None:  # the counted run's, kept in the database only (never in the successor's message)
+            report.send_terminal(
+                fanin, f"traceback of task {task_id}", lambda reports: reports.note_traceback(task_id, trace)
+            )
         if rec.counted:
             logger.debug(
                 "child done batch_id=%s index=%s task_id=%s state=%s remaining=%s",
@@ -353,7 +371,16 @@ class WorkerHooks:
             except EncodeError as err:
                 logger.warning("result of the successor of batch_id=%s cannot be encoded: %s", marker.batch_id, err)
         if live is not None:
-            return successor_runs.finish(live, state, result=result, exc_type=exc_type, exc_message=exc_message)
+            finished = successor_runs.finish(live, state, result=result, exc_type=exc_type, exc_message=exc_message)
+            trace = format_traceback(exc) if finished and state == SuccessorState.FAILED else None
+            if trace is not None:
+                report.send(
+                    fanin,
+                    "successor",
+                    f"traceback of the successor of batch {marker.batch_id}",
+                    lambda: fanin.reports.note_successor_traceback(marker.batch_id, marker.step or "", trace),
+                )
+            return finished
         done = report.send(
             fanin,
             "successor",

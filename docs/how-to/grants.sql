@@ -16,6 +16,8 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                  timestamptz, integer, text),
                            fanin_report_unrun(text, uuid, integer, text, text, text, text),
+                           fanin_note_traceback(text, text),
+                           fanin_note_successor_traceback(uuid, text, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
                            fanin_seal(uuid),
                            fanin_ensure_successor(uuid, text),
@@ -75,12 +77,15 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- created is published by that worker after its commit (`fanin_worker_publishes_successors`): a completed batch's
 -- returned by the report that created it (fanin_handed_off, also read on its own) and marked sent, any other
 -- through the relay's claim, marked sent or failed, and the rest of a batch past its threshold abandoned; one the
--- worker leaves to the relay is made due at once (fanin_wake_relay).
+-- worker leaves to the relay is made due at once (fanin_wake_relay). A failed child's or successor's traceback is
+-- written once, after the report that counted the failure (fanin_note_traceback, fanin_note_successor_traceback).
 -- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                 timestamptz, integer, text),
                           fanin_report_unrun(text, uuid, integer, text, text, text, text),
+                          fanin_note_traceback(text, text),
+                          fanin_note_successor_traceback(uuid, text, text),
                           fanin_record_starts(text[], integer[], text[], timestamptz[]),
                           fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text,
                                               text, text, text),

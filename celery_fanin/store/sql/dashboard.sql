@@ -58,7 +58,7 @@ SELECT c.state, count(*) AS n
 -- name: failures_page
 -- The children of a batch and its leaves that did not succeed, in child order, past index :after.
 SELECT c.idx, c.task_id, c.task_name, c.state, c.exc_type, c.exc_message, c.starts, c.late_state, c.worker,
-       c.finished_at, c.message, c.content_type, c.content_encoding
+       c.finished_at, c.message, c.content_type, c.content_encoding, c.traceback
   FROM fanin_children c
  WHERE c.batch_id IN (SELECT x.id FROM fanin_batches x WHERE x.id = :id OR x.parent_id = :id)
    AND c.state NOT IN ('pending', 'started', 'succeeded')

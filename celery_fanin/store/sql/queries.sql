@@ -22,7 +22,7 @@ SELECT b.id, b.step, b.state, b.planned, b.remaining, b.succeeded, b.failed, b.p
 -- One successor's row, as SuccessorRow is built from it.
 SELECT s.task_id AS s_task_id, s.state AS s_state, s.runs AS s_runs, s.duplicates AS s_duplicates,
        s.exc_type AS s_exc_type, s.exc_message AS s_exc_message, s.started_at AS s_started_at,
-       s.finished_at AS s_finished_at, s.kind AS s_kind
+       s.finished_at AS s_finished_at, s.kind AS s_kind, s.traceback AS s_traceback
   FROM fanin_successors s WHERE s.batch_id = :id AND s.step = :step;
 
 -- name: unfinished_leaves
@@ -46,7 +46,7 @@ SELECT state, count(*) FROM fanin_children WHERE batch_id IN (SELECT id FROM fan
 -- name: failures
 -- Children that did not succeed, in child order, with their stored signatures (to show their arguments)
 SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
-       message, content_type, content_encoding
+       message, content_type, content_encoding, traceback
   FROM fanin_children
  WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
    AND state NOT IN ('pending', 'started', 'succeeded')
@@ -55,7 +55,7 @@ SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state
 -- name: stream_failures
 -- `failures`, streamed with a server-side cursor (memory bounded by `fetch_size`)
 SELECT idx, task_id, task_name, state, exc_type, exc_message, starts, late_state,
-       message, content_type, content_encoding
+       message, content_type, content_encoding, traceback
   FROM fanin_children
  WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :id OR parent_id = :id)
    AND state NOT IN ('pending', 'started', 'succeeded')
@@ -281,6 +281,14 @@ SELECT s.batch_id, s.step FROM fanin_successors s
 -- name: claim_run
 -- Admit one delivery of a successor, or say why not
 SELECT run, attempt, state, run_owner FROM fanin_claim_run_v2(:id, :step, :task_id, :retries, CAST(:lease AS double precision), CAST(:grace AS double precision), :owner, :owner_key, :carrier, :dead_owner);
+
+-- name: note_traceback
+-- A failed child's traceback, after the report that counted the failure (bounded and written once by the function)
+SELECT fanin_note_traceback(:task_id, :traceback);
+
+-- name: note_successor_traceback
+-- A failed successor's traceback, after its run was recorded failed
+SELECT fanin_note_successor_traceback(:id, :step, :traceback);
 
 -- name: count_duplicate
 -- Count a refused delivery (shown by `status` as the successor's duplicates)

@@ -109,6 +109,7 @@ CREATE TABLE fanin_children (
     expires_at              timestamptz,
     eta_at                  timestamptz,
     duplicates              integer NOT NULL DEFAULT 0,
+    traceback               text,
     CONSTRAINT fanin_children_pkey PRIMARY KEY (task_id),
     CONSTRAINT fanin_children_batch_id_idx_key UNIQUE (batch_id, idx),
     CONSTRAINT fanin_children_state_check CHECK (state IN ('pending', 'started', 'succeeded', 'failed', 'time_limit',
@@ -144,6 +145,7 @@ CREATE TABLE fanin_successors (
     run_owner               text,
     carrier                 text,
     run_owner_key           text,
+    traceback               text,
     CONSTRAINT fanin_successors_pkey PRIMARY KEY (batch_id, step),
     CONSTRAINT fanin_successors_kind_check CHECK (kind IN ('then', 'on_expire', 'on_failure')),
     CONSTRAINT fanin_successors_state_check CHECK (state IN ('pending', 'sent', 'running', 'retrying', 'requeued',
@@ -1208,6 +1210,31 @@ BEGIN
                                          p_result, p_rct, p_rce, p_exc_type, p_exc_message, NULL, NULL, NULL);
     END IF;
     RETURN true;
+END
+$$;
+
+-- A failed child's and a failed successor's traceback, written once after the report that counted the failure,
+-- bounded here whatever the caller sent (its last 16,000 characters: a traceback ends with the error).
+-- fanin_note_traceback(text,text)
+CREATE FUNCTION fanin_note_traceback(p_task_id text, p_traceback text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- Only a child counted as not succeeded, and only the first traceback (the counted run's, as its report was).
+    UPDATE fanin_children SET traceback = right(p_traceback, 16000)
+     WHERE task_id = p_task_id AND state NOT IN ('pending', 'started', 'succeeded') AND traceback IS NULL;
+    RETURN FOUND;
+END
+$$;
+
+-- fanin_note_successor_traceback(uuid,text,text)
+CREATE FUNCTION fanin_note_successor_traceback(p_batch uuid, p_step text, p_traceback text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE fanin_successors SET traceback = right(p_traceback, 16000)
+     WHERE batch_id = p_batch AND step = p_step AND state = 'failed' AND traceback IS NULL;
+    RETURN FOUND;
 END
 $$;
 
