@@ -55,6 +55,22 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
         raise click.BadParameter(str(exc)) from None
 
 
+def _user_password(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, str] | None:
+    if value is None:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise click.BadParameter("give USER:PASSWORD, neither empty")
+    return user, password
+
+
+def _prefix(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    prefix = value.strip().rstrip("/")
+    if prefix and (not prefix.startswith("/") or any(c in prefix for c in "?#% ")):
+        raise click.BadParameter(f"{value!r} is not a URL path (like /fanin)")
+    return prefix
+
+
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -68,6 +84,8 @@ def command(
     @click.command(name="dashboard")
     @click.option(
         "--host",
+        "--address",
+        "host",
         default="127.0.0.1",
         show_default=True,
         help="Address to listen on. Anything but loopback needs --token (or --allow-unauthenticated).",
@@ -88,6 +106,19 @@ def command(
         help="Seconds between live updates (default fanin_dashboard_refresh, else 2).",
     )
     @click.option(
+        "--basic-auth",
+        envvar="FANIN_DASHBOARD_BASIC_AUTH",
+        default=None,
+        callback=_user_password,
+        help="Require HTTP basic auth with this USER:PASSWORD (default: $FANIN_DASHBOARD_BASIC_AUTH), as Flower's.",
+    )
+    @click.option(
+        "--url-prefix",
+        default="",
+        callback=_prefix,
+        help="Serve under this path (`/fanin`: the pages at /fanin/batches), behind a proxy that keeps the prefix.",
+    )
+    @click.option(
         "--allow-unauthenticated",
         is_flag=True,
         help="Serve a non-loopback address without a token (behind a proxy that authenticates).",
@@ -95,7 +126,14 @@ def command(
     @click.pass_context
     @errors_as_exit
     def dashboard(
-        ctx: click.Context, host: str, port: int, token: str | None, refresh: float | None, allow_unauthenticated: bool
+        ctx: click.Context,
+        host: str,
+        port: int,
+        token: str | None,
+        refresh: float | None,
+        basic_auth: tuple[str, str] | None,
+        url_prefix: str,
+        allow_unauthenticated: bool,
     ) -> None:
         """Serve the read-only web dashboard of batches and sagas (needs the web extra)."""
         from . import create_app, require_extra
@@ -105,16 +143,24 @@ def command(
 
         fanin = fanin_of(ctx)
         token = token or fanin.app.conf.get("fanin_dashboard_token") or None
-        if token is None and not is_loopback(host) and not allow_unauthenticated:
+        if token is None and basic_auth is None and not is_loopback(host) and not allow_unauthenticated:
             raise click.ClickException(
                 f"refusing to serve the dashboard on {host} without a token: pass --token (or set "
-                "FANIN_DASHBOARD_TOKEN), or --allow-unauthenticated behind a proxy that authenticates"
+                "FANIN_DASHBOARD_TOKEN) or --basic-auth, or --allow-unauthenticated behind a proxy that authenticates"
             )
-        app = create_app(fanin, token=token, refresh=refresh)
+        dashboard_app = create_app(fanin, token=token, basic_auth=basic_auth, refresh=refresh)
+        app = dashboard_app
+        if url_prefix:
+            from starlette.applications import Starlette
+            from starlette.routing import Mount
+
+            app = Starlette(routes=[Mount(url_prefix, app=dashboard_app)])  # its links stay under the mount
+            app.state.engine = dashboard_app.state.engine
         sock = _listen(host, port)
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
-        click.echo(f"dashboard at http://{shown}:{bound[1]}/" + (" (token required)" if token else ""), err=True)
+        needs = " (token required)" if token else " (basic auth required)" if basic_auth else ""
+        click.echo(f"dashboard at http://{shown}:{bound[1]}{url_prefix}/" + needs, err=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it found:
         # this one, so that a warm stop exits 0 (as the relay does) instead of dying by the signal.

@@ -226,6 +226,42 @@ def test_the_command_serves_the_pages_on_loopback(e2e_env: dict[str, str], tmp_p
     assert proc.proc.returncode == 0, proc.output()[-2000:]
 
 
+def test_flowers_options_address_url_prefix_and_basic_auth(
+    e2e_env: dict[str, str], tmp_path: Path, store: Store
+) -> None:
+    """`--address`, `--url-prefix` and `--basic-auth`, spelled as Flower spells them (issue 40, item 6)."""
+    batch = store.batch(2)
+    auth = {"authorization": "Basic " + base64.b64encode(b"ops:s3cret").decode()}
+    proc, base = _serve(
+        e2e_env, tmp_path, "--address", "127.0.0.1", "--url-prefix", "/fanin/", "--basic-auth", "ops:s3cret"
+    )
+    try:
+        assert base.startswith("http://127.0.0.1:") and base.endswith("/fanin"), base
+        assert "(basic auth required)" in proc.output() and "s3cret" not in proc.output()
+        assert _get(f"{base}/batches")[0] == 401
+        status, page = _get(f"{base}/batches", auth)
+        assert status == 200 and batch.id in page
+        assert f'href="/fanin/batches/{batch.id}"' in page and 'action="/fanin/lookup"' in page, "links under it"
+        assert _get(base.removesuffix("/fanin") + "/batches", auth)[0] == 404, "nothing outside the prefix"
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0, proc.output()[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--basic-auth", "nopassword"], "give USER:PASSWORD"),
+        (["--basic-auth", ":x"], "give USER:PASSWORD"),
+        (["--url-prefix", "fanin"], "is not a URL path"),
+        (["--address", "0.0.0.0"], "without a token"),
+    ],
+)
+def test_bad_dashboard_options_are_refused(app: Celery, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(fanin_group, ["dashboard", *args], obj=SimpleNamespace(app=app))
+    assert result.exit_code != 0 and message in result.output, result.output
+
+
 def test_the_command_reports_a_taken_port(e2e_env: dict[str, str], tmp_path: Path) -> None:
     first, base = _serve(e2e_env, tmp_path)
     try:
