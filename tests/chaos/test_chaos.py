@@ -341,7 +341,11 @@ class Chaos:
         self._copied_batches += 1
         children = [producer.signature("tests.app.sleepy", args=(4,)) for _ in range(3)]
         successor = producer.signature("tests.app.chaos_successor", args=(-1000 - self._copied_batches,))
-        handle = fan_in_group(children, then=successor, app=producer).apply_async()
+        # The run's own recovery options (`_create_batches`): a Redis restart can lose both copies of a child, and
+        # then only child_timeout's redrive finishes the batch (a CI run of 5769afa waited on the default 6 h).
+        handle = fan_in_group(
+            children, then=successor, app=producer, child_timeout=45, on_lost="redrive", max_redrives=20
+        ).apply_async()
         with psycopg.connect(libpq_conninfo(self.env["FANIN_DATABASE_URL"]), autocommit=True) as conn:
 
             def started() -> bool:
