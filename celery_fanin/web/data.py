@@ -500,9 +500,8 @@ def lookup(conn: Connection, value: str) -> uuid.UUID | None:
         as_batch = uuid.UUID(value)
     except ValueError:
         as_batch = None
-    if as_batch is not None and admin.node(conn, as_batch) is not None:
-        node = admin.node(conn, as_batch)
-        assert node is not None
+    node = admin.node(conn, as_batch) if as_batch is not None else None
+    if node is not None:
         return node.parent_id or node.id
     child = admin.child_location(conn, value)
     if child is not None:
