@@ -5,6 +5,7 @@ from .exceptions import (
     BatchNotFinished,
     BatchNotFound,
     BatchNotOpen,
+    ChordHeaderFailed,
     FanInDatabaseError,
     FanInDepthExceeded,
     FanInError,
@@ -14,6 +15,7 @@ from .exceptions import (
 )
 from .extension import FanIn
 from .outcome import BatchOutcome, ChildResult
+from .producer.chord import FanInChord, chord
 from .producer.group import FanInGroup, fan_in_group
 from .producer.result import BatchStatus, FanInResult
 from .producer.schedule import fan_in_schedule
@@ -30,10 +32,12 @@ __all__ = [
     "BatchStatus",
     "ChildResult",
     "ChildState",
+    "ChordHeaderFailed",
     "CompensationState",
     "FanIn",
     "FanInDatabaseError",
     "FanInDepthExceeded",
+    "FanInChord",
     "FanInError",
     "FanInGroup",
     "FanInNotConfigured",
@@ -45,6 +49,7 @@ __all__ = [
     "SagaStatus",
     "SagaStepState",
     "SuccessorState",
+    "chord",
     "compensated",
     "fan_in_group",
     "fan_in_schedule",

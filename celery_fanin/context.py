@@ -74,6 +74,11 @@ class Settings:
     outcome_failures_limit: int = 100
     # ... and at most this many bytes of them (JSON, arguments included), so the successor's message stays small.
     outcome_max_bytes: int = 256 * 1024
+    # `celery_fanin.chord`: its body gets every header result in one message, so a header may have at most this many
+    # tasks (more is refused before anything is written: fan_in_group's successor streams results instead), and
+    # their encoded results at most this many bytes (more: the body fails with ChordHeaderFailed, not sent).
+    chord_max_header: int = 10_000
+    chord_max_bytes: int = 16 * 1024 * 1024
     # Children written and published per round trip by the producer and the relay.
     chunk_size: int = 1000
     # Above this many children a batch becomes a tree of leaf counters (filled round robin, tree_fanout at a time).

@@ -13,9 +13,9 @@ from .codec import decode_result
 from .context import FanIn
 from .producer.result import FanInResult
 from .protocol import BatchState, ChildState
-from .relay.payload import failure_entry
 from .sagas.driver import compensate_batch
 from .store import queries
+from .store.outcomes import failure_entry
 
 
 @dataclass(frozen=True)

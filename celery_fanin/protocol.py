@@ -23,6 +23,13 @@ HEADER_CARRIER = "fanin_carrier"
 # On a compensation task: the task id of the work it undoes (`task.request.fanin_undo_of`), its idempotency key.
 HEADER_UNDO_OF = "fanin_undo_of"
 
+# On a `celery_fanin.chord` body's message whose header did not all succeed (or whose results are too large to
+# send): "failed" or "too_large". Its run guard then fails the body with `ChordHeaderFailed` instead of running it.
+HEADER_CHORD = "fanin_chord"
+# Not a header: the option, in the stored successor signature of a chord's batch, that makes the relay send the
+# header's results as a list (the body's first argument) instead of the outcome; removed before publishing.
+CHORD_OPTION = "fanin_chord"
+
 # Not a header: the key, in a protocol-2 body's embed (its third part), of the fan-in claim. Celery's message signing
 # covers the body and not the headers, so the claim binds the fan-in headers to the signed body (see `claim`).
 BODY_CLAIM = "fanin_claim"
@@ -45,6 +52,7 @@ CLAIMED = (
     HEADER_SUCCESSOR,
     HEADER_STEP,
     HEADER_CARRIER,
+    HEADER_CHORD,
 )
 
 # The library's own tasks (`celery_fanin.builtin_tasks`). Messages in flight and users' routes name them: never
@@ -62,6 +70,8 @@ RUN_CANVAS_TASK = "celery_fanin.run_canvas"
 THEN_CANVAS_TASK = "celery_fanin.then_canvas"
 # The subtask type a fan_in_group signature is registered under (`Signature.register_type`).
 FAN_IN_GROUP_TYPE = "fan_in_group"
+# ... and a `celery_fanin.chord`'s.
+FAN_IN_CHORD_TYPE = "fan_in_chord"
 
 # The NOTIFY channel a new successor's transaction signals and the relay listens on.
 OUTBOX_CHANNEL = "fanin_outbox"

@@ -40,6 +40,7 @@ app.conf.update(
     fanin_open_batch_grace=float(os.environ.get("FANIN_TEST_OPEN_BATCH_GRACE", "300")),
     task_default_queue=os.environ.get("FANIN_TEST_QUEUE", "celery"),
     fanin_max_depth=int(os.environ.get("FANIN_TEST_MAX_DEPTH", "8")),
+    fanin_chord_max_bytes=int(os.environ.get("FANIN_TEST_CHORD_MAX_BYTES", str(16 * 1024 * 1024))),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     task_acks_late=os.environ.get("FANIN_TEST_ACKS_LATE") == "1",

@@ -35,6 +35,7 @@ from ..protocol import (
     CLAIM_RECEIVER,
     HEADER_BATCH,
     HEADER_CHAIN,
+    HEADER_CHORD,
     HEADER_INDEX,
     HEADER_STEP,
     HEADER_SUCCESSOR,
@@ -850,14 +851,24 @@ def _has_quorum_queues(app: Celery, driver: str) -> bool:
 
 
 def publish_successor(
-    app: Celery, prod: Producer, batch_id: uuid.UUID, step: str, task_id: str, then: Signature, outcome: dict[str, Any]
+    app: Celery,
+    prod: Producer,
+    batch_id: uuid.UUID,
+    step: str,
+    task_id: str,
+    then: Signature,
+    outcome: Any,
+    chord: str | None = None,
 ) -> None:
-    """Publish the successor with the outcome as its first argument, as a chord body gets the header results.
+    """Publish the successor with the outcome as its first argument, as a chord body gets the header results (a
+    `celery_fanin.chord`'s body: the results themselves, or `chord`, why its run guard must fail it).
 
     Built like a child's message when it can be (no result-backend subscription for a result this process never
     reads, no per-call routing), else through Celery's own `apply_async`.
     """
     marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
+    if chord is not None:
+        marker[HEADER_CHORD] = chord
     eager = is_eager(app)
     confirms = None
     if not eager and publish_mode(prod) == "confirm":
@@ -883,7 +894,7 @@ def _publish_successor(
     batch_id: uuid.UUID,
     task_id: str,
     then: Signature,
-    outcome: dict[str, Any],
+    outcome: Any,
     marker: dict[str, Any],
 ) -> None:
     target = confirms.producer if confirms is not None else prod

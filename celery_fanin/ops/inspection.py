@@ -19,8 +19,8 @@ from ..context import FanIn
 from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
 from ..producer.result import parse_batch_id, read_status
 from ..protocol import BatchState
-from ..relay.payload import failure_entry
 from ..store import admin, queries
+from ..store.outcomes import failure_entry
 
 # The longest duration and the largest count an operator command takes: beyond them an argument is a mistake, and
 # PostgreSQL would refuse it with an out-of-range error only after the command had started.

@@ -19,6 +19,7 @@ from ..codec import decode_signature
 from ..context import FanIn
 from ..protocol import (
     HEADER_BATCH,
+    HEADER_CHORD,
     HEADER_INDEX,
     HEADER_STEP,
     HEADER_SUCCESSOR,
@@ -28,7 +29,7 @@ from ..protocol import (
 )
 from ..relay.outbox import Due, publish_outbox
 from ..store import batches, outbox, queries
-from ..worker.hooks import worker_hooks
+from ..worker.hooks import guard_tasks, worker_hooks
 from .result import EagerFanInResult
 
 logger = logging.getLogger("celery_fanin.eager")
@@ -207,5 +208,9 @@ def _run_successors(fanin: FanIn, batch_id: uuid.UUID) -> list[str]:
     for d in due:
         sig = d.signature
         headers = {**(sig.options.get("headers") or {}), HEADER_SUCCESSOR: str(d.batch_id), HEADER_STEP: d.step}
+        if d.chord is not None:
+            # A chord's body that must not run: its run guard fails it, as on a worker (which guards every task).
+            headers[HEADER_CHORD] = d.chord
+            guard_tasks(fanin.app)
         sig.apply(args=(d.outcome,), task_id=d.task_id, headers=headers)
     return [d.task_id for d in due]

@@ -28,6 +28,7 @@ from ..codec import encode_signature
 from ..context import FanIn, eagerly, is_eager
 from ..exceptions import FanInDepthExceeded, InvalidArguments, InvalidFanIn
 from ..protocol import (
+    CHORD_OPTION,
     FAN_IN_GROUP_TYPE,
     HEADER_BATCH,
     HEADER_SUCCESSOR,
@@ -648,6 +649,8 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         }
         if options:
             spec["options"] = options
+        if self.is_chord:
+            spec["chord"] = True
         return spec
 
     @classmethod
@@ -666,7 +669,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         if "deadline" in options:
             options["deadline"] = timedelta(seconds=options["deadline"])
         max_width = options.pop("max_width", None)
-        return cls(
+        group = cls(
             [item(c) for c in spec["children"]],
             then=item(spec["then"]),
             step=spec.get("step"),
@@ -674,6 +677,9 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
             max_width=max_width,
             **options,
         )
+        if spec.get("chord"):
+            group[PLAN_KEY]["chord"] = True
+        return group
 
     def as_signature(self, app: Celery, what: str) -> Signature:
         """The message that stands for this group nested in another: `celery_fanin.run_group(spec)`."""
@@ -732,8 +738,37 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         sig = _check_plain_signature(then, "then")
         return sig, sig.task if self.step is None else self.step
 
+    @property
+    def is_chord(self) -> bool:
+        """Made by `celery_fanin.chord`: the successor (the body) gets the header's results as a list, and does not
+        run unless every child succeeded (see `producer.chord`)."""
+        return bool(self[PLAN_KEY].get("chord"))
+
+    def _chord_successor(self, app: Celery, then: Signature) -> Signature:
+        """A chord's body, checked and marked for the relay (`CHORD_OPTION`: send the results, not the outcome)."""
+        if isinstance(self.then, FanInGroup):
+            raise InvalidFanIn(
+                "a chord's body is a task, a chain or a group; for a fan-in after a fan-in use "
+                "fan_in_group(children, then=fan_in_group(...))"
+            )
+        children = self.children
+        if not isinstance(children, (list, tuple)):
+            raise InvalidFanIn("a chord's header must be a list of signatures (its body gets one result for each)")
+        limit = FanIn.of(app).settings.chord_max_header
+        if len(children) > limit:
+            raise InvalidFanIn(
+                f"this chord's header has {len(children)} tasks, more than fanin_chord_max_header={limit}: a chord's "
+                "body gets every result in one message. Use fan_in_group(children, then=...): its successor streams "
+                "the results from PostgreSQL (BatchOutcome.values()) whatever their number"
+            )
+        marked = then.clone()
+        marked.options[CHORD_OPTION] = True
+        return marked
+
     def _validate_head(self, app: Celery) -> tuple[Signature, str]:
         then, step = self._successor(app)
+        if self.is_chord:
+            then = self._chord_successor(app, then)
         if not isinstance(step, str) or not step.strip():
             raise InvalidFanIn("step must be a non-empty string")
         if len(step) > MAX_STEP_LENGTH:

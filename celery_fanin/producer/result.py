@@ -21,10 +21,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..codec import decode_result
 from ..context import FanIn
-from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
+from ..exceptions import BatchNotFound, ChordHeaderFailed, FanInDatabaseError, summarise
 from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
 from ..relay import maintenance
 from ..store import admin, batches, queries
+from ..store.outcomes import failure_entry
 
 
 @dataclass(frozen=True)
@@ -295,13 +296,18 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         with fanin.engine.connect() as conn:
             succ = queries.successor(conn, bid, status.step)
             encoded = queries.successor_result(conn, bid, status.step)
+            if succ is not None and succ.state == SuccessorState.FAILED:
+                exc = _exception(succ.exc_type, succ.exc_message)
+                if isinstance(exc, ChordHeaderFailed):  # a chord's body not run: name its failed children
+                    exc.batch_id = self.batch_id
+                    limit = int(fanin.setting("outcome_failures_limit"))
+                    exc.failures = [failure_entry(r) for r in queries.failures(conn, bid, limit=limit)]
+                return None, exc
         if succ is None or succ.state == SuccessorState.REVOKED:
             return None, TaskRevokedError(
                 f"batch {self.batch_id} ended {status.state}"
                 + (" with its successor revoked" if succ is not None else " with no successor run")
             )
-        if succ.state == SuccessorState.FAILED:
-            return None, _exception(succ.exc_type, succ.exc_message)
         return (decode_result(self.app, encoded) if encoded is not None else None), None
 
     @property
@@ -536,6 +542,8 @@ def _exception(exc_type: str | None, exc_message: str | None) -> BaseException:
     """The successor's error as the store has it (its type's name and its text): a built-in exception type is
     itself, any other is rebuilt by name, as Celery's result backends rebuild an exception they cannot import."""
     name = exc_type or "Exception"
+    if name == ChordHeaderFailed.__name__:  # the library's own: a chord's body that did not run
+        return ChordHeaderFailed(exc_message or "")
     cls = getattr(builtins, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         cls = create_exception_cls(name, "celery_fanin.remote")

@@ -20,11 +20,11 @@ from sqlalchemy import Connection
 from ..broker import publish
 from ..broker.confirms import BrokerRefused
 from ..broker.control import revoke_children
-from ..codec import decode_signature
+from ..codec import decode_result, decode_signature
 from ..context import FanIn
-from ..protocol import HEADER_TASK, UNPUBLISHABLE_TASK, BatchState
-from ..store import batches, outbox, recovery
-from .payload import build_outcome
+from ..protocol import CHORD_OPTION, HEADER_TASK, UNPUBLISHABLE_TASK, BatchState, ChildState
+from ..store import batches, outbox, queries, recovery
+from ..store.outcomes import build_outcome
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -45,7 +45,10 @@ class Due:
     step: str
     task_id: str
     signature: Signature
-    outcome: dict[str, Any]
+    # What the successor gets first: the outcome mapping; for a chord whose header all succeeded, the results
+    outcome: Any
+    # A chord's body that must not run (`HEADER_CHORD`: "failed", "too_large"), or None
+    chord: str | None = None
 
 
 def publish_outbox(
@@ -189,7 +192,9 @@ def _log_published(rows: Sequence[outbox.OutboxRow]) -> None:
 
 def _to_broker(app: Celery, prod: Producer) -> Callable[[Due], None]:
     def send(due: Due) -> None:
-        publish.publish_successor(app, prod, due.batch_id, due.step, due.task_id, due.signature, due.outcome)
+        publish.publish_successor(
+            app, prod, due.batch_id, due.step, due.task_id, due.signature, due.outcome, chord=due.chord
+        )
 
     return send
 
@@ -209,12 +214,35 @@ def _send_successor(
     sig = decode_signature(fanin.app, batch.message_for(kind))
     limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
     outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
-    deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
+    if sig.options.pop(CHORD_OPTION, None) and kind == "then":
+        first, why = _chord_results(fanin, batch, outcome)
+        deliver(Due(row, batch.id, row.step, task_id, sig, first, why))
+    else:
+        deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
     if batch.state != BatchState.FAILED_THRESHOLD:
         return []
     if conn is None:  # never handed off (fanin_create_successor hands off only a complete batch)
         raise ValueError(f"batch {batch.id} passed its failure threshold: abandoning its children needs a connection")
     return recovery.abandon_after_threshold(conn, batch.id)
+
+
+def _chord_results(fanin: FanIn, batch: queries.BatchRow, outcome: dict[str, Any]) -> tuple[Any, str | None]:
+    """What a chord's body is sent: the header's results in header order, read from PostgreSQL (across retry
+    rounds), if every header task succeeded and they fit `fanin_chord_max_bytes`; else the outcome, with why the
+    body must not run (its run guard then fails it with `ChordHeaderFailed`)."""
+    if batch.state != BatchState.COMPLETE or outcome["failed"] or outcome["abandoned"] or outcome["unfinished"]:
+        return outcome, "failed"
+    budget = int(fanin.setting("chord_max_bytes"))
+    used, values = 0, []
+    for _index, _task_id, state, encoded in queries.child_results(fanin.engine, batch.id, across_rounds=True):
+        if state != ChildState.SUCCEEDED:  # a retry round's view: an earlier round's failure not retried yet
+            return outcome, "failed"
+        if encoded is not None:
+            used += len(encoded.body)
+            if used > budget:
+                return outcome, "too_large"
+        values.append(decode_result(fanin.app, encoded) if encoded is not None else None)
+    return values, None
 
 
 def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID, *, reject: bool = False) -> int:

@@ -37,12 +37,14 @@ from ..exceptions import FanInNotConfigured
 from ..protocol import (
     BODY_CLAIM,
     HEADER_CARRIER,
+    HEADER_CHORD,
     ChildState,
     Marker,
     SuccessorState,
     body_claim,
     claim,
     put_claim,
+    request_header,
 )
 from ..store import batches
 from ..store.outbox import OutboxRow
@@ -746,6 +748,8 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
     def before_start_guarded(self: Any, task_id: str, args: Any, kwargs: Any) -> Any:
         request = self.request
         marker = Marker.from_mapping(request)
+        if marker is None and request.is_eager:  # eager: the headers stay in `request.headers`
+            marker = Marker.from_mapping(request.headers)
         fanin = _fanin_for(self.app) if marker is not None else None
         if fanin is not None and marker is not None and not request.is_eager:
             why = claim_refusal(fanin, request, getattr(request, BODY_CLAIM, None))
@@ -767,6 +771,13 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
                 extra={"batch_id": marker.batch_id, "step": marker.step, "task_id": task_id},
             )
             raise Ignore()
+        if fanin is not None and marker is not None and marker.is_successor:
+            why = request_header(request, HEADER_CHORD)
+            if why:
+                # A chord's body whose header did not all succeed: admitted (so this is its one run), failed here
+                # instead of run, so Celery records the failure and calls the body's errbacks once, as it does
+                # for a chord's body (`chord_error_from_stack`).
+                raise successor_runs.chord_failure(fanin, marker.batch_id, str(why))
         return before_start(self, task_id, args, kwargs)
 
     before_start_guarded._fanin_guard = True  # type: ignore[attr-defined]

@@ -24,8 +24,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .. import retry
 from ..context import FanIn
+from ..exceptions import ChordHeaderFailed
 from ..protocol import SuccessorState
-from ..store import successors
+from ..store import outcomes, queries, successors
 from ..store.batches import Encoded
 from .report import REPORTS_GIVEN_UP
 
@@ -60,6 +61,21 @@ def _store(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
             return fn(conn)
 
     return retry.call(once, what=what, timeout=float(fanin.setting("report_timeout")))
+
+
+def chord_failure(fanin: FanIn, batch_id: str, why: str) -> ChordHeaderFailed:
+    """The error a chord's body fails with when its header did not all succeed: its batch's outcome, read again
+    here (the body's message carries the results' place, not the outcome, when the body is immutable)."""
+    bid = uuid.UUID(batch_id)
+
+    def read(conn: Connection) -> dict[str, Any]:
+        batch = queries.batch(conn, bid)
+        if batch is None:
+            return {"batch_id": batch_id, "failures": []}
+        limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
+        return outcomes.build_outcome(conn, batch, limit, max_bytes=max_bytes)
+
+    return ChordHeaderFailed.from_outcome(_store(fanin, f"the outcome of chord {batch_id}", read), why)
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"

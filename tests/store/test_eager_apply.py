@@ -13,7 +13,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_fanin import FanIn, fan_in_group
+from celery_fanin import ChordHeaderFailed, FanIn, chord, fan_in_group
 
 from .helpers import QUEUE, wait_for
 
@@ -122,4 +122,23 @@ def test_a_nested_fan_in_and_a_chain_child_run_inline_under_apply(app: Celery, b
     result = fan_in_group([inner, chained, t["double"].s(5)], then=t["total"].s()).apply()
     assert result.get(timeout=TIMEOUT) == [3, 0]
     assert broker.llen(QUEUE) == 0
+    _unchanged(app)
+
+
+def test_a_chord_runs_inline_under_apply(app: Celery, broker: redis.Redis) -> None:
+    """`celery_fanin.chord(...).apply()`: the body gets the list, in header order; a failed header task fails the
+    body with `ChordHeaderFailed` (its code not run), as it does on a worker."""
+    t = _tasks(app)
+    ran: list[Any] = []
+
+    @app.task(name="tests.eager.listed", shared=False)
+    def listed(results: list[int]) -> list[int]:
+        ran.append(results)
+        return results
+
+    assert chord([t["double"].s(i) for i in range(4)], listed.s()).apply().get(timeout=TIMEOUT) == [0, 2, 4, 6]
+    failed = chord([t["double"].s(1), t["boom"].s(2)], listed.s()).apply()
+    with pytest.raises(ChordHeaderFailed, match=r"1 of 2 header tasks succeeded.*#1 tests\.eager\.boom"):
+        failed.get(timeout=TIMEOUT)
+    assert ran == [[0, 2, 4, 6]] and broker.llen(QUEUE) == 0
     _unchanged(app)

@@ -16,8 +16,8 @@ from celery_fanin import BatchOutcome, FanIn, FanInResult, InvalidFanIn, fan_in_
 from celery_fanin.codec import encode_result
 from celery_fanin.exceptions import BatchNotFinished, BatchNotFound
 from celery_fanin.ops.rounds import retry_failed
-from celery_fanin.relay.payload import build_outcome
 from celery_fanin.store import batches, queries
+from celery_fanin.store.outcomes import build_outcome
 
 from .helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages
 

@@ -7,8 +7,8 @@ import uuid
 
 from sqlalchemy import Engine, text
 
-from celery_fanin.relay.payload import build_outcome
 from celery_fanin.store import batches, queries
+from celery_fanin.store.outcomes import build_outcome
 
 from .helpers import create, fetch_one
 

@@ -24,8 +24,8 @@ from sqlalchemy import Engine, text
 
 from celery_fanin import BatchOutcome, FanIn, FanInNotConfigured, InvalidFanIn, codec, fan_in_group
 from celery_fanin.relay import outbox as relay_outbox
-from celery_fanin.relay.payload import build_outcome
 from celery_fanin.store import batches, queries, recovery
+from celery_fanin.store.outcomes import build_outcome
 
 from .helpers import (
     QUEUE,

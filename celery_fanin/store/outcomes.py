@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from ..protocol import BATCH_PARTIAL, CHILD_OPEN, BatchState, ChildState
-from ..store import queries
+from . import queries
 
 
 def build_outcome(
