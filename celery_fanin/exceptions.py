@@ -52,6 +52,11 @@ class BatchNotOpen(FanInError):
     """`seal` or `cancel` was asked of a batch that has already ended (or, for `seal`, is no longer open)."""
 
 
+class SuccessorNotRerunnable(FanInError):
+    """`rerun` was asked of a successor that did not fail and was not revoked (it succeeded, or has not finished),
+    or of a batch with no such successor."""
+
+
 class InvalidSaga(InvalidFanIn):
     """`saga` was given something it cannot run; raised before anything is written."""
 

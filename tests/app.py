@@ -599,6 +599,16 @@ def gated_step(outcome: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 @app.task
+def buggy_successor(outcome: dict[str, Any], key: str) -> dict[str, Any]:
+    """A successor with a bug until the test fixes it (`e2e:fixed:<key>` set in Redis): fails, then, rerun
+    (`fanin rerun`), records its run and returns its batch's counts."""
+    if not _redis().exists(f"e2e:fixed:{key}"):
+        raise RuntimeError(f"the bug of {key} is not fixed yet")
+    record_run(outcome, f"fixed:{key}")
+    return {"succeeded": outcome["succeeded"], "failed": outcome["failed"]}
+
+
+@app.task
 def gated_successor(outcome: dict[str, Any], label: str, key: str) -> dict[str, Any]:
     """A successor that holds its pool process until the test opens the gate (`gated`), then records its run."""
     gated(key)

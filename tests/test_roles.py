@@ -467,6 +467,8 @@ EXECUTES = {
         "fanin_seal_open(uuid,double precision)",
         "fanin_republish_successor(uuid,text,double precision,double precision)",
         "fanin_fail_lost_replacement(uuid,text,double precision,text)",
+        # the operator's `fanin rerun`, run with the relay's rights as cancel and seal are
+        "fanin_rerun_successor(uuid,text,text,text)",
     },
     "maintenance": set(),
     "dashboard": set(),

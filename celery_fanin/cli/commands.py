@@ -37,6 +37,7 @@ from ..protocol import BatchState, SuccessorState
 from ..relay import maintenance
 from ..relay.loop import Relay
 from ..relay.metrics import serve
+from ..relay.reruns import rerun as start_rerun
 from ..web.cli import command as dashboard_command
 from .saga import saga
 from .support import Seconds, _errors_as_exit, _fanin
@@ -256,6 +257,11 @@ def _render(data: dict[str, Any]) -> None:
         ("completed", _when(data["completed_at"])),
         ("deadline", deadline),
         ("successor", f"{data['successor_state'] or 'not created'} ({data['successor_task_id']})"),
+        *(
+            (("successor reruns", f"{len(data['reruns'])}, now task {data['successor_current_task_id']}"),)
+            if data.get("reruns")
+            else ()
+        ),
         *((("successor error", data["successor_error"]),) if data.get("successor_error") else ()),
         ("duplicate deliveries", data["successor_duplicates"]),
         ("refused reports", data.get("refused_reports", 0)),
@@ -286,6 +292,20 @@ def _render(data: dict[str, Any]) -> None:
         console.print(tree)
         if data["tree_truncated"]:
             console.print("[dim](tree truncated: --tree-limit shows more)[/dim]")
+    if data.get("reruns"):
+        reruns = Table("rerun", "task", "replaced", "was", "error", "by", "at", title="successor reruns")
+        for r in data["reruns"]:
+            error = f"{r['previous_exc_type']}: {r['previous_exc_message'] or ''}" if r["previous_exc_type"] else "-"
+            reruns.add_row(
+                str(r["rerun"]),
+                r["task_id"],
+                r["previous_task_id"],
+                f"{r['previous_state']} (run {r['previous_runs']})",
+                escape(error),
+                escape(r["requested_by"]),
+                _when(r["requested_at"]),
+            )
+        console.print(reruns)
     if data["rounds"]:
         rounds = Table(
             "round", "batch", "state", "planned", "succeeded", "failed", "successor", "created", title="rounds"
@@ -540,6 +560,30 @@ def retry_failed(ctx: click.Context, batch_id: str, as_json: bool) -> None:
         click.echo(f"  {done.unfinished} children of {retried} were still unfinished and are not retried")
     if done.nested_in:
         click.echo(f"  note: {retried} is nested in batch {done.nested_in}; this round does not change its outcome")
+
+
+@fanin.command()
+@click.argument("batch_id")
+@click.option("--step", default=None, help="The successor to run again, for a batch with several (on_failure, ...).")
+@click.option("--by", "requested_by", default=None, help="Who asks, as the record keeps it (default: user@host).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
+@click.pass_context
+@_errors_as_exit
+def rerun(ctx: click.Context, batch_id: str, step: str | None, requested_by: str | None, as_json: bool) -> None:
+    """Run a batch's failed or revoked successor again, once its bug is fixed.
+
+    It runs from its stored signature with the batch's outcome, under a new task id and the next run number, once
+    (a copy of an earlier delivery is refused); the rerun is recorded (who, when, what it replaced) and `status`
+    shows it. Exits 1 if the successor succeeded or has not finished.
+    """
+    done = start_rerun(_fanin(ctx), parse_batch_id(batch_id), step=step, requested_by=requested_by)
+    if as_json:
+        click.echo(json.dumps(done.as_dict(), indent=2))
+        return
+    click.echo(
+        f"rerun {done.rerun} of the successor {done.step} of batch {done.batch_id}: task {done.task_id} "
+        f"(it was {done.previous_state} as {done.previous_task_id}); published by the relay"
+    )
 
 
 @fanin.command()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from sqlalchemy import Connection
@@ -19,7 +19,7 @@ from ..context import FanIn
 from ..exceptions import BatchNotFound, FanInDatabaseError, summarise
 from ..producer.result import parse_batch_id, read_status
 from ..protocol import BatchState
-from ..store import admin, queries
+from ..store import admin, queries, successors
 from ..store.outcomes import failure_entry
 
 # The longest duration and the largest count an operator command takes: beyond them an argument is a mistake, and
@@ -153,6 +153,16 @@ def describe(fanin: FanIn, batch_id: str | uuid.UUID, tree_limit: int = 200) -> 
             failed = succ is not None and succ.exc_type is not None
             data["successor_error"] = f"{succ.exc_type}: {succ.exc_message or ''}" if succ and failed else None
             data["successor_traceback"] = succ.traceback if succ is not None else None
+            data["successor_runs"] = succ.runs if succ is not None else 0
+            data["successor_current_task_id"] = succ.task_id if succ is not None else None
+            data["reruns"] = (
+                [
+                    {**asdict(r), "requested_at": r.requested_at.isoformat()}
+                    for r in successors.reruns(conn, bid, status.step)
+                ]
+                if succ is not None
+                else []
+            )
             original = n.retry_of or n.id
             rounds = admin.rounds(conn, original)
             data["rounds"] = [r.as_dict() for r in rounds] if len(rounds) > 1 or n.retry_of else []

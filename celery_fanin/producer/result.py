@@ -23,7 +23,7 @@ from ..codec import decode_result
 from ..context import FanIn
 from ..exceptions import BatchNotFound, ChordHeaderFailed, FanInDatabaseError, summarise
 from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
-from ..relay import maintenance
+from ..relay import maintenance, reruns
 from ..store import admin, batches, queries
 from ..store.outcomes import failure_entry
 
@@ -390,6 +390,12 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         Raises `BatchNotOpen` if it has already ended."""
         maintenance.cancel_batch(FanIn.of(self.app), parse_batch_id(self.batch_id), proceed=proceed)
         return self.batch_status()
+
+    def rerun(self, step: str | None = None, requested_by: str | None = None) -> reruns.Rerun:
+        """Run this batch's failed or revoked successor again, once its bug is fixed, as `celery -A proj fanin
+        rerun` does: under a new task id and the next run number, recorded (who, when, what it replaced).
+        `get()` then waits for the rerun. Raises `SuccessorNotRerunnable` if it succeeded or has not finished."""
+        return reruns.rerun(FanIn.of(self.app), parse_batch_id(self.batch_id), step=step, requested_by=requested_by)
 
     def seal(self) -> BatchStatus:
         """Seal an open (streaming) batch now, as `celery -A proj fanin seal` does: it takes no more children and

@@ -13,6 +13,7 @@ from sqlalchemy import (
     DateTime,
     Double,
     ForeignKey,
+    ForeignKeyConstraint,
     Integer,
     Interval,
     LargeBinary,
@@ -133,6 +134,26 @@ successors = Table(
     Column("carrier", Text),
     Column("run_owner_key", Text),
     Column("traceback", Text),
+)
+
+# An operator's reruns of a failed or revoked successor (migration 0029): who asked, when, what each replaced.
+successor_reruns = Table(
+    "fanin_successor_reruns",
+    metadata,
+    Column("batch_id", Uuid, primary_key=True),
+    Column("step", Text, primary_key=True),
+    Column("rerun", Integer, primary_key=True),
+    Column("task_id", Text, nullable=False),
+    Column("previous_task_id", Text, nullable=False),
+    Column("previous_state", Text, nullable=False),
+    Column("previous_exc_type", Text),
+    Column("previous_exc_message", Text),
+    Column("previous_runs", Integer, nullable=False),
+    Column("requested_by", Text, nullable=False),
+    Column("requested_at", DateTime(timezone=True), nullable=False),
+    ForeignKeyConstraint(
+        ["batch_id", "step"], ["fanin_successors.batch_id", "fanin_successors.step"], ondelete="CASCADE"
+    ),
 )
 
 outbox = Table(

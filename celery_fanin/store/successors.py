@@ -275,3 +275,40 @@ def republish(conn: Connection, batch_id: uuid.UUID, step: str, timeout: float, 
         {"id": batch_id, "step": step, "timeout": timeout, "grace": grace},
     ).scalar_one()
     return bool(found)
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """One rerun of a successor: its number (1 for the first), the task id it runs under, and what it replaced."""
+
+    rerun: int
+    task_id: str
+    previous_task_id: str
+    previous_state: str
+    previous_exc_type: str | None
+    previous_exc_message: str | None
+    previous_runs: int
+    requested_by: str
+    requested_at: datetime
+
+
+def rerun(conn: Connection, batch_id: uuid.UUID, step: str, task_id: str, requested_by: str) -> tuple[Any, ...]:
+    """Run a failed or revoked successor again under `task_id` (the run guard then admits only that id), recorded
+    and its outbox row due again, in one statement: (rerun number, state, previous task id, previous state);
+    all None for no such successor, a None rerun number for one that is not failed or revoked (its state)."""
+    row = conn.execute(
+        q("rerun").text, {"id": batch_id, "step": step, "task_id": task_id, "by": requested_by}
+    ).one_or_none()
+    if row is None:
+        return None, None, None, None
+    return row.rerun, row.state, row.previous_task_id, row.previous_state
+
+
+def reruns(conn: Connection, batch_id: uuid.UUID, step: str) -> list[Rerun]:
+    rows = conn.execute(q("reruns").text, {"id": batch_id, "step": step})
+    return [Rerun(**r._mapping) for r in rows]
+
+
+def successor_states(conn: Connection, batch_id: uuid.UUID) -> list[tuple[str, str]]:
+    """A batch's successors as (step, state), oldest first."""
+    return [(r.step, r.state) for r in conn.execute(q("successor_states").text, {"id": batch_id})]

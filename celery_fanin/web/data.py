@@ -284,6 +284,7 @@ class BatchPage:
     # children has one `unfinished` entry instead of `started` and `pending`.
     counts: list[tuple[str, int]]
     successor: queries.SuccessorRow | None
+    reruns: list[successors.Rerun]  # an operator's reruns of the successor (`fanin rerun`), oldest first
     failures: list[Failure]
     failures_total: int
     failures_after: int  # the index the failures shown start after (-1: from the first)
@@ -369,6 +370,7 @@ def batch_page(conn: Connection, batch_id: uuid.UUID, failures_after: int = -1) 
         row=row,
         counts=counts,
         successor=successor,
+        reruns=successors.reruns(conn, batch_id, row.step) if successor is not None else [],
         failures=failures,
         failures_total=sum(n for _, n in failed_by_state),
         failures_after=failures_after,
@@ -480,6 +482,7 @@ def batch_json(page: BatchPage) -> dict[str, Any]:
         "remaining": page.remaining,
         "counts": dict(page.counts),
         "successor": jsonable(page.successor),
+        "reruns": [jsonable(r) for r in page.reruns],
         "failures": [{**f.entry, "worker": f.worker, "finished_at": jsonable(f.finished_at)} for f in page.failures],
         "failures_total": page.failures_total,
         "failures_next": page.failures_next,

@@ -37,6 +37,7 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_outbox_failed(bigint, text, double precision),
                            fanin_republish_successor(uuid, text, double precision, double precision),
                            fanin_fail_lost_replacement(uuid, text, double precision, text),
+                           fanin_rerun_successor(uuid, text, text, text),
                            fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text,
                                               text, text, text),
                            fanin_count_duplicate(uuid, text),
@@ -57,7 +58,7 @@ REVOKE USAGE ON SEQUENCE fanin_outbox_id_seq FROM fanin_producer, fanin_relay;
 -- functions raise a streamed batch's counters, mark children published, seal, cancel a streamed batch whose input
 -- raised (only while it is open), create an empty batch's successor and publish it (claim and mark the outbox row).
 GRANT SELECT, INSERT ON fanin_batches TO fanin_producer;
-GRANT SELECT ON fanin_children, fanin_successors, fanin_outbox TO fanin_producer;
+GRANT SELECT ON fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_producer;
 GRANT INSERT (task_id, batch_id, idx, task_name, message, content_type, content_encoding, expires_at, eta_at)
     ON fanin_children TO fanin_producer;
 GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, integer, bytea),
@@ -80,7 +81,7 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- worker leaves to the relay is made due at once (fanin_wake_relay). A failed child's or successor's traceback is
 -- written once, after the report that counted the failure (fanin_note_traceback, fanin_note_successor_traceback).
 -- Read access for BatchOutcome.results().
-GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_worker;
+GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                 timestamptz, integer, text),
                           fanin_report_unrun(text, uuid, integer, text, text, text, text),
@@ -106,7 +107,7 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text,
 -- The relay: the outbox, children no producer published, lost children (only overdue ones), expired children
 -- (only past their expiry), deadlines (only due ones) and cancels, stalled successors, open batches whose
 -- producer is gone, thresholds and reconciliation. It never creates batches or children.
-GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_outbox TO fanin_relay;
+GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_relay;
 GRANT EXECUTE ON FUNCTION fanin_claim_outbox(integer, bigint[]),
                           fanin_outbox_sent(bigint[]),
                           fanin_outbox_failed(bigint, text, double precision),
@@ -120,7 +121,8 @@ GRANT EXECUTE ON FUNCTION fanin_claim_outbox(integer, bigint[]),
                           fanin_renew_open_batches(),
                           fanin_seal_open(uuid, double precision),
                           fanin_republish_successor(uuid, text, double precision, double precision),
-                          fanin_fail_lost_replacement(uuid, text, double precision, text) TO fanin_relay;
+                          fanin_fail_lost_replacement(uuid, text, double precision, text),
+                          fanin_rerun_successor(uuid, text, text, text) TO fanin_relay;
 
 -- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
 -- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the
@@ -141,7 +143,7 @@ GRANT UPDATE (state, batch_id, exc_type, exc_message, finished_at) ON fanin_saga
 
 -- Retention: find finished batches and delete them; ON DELETE CASCADE removes the rest (as the owner).
 GRANT SELECT, DELETE ON fanin_batches TO fanin_maintenance;
-GRANT SELECT ON fanin_successors TO fanin_maintenance;
+GRANT SELECT ON fanin_successors, fanin_successor_reruns TO fanin_maintenance;
 GRANT SELECT (batch_id) ON fanin_children TO fanin_maintenance;  -- to size its transactions, not to read them
 -- To skip the batches of sagas that may still roll back (their rollback reads those batches' children), and to
 -- delete sagas that finished for good (their steps and compensations go by ON DELETE CASCADE, as the owner).
@@ -153,8 +155,8 @@ GRANT UPDATE (completed_at) ON fanin_batches TO fanin_maintenance;
 
 -- The dashboard reads and never writes: SELECT on what its pages show (a failed child's arguments are in its
 -- stored message), nothing else. It also opens every transaction read-only.
-GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_sagas, fanin_saga_steps,
-                fanin_saga_compensations TO fanin_dashboard;
+GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_sagas,
+                fanin_saga_steps, fanin_saga_compensations TO fanin_dashboard;
 
 -- The node view (`fanin_nodes`, version 22): what `status`, `ls`, `retry-failed` and the dashboard's batch pages
 -- read. It reads fanin_batches, fanin_successors and fanin_children with its owner's rights, so it goes to the

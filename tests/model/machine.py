@@ -139,6 +139,8 @@ class SuccessorModel:
     carried: dict[int, str | None] = field(default_factory=dict)  # run number -> the token its delivery brought
     owner: dict[int, str] = field(default_factory=dict)  # run number -> the process that holds it
     key: dict[int, str] = field(default_factory=dict)  # run number -> the key of the worker it belongs to
+    task_id: str | None = None  # the task id the guard admits now: None, the batch's; after a rerun, the rerun's
+    earlier_ids: list[str] = field(default_factory=list)  # the task ids reruns replaced: never admitted again
 
 
 @dataclass
@@ -697,12 +699,16 @@ class ProtocolMachine(RuleBasedStateMachine):
         holder_key = runs.key.get(runs.live or 0, WORKER_KEY)
         key = {"no": WORKER_KEY, "own worker": holder_key, "other worker": f"{holder_key}-forged"}[dead_owner]
 
+        # A wrong id: another task's, or (after a rerun) a late copy of an earlier delivery, under the id it replaced.
+        wrong = runs.earlier_ids[-1] if runs.earlier_ids and pick % 2 else "s-wrong"
+        current = runs.task_id or batch.successor_task_id
+
         def fn(conn: Connection) -> successors.Run | successors.Refusal:
             got = successors.claim_run(
                 conn,
                 batch.id,
                 batch.step,
-                "s-wrong" if wrong_id else batch.successor_task_id,
+                wrong if wrong_id else current,
                 0,
                 lease=LEASE,
                 grace=GRACE,
@@ -720,7 +726,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 return
             runs = self.m.runs[batch.id]
             if wrong_id:
-                raise Violation(f"a delivery with another task id was admitted for batch {batch.id}")
+                raise Violation(f"a delivery with another task id ({wrong}) was admitted for batch {batch.id}")
             if runs.live is not None and not runs.dead:
                 raise Violation(f"run {got.number} of batch {batch.id} admitted while run {runs.live} is live")
             if got.number != runs.admitted + 1:
@@ -788,6 +794,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             (holder.rpartition("-")[0] + "-other-" if elsewhere else holder) if how.startswith("main-ran") else None
         )
         live_before = runs.live is not None and not runs.dead
+        # An event about a copy of the message: the current delivery's, or (stale, after a rerun) an earlier one's.
+        earlier = stale and bool(runs.earlier_ids)
+        copy_id = runs.earlier_ids[-1] if earlier else (runs.task_id or batch.successor_task_id)
 
         def fn(conn: Connection) -> bool:
             if how in successors.HANDED_OVER_STATES:
@@ -802,7 +811,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                     batch.id,
                     batch.step,
                     how.partition(":")[2],
-                    task_id=batch.successor_task_id,
+                    task_id=copy_id,
                     carrier=copy_carrier,
                     ran_in=ran_in,
                     owner_key=runs.key.get(number) if ran_in is not None else None,
@@ -810,6 +819,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             return successors.record_state(conn, batch.id, batch.step, how, run=number)
 
         def done(moved: bool) -> None:
+            if moved and how.startswith("main") and earlier:
+                raise Violation(f"an event about a delivery a rerun replaced ({how}) moved {batch.id}'s successor")
             if moved and not how.startswith("main") and number != runs.admitted:
                 raise Violation(f"run {number} of batch {batch.id} wrote ({how}) after run {runs.admitted} began")
             if moved and live_before and (how.startswith("main:") or elsewhere):
@@ -858,6 +869,45 @@ class ProtocolMachine(RuleBasedStateMachine):
             runs.live = None
 
         self.run(Op("replacement_bound", fn, done), pick, hold)
+
+    @rule(which=PICK, pick=PICK, hold=HOLD)
+    @_when(has_root)
+    def operator_rerun(self, which: int, pick: int, hold: bool) -> None:
+        """An operator reruns the successor (`fanin rerun`, `fanin_rerun_successor`) under a new task id, whatever
+        state it is in: only a failed or revoked one may go back to pending, with the next run number to come and
+        every earlier delivery's id refused from then on."""
+        roots = self._successor_roots()
+        # Mostly a successor seen failed or revoked (a rerun that goes ahead), sometimes any (one to refuse).
+        ended = [r for r in roots if self.m.final_successors.get(r.batch.id) in ("failed", "revoked")]
+        root: Root = self._pick(ended if ended and pick % 4 else roots, which)
+        batch = root.batch
+        runs = self.m.runs[batch.id]
+        new_id = f"rerun-{uuid.uuid4().hex[:8]}"
+
+        def fn(conn: Connection) -> tuple[Any, ...]:
+            return successors.rerun(conn, batch.id, batch.step, new_id, "model")
+
+        def done(got: tuple[Any, ...]) -> None:
+            number, _state, previous, previous_state = got
+            if number is None:
+                return
+            if previous_state not in ("failed", "revoked"):
+                raise Violation(f"a rerun of batch {batch.id}'s successor reset it from {previous_state}")
+            if self.m.final_successors.get(batch.id) not in ("failed", "revoked"):
+                raise Violation(
+                    f"a rerun of batch {batch.id}'s successor was admitted while the model saw it "
+                    f"{self.m.final_successors.get(batch.id, 'not final')}"
+                )
+            if runs.live is not None and not runs.dead:
+                raise Violation(f"a rerun of batch {batch.id}'s successor reset it under live run {runs.live}")
+            if previous != (runs.task_id or batch.successor_task_id):
+                raise Violation(f"a rerun of batch {batch.id} replaced task id {previous}, not the current one")
+            runs.earlier_ids.append(previous)
+            runs.task_id, runs.carrier, runs.live, runs.handed = new_id, None, None, None
+            del self.m.final_successors[batch.id]  # pending again, by an operator's decision
+            STATS["reruns"] += 1
+
+        self.run(Op("operator_rerun", fn, done), pick, hold)
 
     @rule(which=PICK)
     @_when(has_run)

@@ -107,4 +107,8 @@ SELECT g.id, g.app_name, g.key, g.state, g.steps, g.current_step, g.failed_step,
 -- name: successor_by_task_id
 -- The batch whose successor has this task id (pre-assigned when the batch was created). No index serves it: a scan
 -- of the batches, bounded by the dashboard's statement timeout (a child's task id, the usual lookup, is a key)
-SELECT id AS batch_id FROM fanin_batches WHERE successor_task_id = :t AND parent_id IS NULL LIMIT 1;
+-- (or a rerun's task id: `fanin rerun` gives the successor a new one, recorded in fanin_successor_reruns)
+SELECT id AS batch_id FROM fanin_batches WHERE successor_task_id = :t AND parent_id IS NULL
+ UNION ALL
+SELECT batch_id FROM fanin_successor_reruns WHERE task_id = :t
+ LIMIT 1;

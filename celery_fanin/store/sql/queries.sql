@@ -325,6 +325,21 @@ SELECT s.batch_id, s.step FROM fanin_successors s
 -- Record a replaced successor whose replacement was lost as failed (ReplacementLost)
 SELECT fanin_fail_lost_replacement(:id, :step, CAST(:timeout AS double precision), :message);
 
+-- name: rerun
+-- An operator's rerun of a failed or revoked successor under a new task id: (rerun number, state, previous task
+-- id, previous state); no row: no such successor; a NULL rerun: refused, its state says why
+SELECT rerun, state, previous_task_id, previous_state FROM fanin_rerun_successor(:id, :step, :task_id, :by);
+
+-- name: successor_states
+-- A batch's successors (its `then`, or its on_failure / on_expire), oldest first
+SELECT step, state FROM fanin_successors WHERE batch_id = :id ORDER BY created_at, step;
+
+-- name: reruns
+-- A successor's reruns, oldest first
+SELECT rerun, task_id, previous_task_id, previous_state, previous_exc_type, previous_exc_message, previous_runs,
+       requested_by, requested_at
+  FROM fanin_successor_reruns WHERE batch_id = :id AND step = :step ORDER BY rerun;
+
 -- --- store/recovery.py --------------------------------------------------------------------------------------------
 
 -- name: held_publish_locks

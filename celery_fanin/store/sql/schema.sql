@@ -169,6 +169,25 @@ CREATE TABLE fanin_outbox (
 );
 CREATE INDEX fanin_outbox_pending ON fanin_outbox (available_at, id) WHERE sent_at IS NULL;
 
+-- An operator's reruns of a failed or revoked successor (version 29): who asked, when, and what each replaced.
+CREATE TABLE fanin_successor_reruns (
+    batch_id             uuid NOT NULL,
+    step                 text NOT NULL,
+    rerun                integer NOT NULL,
+    task_id              text NOT NULL,
+    previous_task_id     text NOT NULL,
+    previous_state       text NOT NULL,
+    previous_exc_type    text,
+    previous_exc_message text,
+    previous_runs        integer NOT NULL,
+    requested_by         text NOT NULL,
+    requested_at         timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT fanin_successor_reruns_pkey PRIMARY KEY (batch_id, step, rerun),
+    CONSTRAINT fanin_successor_reruns_previous_state_check CHECK (previous_state IN ('failed', 'revoked')),
+    CONSTRAINT fanin_successor_reruns_batch_id_step_fkey FOREIGN KEY (batch_id, step)
+        REFERENCES fanin_successors(batch_id, step) ON DELETE CASCADE
+);
+
 -- Sagas (version 4): an ordered list of steps, each a fan-in batch, and the rollback of completed work.
 CREATE TABLE fanin_sagas (
     id                    uuid NOT NULL,
@@ -1235,6 +1254,54 @@ BEGIN
     UPDATE fanin_successors SET traceback = right(p_traceback, 16000)
      WHERE batch_id = p_batch AND step = p_step AND state = 'failed' AND traceback IS NULL;
     RETURN FOUND;
+END
+$$;
+
+-- An operator's rerun of a failed or revoked successor, under a new task id (version 29).
+-- fanin_rerun_successor(uuid,text,text,text)
+CREATE FUNCTION fanin_rerun_successor(p_batch uuid, p_step text, p_task_id text, p_by text)
+RETURNS TABLE (rerun integer, state text, previous_task_id text, previous_state text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old fanin_successors%ROWTYPE;
+    v_rerun integer;
+    v_outbox bigint;
+BEGIN
+    SELECT * INTO v_old FROM fanin_successors s WHERE s.batch_id = p_batch AND s.step = p_step FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;  -- no such successor: the caller says so
+    END IF;
+    IF v_old.state NOT IN ('failed', 'revoked') THEN
+        RETURN QUERY SELECT NULL::integer, v_old.state, v_old.task_id, v_old.state;  -- refused: not failed or revoked
+        RETURN;
+    END IF;
+    IF p_task_id IS NULL OR p_task_id = '' OR p_task_id = v_old.task_id
+       OR EXISTS (SELECT 1 FROM fanin_successor_reruns r
+                   WHERE r.batch_id = p_batch AND r.step = p_step AND r.previous_task_id = p_task_id) THEN
+        RAISE EXCEPTION 'fanin_rerun_successor: a rerun needs a task id of its own' USING ERRCODE = '22023';
+    END IF;
+    SELECT coalesce(max(r.rerun), 0) + 1 INTO v_rerun
+      FROM fanin_successor_reruns r WHERE r.batch_id = p_batch AND r.step = p_step;
+    INSERT INTO fanin_successor_reruns (batch_id, step, rerun, task_id, previous_task_id, previous_state,
+                                        previous_exc_type, previous_exc_message, previous_runs, requested_by)
+    VALUES (p_batch, p_step, v_rerun, p_task_id, v_old.task_id, v_old.state, v_old.exc_type, v_old.exc_message,
+            v_old.runs, left(coalesce(p_by, ''), 200));
+    -- `runs` goes on (the next admitted run is runs + 1); everything of the last run's end is cleared.
+    UPDATE fanin_successors s
+       SET task_id = p_task_id, state = 'pending', state_at = now(), exc_type = NULL, exc_message = NULL,
+           result = NULL, result_content_type = NULL, result_content_encoding = NULL, traceback = NULL,
+           finished_at = NULL, lease_until = NULL, attempt = 0, run_owner = NULL, run_owner_key = NULL,
+           carrier = NULL
+     WHERE s.batch_id = p_batch AND s.step = p_step;
+    UPDATE fanin_outbox o SET sent_at = NULL, available_at = now(), attempts = 0, last_error = 'rerun'
+     WHERE o.batch_id = p_batch AND o.step = p_step
+ RETURNING o.id INTO v_outbox;
+    IF v_outbox IS NULL THEN  -- pruned rows are gone with their batch; a hand-deleted outbox row is made again
+        INSERT INTO fanin_outbox (batch_id, step, last_error) VALUES (p_batch, p_step, 'rerun')
+        RETURNING id INTO v_outbox;
+    END IF;
+    PERFORM pg_notify('fanin_outbox', v_outbox::text);
+    RETURN QUERY SELECT v_rerun, 'pending'::text, v_old.task_id, v_old.state;
 END
 $$;
 
