@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -150,7 +153,12 @@ class Relay:
         if self._listener is not None and not self._listener.closed:
             return
         url = self.fanin.database_url
-        conn = psycopg.connect(make_conninfo(libpq_conninfo(url), **connect_options(url)), autocommit=True)
+        # Named, so that the dashboard's relay panel can see which relays are connected (pg_stat_activity shows
+        # every role a session's application_name).
+        name = f"celery-fanin relay {socket.gethostname()}:{os.getpid()}"[:63]
+        options: dict[str, Any] = {**connect_options(url), "application_name": name}
+        conninfo = make_conninfo(libpq_conninfo(url), **options)
+        conn = psycopg.connect(conninfo, autocommit=True)
         conn.execute(f"LISTEN {OUTBOX_CHANNEL}")  # a constant, never input
         self._listener = conn
 

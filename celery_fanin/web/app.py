@@ -246,7 +246,10 @@ class Pages:
         before = data.Cursor.decode(request.query_params.get("before"))
         with data.read(self.engine) as conn:
             page = data.batches_page(conn, filters, before, self.options.page_size)
-        return self.render(request, "batches.html", page=page, filters=filters, before=before, title="Batches")
+            relay = data.relay_panel(conn)
+        return self.render(
+            request, "batches.html", page=page, relay=relay, filters=filters, before=before, title="Batches"
+        )
 
     def batch(self, request: Request) -> Response:
         batch_id = _uuid(request.path_params["batch_id"], "batch")
@@ -313,6 +316,11 @@ class Api:
             page = data.batches_page(conn, filters, before, limit)
         return JSONResponse(data.batches_json(page), headers={"cache-control": "no-store"})
 
+    def relay(self, request: Request) -> Response:
+        with data.read(self.pages.engine) as conn:
+            panel = data.relay_panel(conn)
+        return JSONResponse(data.relay_json(panel), headers={"cache-control": "no-store"})
+
     def batch(self, request: Request) -> Response:
         batch_id = _uuid(request.path_params["batch_id"], "batch")
         after = _int(request.query_params.get("failures_after"), -1)
@@ -363,6 +371,7 @@ def build(
         Route("/lookup", pages.guarded(pages.lookup), methods=["GET"], name="lookup"),
         Route("/api/batches", api.guarded(api.batches), methods=["GET"], name="api_batches"),
         Route("/api/batches/{batch_id}", api.guarded(api.batch), methods=["GET"], name="api_batch"),
+        Route("/api/relay", api.guarded(api.relay), methods=["GET"], name="api_relay"),
         Route("/sagas", pages.guarded(pages.sagas), methods=["GET"], name="sagas"),
         Route("/sagas/{saga_id}", pages.guarded(pages.saga), methods=["GET"], name="saga"),
         Mount("/static", StaticFiles(packages=[("celery_fanin.web", "static")]), name="static"),

@@ -193,6 +193,65 @@ def batches_page(conn: Connection, filters: BatchFilters, before: Cursor | None,
     return BatchesPage(listed, Cursor(listed[-1].created_at, listed[-1].id) if more else None, active, now)
 
 
+# --- the relay and the outbox ---------------------------------------------------------------------------------
+
+# Unsent successors due for longer than this mean the relays (and the workers that publish their own) are behind.
+OUTBOX_BEHIND_S = 60.0
+
+
+@dataclass(frozen=True)
+class RelayPanel:
+    """What the relay panel shows: the relays connected now (their LISTEN connections), the outbox's unsent rows
+    (how many, how many due, how many failed to publish, the oldest's age) and the oldest unsent successor."""
+
+    relays: list[str]
+    unsent: int
+    due: int
+    failing: int
+    oldest_s: float | None
+    oldest: Any  # the oldest_unsent row, or None
+
+    @property
+    def warnings(self) -> list[str]:
+        found = []
+        if not self.relays:
+            found.append(
+                "no relay is connected to this database: a successor whose worker died, a producer's unsent "
+                "children, lost children, deadlines and reconciliation wait for one (celery -A proj fanin relay)"
+            )
+        if self.due and self.oldest_s is not None and self.oldest_s > OUTBOX_BEHIND_S:
+            found.append(f"{self.due} successors are due and the oldest has waited {self.oldest_s:.0f} s")
+        if self.failing:
+            found.append(f"{self.failing} successors failed to publish and are retried with a backoff")
+        return found
+
+
+def relay_panel(conn: Connection) -> RelayPanel:
+    relays = [r.name for r in conn.execute(_q("relays_connected"))]
+    row = conn.execute(_q("outbox_panel")).one()
+    oldest = conn.execute(_q("oldest_unsent")).first() if row.unsent else None
+    return RelayPanel(
+        relays,
+        int(row.unsent),
+        int(row.due),
+        int(row.failing),
+        float(row.oldest_s) if row.oldest_s is not None else None,
+        oldest,
+    )
+
+
+def relay_json(panel: RelayPanel) -> dict[str, Any]:
+    return {
+        "relays": panel.relays,
+        "unsent": panel.unsent,
+        "due": panel.due,
+        "failing": panel.failing,
+        "oldest_unsent_seconds": panel.oldest_s,
+        "oldest_unsent": jsonable(panel.oldest) if panel.oldest is not None else None,
+        "warnings": panel.warnings,
+    }
+
+
 # --- one batch ------------------------------------------------------------------------------------------------
 
 

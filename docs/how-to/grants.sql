@@ -143,7 +143,7 @@ GRANT UPDATE (state, batch_id, exc_type, exc_message, finished_at) ON fanin_saga
 
 -- Retention: find finished batches and delete them; ON DELETE CASCADE removes the rest (as the owner).
 GRANT SELECT, DELETE ON fanin_batches TO fanin_maintenance;
-GRANT SELECT ON fanin_successors, fanin_successor_reruns TO fanin_maintenance;
+GRANT SELECT ON fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_maintenance;
 GRANT SELECT (batch_id) ON fanin_children TO fanin_maintenance;  -- to size its transactions, not to read them
 -- To skip the batches of sagas that may still roll back (their rollback reads those batches' children), and to
 -- delete sagas that finished for good (their steps and compensations go by ON DELETE CASCADE, as the owner).
@@ -155,7 +155,7 @@ GRANT UPDATE (completed_at) ON fanin_batches TO fanin_maintenance;
 
 -- The dashboard reads and never writes: SELECT on what its pages show (a failed child's arguments are in its
 -- stored message), nothing else. It also opens every transaction read-only.
-GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_sagas,
+GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox, fanin_sagas,
                 fanin_saga_steps, fanin_saga_compensations TO fanin_dashboard;
 
 -- The node view (`fanin_nodes`, version 22): what `status`, `ls`, `retry-failed` and the dashboard's batch pages

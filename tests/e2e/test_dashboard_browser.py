@@ -179,6 +179,9 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     cells = _until(browser, "the batch's row", lambda d: d.find_element(By.CSS_SELECTOR, row).text)
     assert "running" in cells and "nightly-import" in cells and "3 / 5" in cells, cells
     assert "live" in _until(browser, "the live status", lambda d: d.find_element(By.ID, "live-status").text)
+    # The relay panel: this test's relay is connected (its LISTEN connection's name), so no warning that none is.
+    panel = _until(browser, "the relay panel", lambda d: d.find_element(By.CSS_SELECTOR, "section.relay").text)
+    assert "connected" in panel and "celery-fanin relay" in panel and "none connected" not in panel, panel
     _shot(browser, tmp_path, "dashboard-batches")
 
     # --- one batch, reached by its link: the failure's message and arguments, the bar moving as gates open --------

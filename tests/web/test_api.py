@@ -3,8 +3,15 @@ real test database (issue 40, item 6): what they answer, and what they refuse.""
 
 from __future__ import annotations
 
+from typing import Any
+
+import psycopg
 import pytest
+from sqlalchemy import text
 from starlette.testclient import TestClient
+
+from celery_fanin import FanIn
+from celery_fanin.store.urls import libpq_conninfo
 
 from .conftest import Store, fanin_status
 
@@ -73,3 +80,34 @@ def test_lookup_finds_the_batch_of_a_child_a_successor_or_a_batch_id(client: Tes
     assert client.get("/lookup").status_code == 400
     assert 'action="/lookup"' in client.get("/batches").text, "every page has the lookup form"
     assert client.post("/lookup", data={"id": batch.id}).status_code == 405
+
+
+def test_the_relay_panel_shows_connected_relays_the_backlog_and_the_oldest_unsent(
+    client: TestClient, store: Store, app: Any
+) -> None:
+    """Issue 40, item 6: the dashboard no longer looks healthy while the relay is down."""
+    batch = store.batch(1, step="relay-panel")
+    store.finish(batch, 0)
+    with FanIn.of(app).engine.begin() as conn:  # its successor not sent for 5 minutes, the broker refusing it
+        conn.execute(
+            text(
+                "UPDATE fanin_outbox SET sent_at = NULL, attempts = 2, last_error = 'broker refused',"
+                " created_at = now() - interval '5 minutes', available_at = now() - interval '1 second'"
+                " WHERE batch_id = :b"
+            ),
+            {"b": batch.id},
+        )
+    down = client.get("/api/relay").json()
+    assert down["relays"] == [] and down["unsent"] >= 1 and down["due"] >= 1 and down["failing"] >= 1
+    assert down["oldest_unsent"]["batch_id"] == batch.id and down["oldest_unsent_seconds"] >= 299
+    assert any("no relay is connected" in w for w in down["warnings"])
+    assert any("failed to publish" in w for w in down["warnings"])
+    page = client.get("/batches").text
+    assert '<section class="relay warn"' in page and "none connected" in page and "broker refused" in page
+    # A relay connects (its LISTEN connection is named so): the panel sees it.
+    url = libpq_conninfo(FanIn.of(app).database_url)
+    with psycopg.connect(url, application_name="celery-fanin relay web-test:1"):
+        up = client.get("/api/relay").json()
+        assert up["relays"] == ["celery-fanin relay web-test:1"]
+        assert not any("no relay" in w for w in up["warnings"])
+        assert "web-test:1" in client.get("/batches").text

@@ -70,8 +70,9 @@ BEGIN
 END
 $$;
 
--- Definer rights, the search path pinned, PUBLIC's EXECUTE revoked; granted, with reading the reruns, to the roles
--- that may cancel a batch (the operator's commands run as the relay's role), as docs/how-to/grants.sql does.
+-- Definer rights, the search path pinned, PUBLIC's EXECUTE revoked; granted to the roles that may cancel a batch
+-- (the operator's commands run as the relay's role), as docs/how-to/grants.sql does. Every role that reads the
+-- successors may read their reruns, and the outbox (the dashboard's relay panel: its backlog and oldest row).
 DO $$
 DECLARE
     r regrole;
@@ -90,7 +91,7 @@ BEGIN
                FROM pg_class c, aclexplode(c.relacl) a
               WHERE c.oid = 'fanin_successors'::regclass
                 AND a.privilege_type = 'SELECT' AND a.grantee <> 0 AND a.grantee <> c.relowner LOOP
-        EXECUTE format('GRANT SELECT ON fanin_successor_reruns TO %s', r);
+        EXECUTE format('GRANT SELECT ON fanin_successor_reruns, fanin_outbox TO %s', r);
     END LOOP;
 END
 $$;

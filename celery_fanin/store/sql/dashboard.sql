@@ -112,3 +112,24 @@ SELECT id AS batch_id FROM fanin_batches WHERE successor_task_id = :t AND parent
  UNION ALL
 SELECT batch_id FROM fanin_successor_reruns WHERE task_id = :t
  LIMIT 1;
+
+-- name: relays_connected
+-- The relays connected to this database now: each holds a LISTEN connection named "celery-fanin relay HOST:PID"
+-- (application_name, which pg_stat_activity shows every role)
+SELECT application_name AS name FROM pg_stat_activity
+ WHERE datname = current_database() AND starts_with(application_name, 'celery-fanin relay ')
+ ORDER BY application_name;
+
+-- name: outbox_panel
+-- The outbox as the relay panel shows it: unsent rows, how many are due, how many failed to publish, and the age
+-- in seconds of the oldest unsent one
+SELECT count(*) AS unsent, count(*) FILTER (WHERE available_at <= now()) AS due,
+       count(*) FILTER (WHERE attempts > 0) AS failing,
+       extract(epoch FROM now() - min(created_at)) AS oldest_s
+  FROM fanin_outbox WHERE sent_at IS NULL;
+
+-- name: oldest_unsent
+-- The oldest unsent successor: its batch, step, since when, and the last error publishing it
+SELECT o.batch_id, o.step, o.created_at, o.available_at, o.attempts, o.last_error
+  FROM fanin_outbox o WHERE o.sent_at IS NULL ORDER BY o.created_at, o.id LIMIT 1;
+
