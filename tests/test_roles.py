@@ -469,6 +469,8 @@ EXECUTES = {
         "fanin_fail_lost_replacement(uuid,text,double precision,text)",
         # the operator's `fanin rerun`, run with the relay's rights as cancel and seal are
         "fanin_rerun_successor(uuid,text,text,text)",
+        # the dashboard's actions (`--allow-actions`), recorded with who and when
+        "fanin_record_action(text,text,uuid,text,text)",
     },
     "maintenance": set(),
     "dashboard": set(),

@@ -325,3 +325,13 @@ def delete_batches(conn: Connection, ids: Sequence[uuid.UUID]) -> int:
         return 0
     result = conn.execute(q("delete_batches").text, {"ids": list(ids)})
     return int(result.rowcount)
+
+
+def record_action(conn: Connection, actor: str, action: str, batch_id: uuid.UUID, outcome: str, detail: str) -> int:
+    """Record an operator's action (`fanin dashboard --allow-actions`): who, what, on which batch, how it ended."""
+    return int(
+        conn.execute(
+            q("record_action").text,
+            {"actor": actor, "action": action, "batch": batch_id, "outcome": outcome, "detail": detail},
+        ).scalar_one()
+    )

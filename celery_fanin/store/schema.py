@@ -156,6 +156,19 @@ successor_reruns = Table(
     ),
 )
 
+# What operators did from the dashboard (migration 0030): who, when, what, and how it ended.
+operator_actions = Table(
+    "fanin_operator_actions",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("batch_id", Uuid, nullable=False),
+    Column("outcome", Text, nullable=False),
+    Column("detail", Text),
+)
+
 outbox = Table(
     "fanin_outbox",
     metadata,

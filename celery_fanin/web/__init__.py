@@ -43,6 +43,7 @@ def create_app(
     page_size: int = 50,
     statement_timeout: float = 10.0,
     pool_size: int = 2,
+    allow_actions: bool = False,
 ) -> Any:
     """The dashboard as a Starlette (ASGI) application, reading the store of `fanin_or_app` (a `FanIn` or a
     Celery app, wired with `FanIn(app)` here if it is not yet).
@@ -52,6 +53,9 @@ def create_app(
     Neither: no auth, for a loopback address or behind a proxy that authenticates. `refresh`: seconds between live
     updates (default `fanin_dashboard_refresh`, else 2). Connections are read-only (`default_transaction_read_only`)
     and every statement is bounded by `statement_timeout` seconds: a role with SELECT alone is enough.
+    `allow_actions`: a batch's page gets buttons to retry its failed children, cancel, seal, or rerun its
+    successor, each a CSRF-protected POST recorded with who and when (see `celery_fanin.web.actions`); they run
+    through the app's own database URL, whose role needs the rights the operator commands need.
     """
     require_extra()
     from .app import build
@@ -76,6 +80,7 @@ def create_app(
         page_size=page_size,
         statement_timeout=statement_timeout,
         pool_size=pool_size,
+        allow_actions=allow_actions,
     )
 
 

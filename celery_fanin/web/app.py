@@ -22,6 +22,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from ..exceptions import summarise
 from ..extension import FanIn
 from ..store.reports import connect_options
 from . import data
+from .actions import ACTIONS, CSRF_COOKIE, Actions, actor, applicable, form_fields
 from .format import FILTERS, pct
 
 COOKIE = "fanin_dashboard"
@@ -198,10 +200,11 @@ def _link(request: Request) -> Callable[..., str]:
 
 
 class Pages:
-    def __init__(self, engine: Engine, options: Options) -> None:
+    def __init__(self, engine: Engine, options: Options, actions: Actions | None = None) -> None:
         self.engine = engine
         self.options = options
         self.env = _templates()
+        self.actions = actions  # `--allow-actions`: the batch page's buttons and their POST
 
     def render(self, request: Request, template: str, status: int = 200, final: bool = False, **ctx: Any) -> Response:
         """The page, or with `?partial=1` only its live region (`<name>_live.html`)."""
@@ -258,7 +261,49 @@ class Pages:
             page = data.batch_page(conn, batch_id, after)
         if page is None:
             return self.error(request, 404, f"no fan-in batch with id {batch_id}")
-        return self.render(request, "batch.html", final=page.final, page=page, title=f"Batch {batch_id}")
+        if self.actions is None:
+            return self.render(
+                request, "batch.html", final=page.final, page=page, title=f"Batch {batch_id}", actions=None
+            )
+        cookie = request.cookies.get(CSRF_COOKIE) or self.actions.new_cookie()
+        row, successor = page.row, page.successor
+        can = applicable(row.state, int(row.failed), successor.state if successor else None, row.parent_id is not None)
+        response = self.render(
+            request,
+            "batch.html",
+            final=False,  # an action may change it: keep it live
+            page=page,
+            title=f"Batch {batch_id}",
+            actions={"can": can, "csrf": self.actions.token(cookie)},
+        )
+        if request.cookies.get(CSRF_COOKIE) != cookie:
+            response.set_cookie(
+                CSRF_COOKIE,
+                cookie,
+                httponly=True,
+                samesite="strict",
+                secure=request.url.scheme == "https",
+                path=request.scope.get("root_path") or "/",
+            )
+        return response
+
+    async def act(self, request: Request) -> Response:
+        """POST `/batches/<id>/actions` (`--allow-actions`): check the form, run the action, record it, and go back
+        to the batch's page, which lists it."""
+        assert self.actions is not None
+        try:
+            batch_id = _uuid(request.path_params["batch_id"], "batch")
+        except data.BadRequest as exc:
+            return self.error(request, 400, str(exc))
+        fields = form_fields(await request.body())
+        action = str(fields.get("action") or "")
+        if action not in ACTIONS:
+            return self.error(request, 400, f"no action {action!r}: one of {', '.join(ACTIONS)}")
+        refused = self.actions.check(request, fields.get("csrf"))
+        if refused is not None:
+            return self.error(request, 403, refused)
+        await run_in_threadpool(self.actions.run, action, batch_id, actor(request))
+        return RedirectResponse(_link(request)(f"/batches/{batch_id}"), status_code=303)
 
     def lookup(self, request: Request) -> Response:
         """`/lookup?id=`: the batch a batch id, a child's task id or a successor's task id belongs to."""
@@ -360,15 +405,17 @@ def build(
     page_size: int,
     statement_timeout: float,
     pool_size: int,
+    allow_actions: bool = False,
 ) -> Starlette:
     engine = read_only_engine(fanin, pool_size, statement_timeout)
-    pages = Pages(engine, Options(refresh, page_size))
+    pages = Pages(engine, Options(refresh, page_size), Actions(fanin) if allow_actions else None)
     api = Api(pages)
     routes = [
         Route("/", pages.index, methods=["GET"]),
         Route("/batches", pages.guarded(pages.batches), methods=["GET"], name="batches"),
         Route("/batches/{batch_id}", pages.guarded(pages.batch), methods=["GET"], name="batch"),
         Route("/lookup", pages.guarded(pages.lookup), methods=["GET"], name="lookup"),
+        *([Route("/batches/{batch_id}/actions", pages.act, methods=["POST"], name="act")] if allow_actions else []),
         Route("/api/batches", api.guarded(api.batches), methods=["GET"], name="api_batches"),
         Route("/api/batches/{batch_id}", api.guarded(api.batch), methods=["GET"], name="api_batch"),
         Route("/api/relay", api.guarded(api.relay), methods=["GET"], name="api_relay"),

@@ -119,6 +119,12 @@ def command(
         help="Serve under this path (`/fanin`: the pages at /fanin/batches), behind a proxy that keeps the prefix.",
     )
     @click.option(
+        "--allow-actions",
+        is_flag=True,
+        help="Show buttons on a batch's page to retry its failed children, cancel, seal or rerun its successor "
+        "(CSRF-protected, each recorded with who and when); they run with the app's database URL.",
+    )
+    @click.option(
         "--allow-unauthenticated",
         is_flag=True,
         help="Serve a non-loopback address without a token (behind a proxy that authenticates).",
@@ -133,9 +139,10 @@ def command(
         refresh: float | None,
         basic_auth: tuple[str, str] | None,
         url_prefix: str,
+        allow_actions: bool,
         allow_unauthenticated: bool,
     ) -> None:
-        """Serve the read-only web dashboard of batches and sagas (needs the web extra)."""
+        """Serve the web dashboard of batches and sagas (needs the web extra): read-only unless --allow-actions."""
         from . import create_app, require_extra
 
         require_extra(("starlette", "jinja2", "uvicorn"))
@@ -148,7 +155,9 @@ def command(
                 f"refusing to serve the dashboard on {host} without a token: pass --token (or set "
                 "FANIN_DASHBOARD_TOKEN) or --basic-auth, or --allow-unauthenticated behind a proxy that authenticates"
             )
-        dashboard_app = create_app(fanin, token=token, basic_auth=basic_auth, refresh=refresh)
+        dashboard_app = create_app(
+            fanin, token=token, basic_auth=basic_auth, refresh=refresh, allow_actions=allow_actions
+        )
         app = dashboard_app
         if url_prefix:
             from starlette.applications import Starlette
@@ -160,6 +169,7 @@ def command(
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
         needs = " (token required)" if token else " (basic auth required)" if basic_auth else ""
+        needs += " (actions allowed)" if allow_actions else ""
         click.echo(f"dashboard at http://{shown}:{bound[1]}{url_prefix}/" + needs, err=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it found:

@@ -344,6 +344,7 @@ class BatchPage:
     counts: list[tuple[str, int]]
     successor: queries.SuccessorRow | None
     reruns: list[successors.Rerun]  # an operator's reruns of the successor (`fanin rerun`), oldest first
+    actions_log: list[Any]  # what operators did to it from the dashboard (`--allow-actions`), newest first
     failures: list[Failure]
     failures_total: int
     failures_after: int  # the index the failures shown start after (-1: from the first)
@@ -430,6 +431,7 @@ def batch_page(conn: Connection, batch_id: uuid.UUID, failures_after: int = -1) 
         counts=counts,
         successor=successor,
         reruns=successors.reruns(conn, batch_id, row.step) if successor is not None else [],
+        actions_log=list(conn.execute(_q("operator_actions"), {"id": batch_id})),
         failures=failures,
         failures_total=sum(n for _, n in failed_by_state),
         failures_after=failures_after,
@@ -542,6 +544,7 @@ def batch_json(page: BatchPage) -> dict[str, Any]:
         "counts": dict(page.counts),
         "successor": jsonable(page.successor),
         "reruns": [jsonable(r) for r in page.reruns],
+        "operator_actions": [jsonable(r) for r in page.actions_log],
         "failures": [{**f.entry, "worker": f.worker, "finished_at": jsonable(f.finished_at)} for f in page.failures],
         "failures_total": page.failures_total,
         "failures_next": page.failures_next,

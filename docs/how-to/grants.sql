@@ -38,6 +38,7 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_republish_successor(uuid, text, double precision, double precision),
                            fanin_fail_lost_replacement(uuid, text, double precision, text),
                            fanin_rerun_successor(uuid, text, text, text),
+                           fanin_record_action(text, text, uuid, text, text),
                            fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text,
                                               text, text, text),
                            fanin_count_duplicate(uuid, text),
@@ -108,6 +109,7 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text,
 -- (only past their expiry), deadlines (only due ones) and cancels, stalled successors, open batches whose
 -- producer is gone, thresholds and reconciliation. It never creates batches or children.
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_relay;
+GRANT SELECT ON fanin_operator_actions TO fanin_producer, fanin_worker, fanin_relay, fanin_maintenance;
 GRANT EXECUTE ON FUNCTION fanin_claim_outbox(integer, bigint[]),
                           fanin_outbox_sent(bigint[]),
                           fanin_outbox_failed(bigint, text, double precision),
@@ -122,7 +124,8 @@ GRANT EXECUTE ON FUNCTION fanin_claim_outbox(integer, bigint[]),
                           fanin_seal_open(uuid, double precision),
                           fanin_republish_successor(uuid, text, double precision, double precision),
                           fanin_fail_lost_replacement(uuid, text, double precision, text),
-                          fanin_rerun_successor(uuid, text, text, text) TO fanin_relay;
+                          fanin_rerun_successor(uuid, text, text, text),
+                          fanin_record_action(text, text, uuid, text, text) TO fanin_relay;
 
 -- Sagas (schema version 4). Every move of a saga is made by `kick`, which runs in the producer's
 -- saga(...).apply_async() (record the saga, start step 1, and settle it if its batch already finished) and in the
@@ -156,7 +159,7 @@ GRANT UPDATE (completed_at) ON fanin_batches TO fanin_maintenance;
 -- The dashboard reads and never writes: SELECT on what its pages show (a failed child's arguments are in its
 -- stored message), nothing else. It also opens every transaction read-only.
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox, fanin_sagas,
-                fanin_saga_steps, fanin_saga_compensations TO fanin_dashboard;
+                fanin_saga_steps, fanin_saga_compensations, fanin_operator_actions TO fanin_dashboard;
 
 -- The node view (`fanin_nodes`, version 22): what `status`, `ls`, `retry-failed` and the dashboard's batch pages
 -- read. It reads fanin_batches, fanin_successors and fanin_children with its owner's rights, so it goes to the

@@ -73,11 +73,9 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-@pytest.fixture
-def dashboard(processes: Any, tmp_path: Path) -> str:
-    """`celery -A tests.app fanin dashboard` on a free loopback port, updating every half second."""
+def _serve(processes: Any, tmp_path: Path, *flags: str) -> str:
     proc = CeleryProcess(
-        ["fanin", "dashboard", "--port", "0", "--refresh", "0.5"],
+        ["fanin", "dashboard", "--port", "0", "--refresh", "0.5", *flags],
         processes.env,
         tmp_path / "dashboard.log",
         ready_marker="dashboard at http://",
@@ -87,6 +85,18 @@ def dashboard(processes: Any, tmp_path: Path) -> str:
     found = re.search(r"dashboard at (http://\S+)/", proc.output())
     assert found, proc.output()
     return found.group(1)
+
+
+@pytest.fixture
+def dashboard(processes: Any, tmp_path: Path) -> str:
+    """`celery -A tests.app fanin dashboard` on a free loopback port, updating every half second."""
+    return _serve(processes, tmp_path)
+
+
+@pytest.fixture
+def acting_dashboard(processes: Any, tmp_path: Path) -> str:
+    """The same with `--allow-actions`."""
+    return _serve(processes, tmp_path, "--allow-actions")
 
 
 def _until(driver: Any, what: str, check: Callable[[Any], Any]) -> Any:
@@ -250,3 +260,37 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     _shot(browser, tmp_path, "dashboard-saga")
     browser.get(f"{dashboard}/sagas?state=manual_action_required")
     assert rollback.saga_id[:8] in _visible(browser)
+
+
+def test_a_person_cancels_a_batch_and_reruns_a_successor_from_its_page(
+    producer: Any, processes: Any, acting_dashboard: str, browser: Any, tmp_path: Path
+) -> None:
+    """`--allow-actions` (issue 40, item 6): the buttons a batch's state allows, a click that does it (the form's
+    CSRF token from the page's cookie), and the record of who did what, on the page."""
+    from selenium.webdriver.common.by import By
+
+    processes.worker(concurrency=2)
+    processes.relay()
+    _sql(producer, tasks.ATTEMPTS_DDL)
+    gate = f"act-{uuid.uuid4().hex[:8]}"
+    held = fan_in_group([tasks.gated.s(gate), tasks.ok.s(1)], then=tasks.record_run.s("never")).apply_async()
+    failing = fan_in_group([tasks.ok.s(1)], then=tasks.failing_successor.s("rerun-me")).apply_async()
+
+    browser.get(f"{acting_dashboard}/batches/{held.batch_id}")
+    buttons = _until(browser, "the buttons", lambda d: d.find_elements(By.CSS_SELECTOR, "form.actions button"))
+    assert [b.text for b in buttons] == ["Cancel batch"], [b.text for b in buttons]
+    _until(browser, "the cancel clicked", lambda d: d.find_element(By.CSS_SELECTOR, "button.a-cancel").click() or True)
+    log = _until(browser, "the action recorded", lambda d: d.find_element(By.CSS_SELECTOR, "table.actions-log").text)
+    assert "cancel" in log and "done" in log and "anonymous (127.0.0.1)" in log, log
+    assert held.wait_batch(timeout=30).state == "cancelled"
+    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
+
+    with pytest.raises(RuntimeError):
+        failing.get(timeout=60)
+    browser.get(f"{acting_dashboard}/batches/{failing.batch_id}")
+    _until(browser, "the rerun clicked", lambda d: d.find_element(By.CSS_SELECTOR, "button.a-rerun").click() or True)
+    log = _until(browser, "the rerun recorded", lambda d: d.find_element(By.CSS_SELECTOR, "table.actions-log").text)
+    assert "rerun" in log and "done" in log, log
+    reruns = _until(browser, "the reruns table", lambda d: d.find_element(By.CSS_SELECTOR, "table.reruns").text)
+    assert "failed (run 1)" in reruns and "anonymous (127.0.0.1)" in reruns, reruns
+    _shot(browser, tmp_path, "dashboard-actions")

@@ -133,3 +133,8 @@ SELECT count(*) AS unsent, count(*) FILTER (WHERE available_at <= now()) AS due,
 SELECT o.batch_id, o.step, o.created_at, o.available_at, o.attempts, o.last_error
   FROM fanin_outbox o WHERE o.sent_at IS NULL ORDER BY o.created_at, o.id LIMIT 1;
 
+-- name: operator_actions
+-- What operators did to a batch from the dashboard, newest first
+SELECT at, actor, action, outcome, detail FROM fanin_operator_actions
+ WHERE batch_id = :id ORDER BY at DESC, id DESC LIMIT 20;
+

@@ -623,6 +623,10 @@ SELECT count(*) FROM fanin_children WHERE batch_id = ANY(CAST(:ids AS uuid[]));
 -- Delete batch rows
 DELETE FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[]));
 
+-- name: record_action
+-- An operator's action from the dashboard, with who, what and how it ended (fanin_operator_actions)
+SELECT fanin_record_action(:actor, :action, :batch, :outcome, :detail);
+
 -- --- store/observability.py ---------------------------------------------------------------------------------------
 
 -- name: open_and_stuck

@@ -169,6 +169,22 @@ CREATE TABLE fanin_outbox (
 );
 CREATE INDEX fanin_outbox_pending ON fanin_outbox (available_at, id) WHERE sent_at IS NULL;
 
+-- What operators did from the dashboard, who and when (version 30); kept when batches are pruned.
+CREATE TABLE fanin_operator_actions (
+    id       bigserial,
+    at       timestamptz NOT NULL DEFAULT now(),
+    actor    text NOT NULL,
+    action   text NOT NULL,
+    batch_id uuid NOT NULL,
+    outcome  text NOT NULL,
+    detail   text,
+    CONSTRAINT fanin_operator_actions_pkey PRIMARY KEY (id),
+    CONSTRAINT fanin_operator_actions_action_check CHECK (action IN ('retry-failed', 'cancel', 'seal', 'rerun')),
+    CONSTRAINT fanin_operator_actions_outcome_check CHECK (outcome IN ('done', 'refused', 'error'))
+);
+CREATE INDEX fanin_operator_actions_batch ON fanin_operator_actions (batch_id, at);
+
+
 -- An operator's reruns of a failed or revoked successor (version 29): who asked, when, and what each replaced.
 CREATE TABLE fanin_successor_reruns (
     batch_id             uuid NOT NULL,
@@ -1302,6 +1318,21 @@ BEGIN
     END IF;
     PERFORM pg_notify('fanin_outbox', v_outbox::text);
     RETURN QUERY SELECT v_rerun, 'pending'::text, v_old.task_id, v_old.state;
+END
+$$;
+
+-- An operator's action from the dashboard, recorded (version 30).
+-- fanin_record_action(text,text,uuid,text,text)
+CREATE FUNCTION fanin_record_action(p_actor text, p_action text, p_batch uuid, p_outcome text, p_detail text)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id bigint;
+BEGIN
+    INSERT INTO fanin_operator_actions (actor, action, batch_id, outcome, detail)
+    VALUES (left(p_actor, 200), p_action, p_batch, p_outcome, left(p_detail, 2000))
+    RETURNING id INTO v_id;
+    RETURN v_id;
 END
 $$;
 
