@@ -11,7 +11,9 @@ Their names are in `celery_fanin.protocol`: messages in flight and users' routes
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import uuid
 import weakref
 from typing import Any
@@ -25,6 +27,7 @@ from .context import FanIn
 from .exceptions import FanInDatabaseError
 from .ops.retention import prune
 from .producer.group import FanInGroup
+from .producer.schedule import key_of_slot
 from .protocol import (
     COMPENSATION_DONE_TASK,
     HEADER_BATCH,
@@ -39,6 +42,8 @@ from .protocol import (
 )
 from .sagas.driver import kick, settle_stage, settle_step
 from .store import sagas as store
+
+logger = logging.getLogger("celery_fanin.canvas")
 
 # A saga's successors retry database errors (a restart, a failover), not bugs.
 _SAGA_TASK_OPTIONS: dict[str, Any] = {
@@ -93,13 +98,23 @@ def register(app: Celery) -> None:
         return {"batch_id": group.apply_async().batch_id}
 
     @app.task(name=RUN_CANVAS_TASK, **_CANVAS_TASK_OPTIONS)
-    def run_canvas(self: Any, canvas: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+    def run_canvas(
+        self: Any, canvas: dict[str, Any], key: str | None = None, slot: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Write the fan-in a chain, a link or a chord's body reached (`FanInGroup.apply_async` sends it here
-        rather than writing it in the trace of the task before), or a beat entry (`fan_in_schedule`, with the key
-        of its schedule slot). Its batch id was fixed when it was sent, or its key names the slot, so a
-        re-delivered message, a second beat's, or a retry after a database error finds the batch the first run
-        wrote."""
+        rather than writing it in the trace of the task before), or a beat entry (`fan_in_schedule`: its `slot`,
+        stamped with the time beat sent it, names the key; `key`, an entry from before 0.1, is the key itself).
+        Its batch id was fixed when it was sent, or its key names the slot, so a re-delivered message, a second
+        beat's, or a retry after a database error finds the batch the first run wrote."""
         group = FanInGroup._restore(canvas, self.app, from_message=False)
+        if slot is not None:
+            key, stamped = key_of_slot(slot, time.time())
+            if not stamped:
+                logger.warning(
+                    "scheduled fan-in %s came without its send time (is FanIn(app) called where beat loads the "
+                    "app?): its slot is the one it runs in",
+                    key,
+                )
         if key is not None:
             group = group.evolve(key=key)
         return {"batch_id": group.apply_async().batch_id}

@@ -3,6 +3,7 @@ and the states of children, batches, successors and sagas (the SQL's CHECK const
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 from typing import Any
 
@@ -75,6 +76,22 @@ FAN_IN_CHORD_TYPE = "fan_in_chord"
 
 # The NOTIFY channel a new successor's transaction signals and the relay listens on.
 OUTBOX_CHANNEL = "fanin_outbox"
+
+
+# The key, in the `slot` argument of a scheduled fan-in's `run_canvas` message (`fan_in_schedule`), of the time the
+# message was sent (seconds since the epoch): its schedule slot, and so its batch's key, is counted from it.
+SLOT_SENT_AT = "sent_at"
+
+
+def stamp_slot(task: Any, body: Any) -> None:
+    """Stamp the send time into a scheduled fan-in's message, in place (the publisher's `before_task_publish`,
+    in beat); a message that has one keeps it, so a republished copy stays in its slot."""
+    if task != RUN_CANVAS_TASK or not (isinstance(body, (tuple, list)) and len(body) == 3):
+        return
+    kwargs = body[1]
+    slot = kwargs.get("slot") if isinstance(kwargs, dict) else None
+    if isinstance(slot, dict) and SLOT_SENT_AT not in slot:
+        slot[SLOT_SENT_AT] = time.time()
 
 
 def request_header(request: Any, name: str, default: Any = None) -> Any:

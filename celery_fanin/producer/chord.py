@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery import Celery
-from celery.canvas import Signature, _chain
+from celery.canvas import Signature, _chain, maybe_signature
 from celery.canvas import group as _group
 
 from ..exceptions import InvalidFanIn
@@ -87,6 +87,17 @@ class FanInChord(FanInGroup):
         body = kwargs.pop("body", None)
         sig = self.evolve(then=body) if body is not None else self
         return FanInGroup.apply_async(sig, args, kwargs, **options)
+
+    def link_error(self, errback: Any) -> Any:
+        """As Celery's chord: the body's errback, and with ``task_allow_error_cb_on_chord_header`` each header
+        task's too (a nested chord in the header links its own, by the same rule)."""
+        errback = maybe_signature(errback, app=self._app)
+        for task in self.header:
+            if isinstance(task, FanInChord):
+                task.link_error(errback)
+            elif isinstance(task, Signature) and self.app.conf.task_allow_error_cb_on_chord_header:
+                task.link_error(errback.clone(immutable=True))
+        return super().link_error(errback)
 
     def __or__(self, other: Any) -> Any:
         """``chord | task`` appends the task to the body, as Celery's chord does, so the handle is still the

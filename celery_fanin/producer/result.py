@@ -545,15 +545,34 @@ _CELERY_STATES: dict[str, str] = {
 
 
 def _exception(exc_type: str | None, exc_message: str | None) -> BaseException:
-    """The successor's error as the store has it (its type's name and its text): a built-in exception type is
-    itself, any other is rebuilt by name, as Celery's result backends rebuild an exception they cannot import."""
+    """The successor's error as the store has it (its type's name and its text), as the caller can catch it: a
+    built-in exception type is itself; any other is the one exception class of that name loaded in this process
+    (the producer imports the tasks that raise it, so `except MyError:` around `get()` works, as it does with a
+    result backend); with none, or several of that name, one is made by name, as Celery's result backends make one
+    they cannot import."""
     name = exc_type or "Exception"
     if name == ChordHeaderFailed.__name__:  # the library's own: a chord's body that did not run
         return ChordHeaderFailed(exc_message or "")
     cls = getattr(builtins, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = create_exception_cls(name, "celery_fanin.remote")
-    return cls(exc_message or "")
+        cls = _loaded_exception(name) or create_exception_cls(name, "celery_fanin.remote")
+    try:
+        return cls(exc_message or "")
+    except Exception:  # noqa: BLE001 - a class whose constructor wants more: a stand-in of its name
+        return create_exception_cls(name, "celery_fanin.remote")(exc_message or "")
+
+
+def _loaded_exception(name: str) -> type[Exception] | None:
+    """The one subclass of Exception named `name` among the classes loaded now, or None (none, or ambiguous)."""
+    found: set[type[Exception]] = set()
+    stack: list[type[Exception]] = [Exception]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub.__name__ == name and not sub.__module__.startswith("celery_fanin.remote"):
+                found.add(sub)
+            stack.append(sub)
+    return found.pop() if len(found) == 1 else None
 
 
 class EagerFanInResult(FanInResult):

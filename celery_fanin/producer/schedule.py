@@ -1,10 +1,13 @@
 """A fan-in as a `beat_schedule` entry: `fan_in_schedule(name, fan_in, schedule)`.
 
-Beat sends task messages, so the entry is the built-in `celery_fanin.run_canvas` with the fan-in's plan. Its
-idempotency key names the schedule slot the tick belongs to, computed when beat sends the message (a
-`BeatLazyFunc`), not when a worker runs it: two beats ticking the same entry, or a restarted beat ticking it
-again, send the same key for the same slot, and the second message finds the first one's batch (the key's usual
-rule). A message that waits in a queue keeps the slot it was sent for.
+Beat sends task messages, so the entry is the built-in `celery_fanin.run_canvas` with the fan-in's plan, as plain
+JSON (so that django-celery-beat's `DatabaseScheduler` can store it). Its idempotency key names the schedule slot
+the tick belongs to: the entry carries the slot's rule (`slot`: the key's prefix and the interval), and the
+publisher's `before_task_publish` hook stamps the send time into it (`protocol.stamp_slot`; beat loads the app,
+and so `FanIn(app)`). Two beats ticking the same entry, or a restarted beat ticking it again, send the same key
+for the same slot, and the second message finds the first one's batch (the key's usual rule). A message that
+waits in a queue keeps the slot it was sent for. Without the stamp (a beat whose app was not wired with `FanIn`),
+the worker takes the time it runs the message, and says so.
 """
 
 from __future__ import annotations
@@ -15,12 +18,11 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from celery.beat import BeatLazyFunc
 from celery.schedules import schedule as interval_schedule
 from kombu.utils.json import dumps
 
 from ..exceptions import InvalidFanIn
-from ..protocol import RUN_CANVAS_TASK
+from ..protocol import RUN_CANVAS_TASK, SLOT_SENT_AT
 from .group import BATCH_ID_OPTION, FanInGroup
 
 
@@ -49,9 +51,22 @@ def fan_in_schedule(name: str, fan_in: FanInGroup, schedule: Any, **entry: Any) 
     return {
         "task": RUN_CANVAS_TASK,
         "schedule": schedule,
-        "kwargs": {"canvas": canvas, "key": BeatLazyFunc(slot_key, prefix, _period(schedule))},
+        "kwargs": {"canvas": canvas, "slot": {"prefix": prefix, "period": _period(schedule)}},
         **entry,
     }
+
+
+def key_of_slot(slot: Any, now: float | None = None) -> tuple[str, bool]:
+    """A scheduled message's key (`slot_key`) from its `slot` argument; and whether it carried its send time
+    (False: `now`, the time it runs, stands in)."""
+    if not isinstance(slot, dict) or not isinstance(slot.get("prefix"), str):
+        raise InvalidFanIn(f"a scheduled fan-in's slot must be {{'prefix': ..., 'period': ...}}, not {slot!r}")
+    period = slot.get("period")
+    if period is not None and (isinstance(period, bool) or not isinstance(period, (int, float)) or period <= 0):
+        raise InvalidFanIn(f"a scheduled fan-in's slot period must be a positive number of seconds, not {period!r}")
+    sent = slot.get(SLOT_SENT_AT)
+    stamped = isinstance(sent, (int, float)) and not isinstance(sent, bool) and math.isfinite(sent)
+    return slot_key(slot["prefix"], float(period) if period is not None else None, sent if stamped else now), stamped
 
 
 def _period(schedule: Any) -> float | None:

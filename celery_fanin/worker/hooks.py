@@ -45,6 +45,7 @@ from ..protocol import (
     claim,
     put_claim,
     request_header,
+    stamp_slot,
 )
 from ..store import batches
 from ..store.outbox import OutboxRow
@@ -448,6 +449,7 @@ class WorkerHooks:
         # successor published one at a time. The fast path builds the claim into its own messages.
         if headers:
             put_claim(body, headers)
+            stamp_slot(headers.get("task"), body)  # a scheduled fan-in, sent by beat: the time of its slot
 
     def task_received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         """Remember a fan-in message's marker while the main process holds its request (unless its claim refuses it)."""

@@ -11,7 +11,8 @@ _db = urlsplit(DATABASE_URL)
 
 SECRET_KEY = "example-only"
 USE_TZ = True
-INSTALLED_APPS = ["celery_fanin.django", "examples.django_orders.orders"]  # `migrate` creates the fan-in schema
+# `migrate` creates the fan-in schema; django-celery-beat stores scheduled fan-ins (`fan_in_schedule`) as rows.
+INSTALLED_APPS = ["celery_fanin.django", "django_celery_beat", "examples.django_orders.orders"]
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",

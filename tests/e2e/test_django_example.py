@@ -47,7 +47,7 @@ def test_the_django_example_passes_its_own_tests(e2e_env: dict[str, str]) -> Non
         timeout=110,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "4 passed" in done.stdout
+    assert "5 passed" in done.stdout
     # pytest-django dropped its test database: PostgreSQL refuses while a fan-in connection is open to it, and then
     # leaves it behind (celery-fanin's plugin closes them first). A second run would find it there.
     test_db = "test_" + make_url(e2e_env["FANIN_DATABASE_URL"]).database

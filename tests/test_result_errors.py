@@ -1,0 +1,36 @@
+"""How a failed successor's error comes back from `get()` (no result backend: the store keeps its type's name and
+text): a built-in as itself, a loaded class of that name as that class (so `except MyError:` works), and anything
+else, or an ambiguous name, as a stand-in of that name."""
+
+from __future__ import annotations
+
+from celery_fanin import ChordHeaderFailed
+from celery_fanin.producer.result import _exception
+
+
+class PaymentDeclined(Exception):
+    pass
+
+
+class NeedsTwoArguments(Exception):
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(code, why)
+
+
+def test_an_error_is_rebuilt_as_the_class_the_caller_can_catch() -> None:
+    assert type(_exception("ValueError", "bad")) is ValueError
+    declined = _exception("PaymentDeclined", "card 4242")
+    assert type(declined) is PaymentDeclined and declined.args == ("card 4242",)
+    chord = _exception("ChordHeaderFailed", "chord x: 1 of 2 header tasks succeeded")
+    assert isinstance(chord, ChordHeaderFailed)
+    unknown = _exception("NotLoadedAnywhere", "?")
+    assert type(unknown).__name__ == "NotLoadedAnywhere" and type(unknown).__module__ == "celery_fanin.remote"
+    odd = _exception("NeedsTwoArguments", "3: no")  # its constructor wants more than the text: a stand-in
+    assert type(odd).__name__ == "NeedsTwoArguments" and type(odd) is not NeedsTwoArguments
+
+
+def test_an_ambiguous_name_gets_a_stand_in() -> None:
+    first = type("Twice", (Exception,), {})
+    second = type("Twice", (Exception,), {})
+    got = _exception("Twice", "which one?")
+    assert type(got) not in (first, second) and type(got).__name__ == "Twice"
