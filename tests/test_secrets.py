@@ -136,6 +136,7 @@ _REACHING_THE_DATABASE: dict[tuple[str, ...], list[list[str]]] = {
     ("watch",): [["{id}", "--timeout", "1"]],
     ("failures",): [["{id}"], ["--json", "{id}"]],
     ("retry-failed",): [["{id}"], ["--json", "{id}"]],
+    ("rerun",): [["{id}"], ["--json", "{id}"]],
     ("seal",): [["{id}"], ["--json", "{id}"]],
     ("cancel",): [["{id}"], ["--json", "{id}"]],
     ("ls",): [[], ["--json"]],
