@@ -103,6 +103,14 @@ class ChordHeaderFailed(FanInError, ChordError):
                 failures,
                 batch_id,
             )
+        if why == "unencodable":
+            return cls(
+                f"the results of chord {batch_id} cannot be encoded with its body's serializer, so its body did not "
+                "run: use a task serializer that carries what the header tasks return (their result serializer "
+                "does), or fan_in_group(children, then=...), whose successor reads them from PostgreSQL",
+                failures,
+                batch_id,
+            )
         planned, succeeded = outcome.get("planned"), outcome.get("succeeded")
         named = "; ".join(_failure_text(f) for f in failures)
         missing = sum(int(outcome.get(name) or 0) for name in ("failed", "abandoned", "unfinished"))

@@ -25,7 +25,8 @@ HEADER_CARRIER = "fanin_carrier"
 HEADER_UNDO_OF = "fanin_undo_of"
 
 # On a `celery_fanin.chord` body's message whose header did not all succeed (or whose results are too large to
-# send): "failed" or "too_large". Its run guard then fails the body with `ChordHeaderFailed` instead of running it.
+# send, or that its serializer cannot carry): "failed", "too_large" or "unencodable". Its run guard then fails the
+# body with `ChordHeaderFailed` instead of running it.
 HEADER_CHORD = "fanin_chord"
 # Not a header: the option, in the stored successor signature of a chord's batch, that makes the relay send the
 # header's results as a list (the body's first argument) instead of the outcome; removed before publishing.

@@ -34,3 +34,20 @@ def test_an_ambiguous_name_gets_a_stand_in() -> None:
     second = type("Twice", (Exception,), {})
     got = _exception("Twice", "which one?")
     assert type(got) not in (first, second) and type(got).__name__ == "Twice"
+
+
+def test_chord_results_the_bodys_serializer_cannot_carry_fail_the_body_with_why() -> None:
+    from celery import Celery
+
+    from celery_fanin import FanIn
+    from celery_fanin.relay.outbox import _encodable
+
+    app = Celery("encodable", set_as_current=False)
+    app.conf.fanin_database_url = "postgresql://nobody@127.0.0.1:1/none"  # never connected to
+    fanin = FanIn(app)
+    body = app.signature("t.body")
+    assert _encodable(fanin, body, [1, "two", [3]])
+    assert not _encodable(fanin, body, [{1, 2}]), "a set: the JSON task serializer cannot carry it"
+    assert _encodable(fanin, body.set(serializer="pickle"), [{1, 2}])
+    err = ChordHeaderFailed.from_outcome({"batch_id": "b1", "failures": []}, "unencodable")
+    assert "cannot be encoded with its body's serializer" in str(err) and err.batch_id == "b1"

@@ -14,13 +14,14 @@ from typing import Any
 from celery import Celery
 from celery.canvas import Signature
 from kombu import Producer
+from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import Connection
 
 from ..broker import publish
 from ..broker.confirms import BrokerRefused
 from ..broker.control import revoke_children
-from ..codec import decode_result, decode_signature
+from ..codec import decode_result, decode_signature, serialize
 from ..context import FanIn
 from ..protocol import CHORD_OPTION, HEADER_TASK, UNPUBLISHABLE_TASK, BatchState, ChildState
 from ..store import batches, outbox, queries, recovery
@@ -216,6 +217,8 @@ def _send_successor(
     outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
     if sig.options.pop(CHORD_OPTION, None) and kind == "then":
         first, why = _chord_results(fanin, batch, outcome)
+        if why is None and not _encodable(fanin, sig, first):
+            first, why = outcome, "unencodable"
         deliver(Due(row, batch.id, row.step, task_id, sig, first, why))
     else:
         deliver(Due(row, batch.id, row.step, task_id, sig, outcome))
@@ -243,6 +246,17 @@ def _chord_results(fanin: FanIn, batch: queries.BatchRow, outcome: dict[str, Any
                 return outcome, "too_large"
         values.append(decode_result(fanin.app, encoded) if encoded is not None else None)
     return values, None
+
+
+def _encodable(fanin: FanIn, sig: Signature, values: list[Any]) -> bool:
+    """Whether the body's serializer carries the results (a result serializer may carry what the task serializer
+    cannot: a set under pickle, read back for JSON): if not, the body fails with why, rather than the row failing
+    to publish forever."""
+    try:
+        serialize(values, sig.options.get("serializer") or fanin.app.conf.task_serializer)
+    except EncodeError:
+        return False
+    return True
 
 
 def publish_remaining_children(fanin: FanIn, conn: Connection, batch_id: uuid.UUID, *, reject: bool = False) -> int:

@@ -73,6 +73,11 @@ def rerun(fanin: FanIn, batch_id: uuid.UUID, step: str | None = None, requested_
         raise FanInDatabaseError(f"could not rerun the successor of batch {bid}: {summarise(exc)}") from exc
     if state is None:
         raise SuccessorNotRerunnable(f"batch {bid} has no successor {chosen!r} (yet)")
+    if state == "superseded":
+        raise SuccessorNotRerunnable(
+            f"batch {bid} was retried since (fanin retry-failed): its last round's successor is the one to rerun "
+            "(its id: celery -A proj fanin status)"
+        )
     if number is None or previous is None:
         raise SuccessorNotRerunnable(
             f"the successor {chosen!r} of batch {bid} is {state}: only a failed or revoked successor runs again"

@@ -47,8 +47,10 @@ class Done:
 class Actions:
     """The actions of one dashboard: its CSRF secret, and the FanIn whose engine runs them."""
 
-    def __init__(self, fanin: FanIn) -> None:
+    def __init__(self, fanin: FanIn, basic_auth: tuple[str, str] | None = None, token: str | None = None) -> None:
         self.fanin = fanin
+        self.basic_auth = basic_auth  # what the guard checks: who signed in, for the record
+        self.dashboard_token = token
         self.secret = secrets.token_bytes(32)  # per process: a form from before a restart is refused (reload it)
 
     # --- CSRF -------------------------------------------------------------------------------------------------------
@@ -63,9 +65,11 @@ class Actions:
     def check(self, request: Request, given: str | None) -> str | None:
         """Why this POST is refused (None: it is not): a missing or wrong token, or another origin."""
         origin = request.headers.get("origin")
+        # "null": what a browser sends under the pages' `Referrer-Policy: no-referrer`; the token decides then.
         if origin is not None and origin != "null":
-            host = request.headers.get("host", "")
-            if origin.split("://", 1)[-1].rstrip("/") != host:
+            # The page's own origin: its Host, or the host a reverse proxy says it forwarded (X-Forwarded-Host).
+            hosts = {request.headers.get("host", ""), *request.headers.get("x-forwarded-host", "").split(",")}
+            if origin.split("://", 1)[-1].rstrip("/") not in {h.strip() for h in hosts if h.strip()}:
                 return f"a form from another origin ({origin}) is refused"
         cookie = request.cookies.get(CSRF_COOKIE)
         if not cookie or not given or not hmac.compare_digest(given.encode(), self.token(cookie).encode()):
@@ -114,9 +118,12 @@ class Actions:
         return f"rerun {done.rerun} of the successor, as task {done.task_id}"
 
 
-def applicable(state: str, failed: int, successor_state: str | None, is_leaf: bool) -> list[str]:
-    """The actions a batch in this state can take (the buttons its page shows; the action checks again)."""
-    if is_leaf:
+def applicable(
+    state: str, failed: int, successor_state: str | None, is_leaf: bool, superseded: bool = False
+) -> list[str]:
+    """The actions a batch in this state can take (the buttons its page shows; the action checks again). A round
+    retried since (`superseded`) takes none: its last round is the one to act on."""
+    if is_leaf or superseded:
         return []
     found = []
     if state == BatchState.OPEN:
@@ -130,19 +137,24 @@ def applicable(state: str, failed: int, successor_state: str | None, is_leaf: bo
     return found
 
 
-def actor(request: Request) -> str:
-    """Who asks, as the record keeps it: the Basic-auth user name, `token` for a token's holder, else
-    `anonymous`; with the client's address."""
+def actor(request: Request, basic_auth: tuple[str, str] | None, token: str | None) -> str:
+    """Who asks, as the record keeps it, with the client's address: the user of `--basic-auth` when the request
+    signed in as that user (the guard let it through, so only a matching user and password say so), `token` for
+    a token's holder, else `anonymous` (no auth configured: nothing a client says of itself is taken)."""
     who = "anonymous"
-    header = request.headers.get("authorization", "")
-    scheme, _, credentials = header.partition(" ")
-    if scheme.lower() == "basic":
-        try:
-            who = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")[0] or "token"
-        except (ValueError, UnicodeDecodeError):
-            who = "anonymous"
-    elif scheme.lower() == "bearer" or request.cookies.get("fanin_dashboard"):
-        who = "token"
+    if basic_auth is not None:
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "basic":
+            try:
+                user, _, password = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                user, password = "", ""
+            if hmac.compare_digest(user.encode(), basic_auth[0].encode()) and hmac.compare_digest(
+                password.encode(), basic_auth[1].encode()
+            ):
+                who = user
+    if who == "anonymous" and token is not None:
+        who = "token"  # the guard let it through: a token's holder (header, password or cookie)
     client = request.client.host if request.client is not None else "?"
     return f"{who} ({client})"
 

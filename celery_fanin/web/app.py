@@ -267,7 +267,10 @@ class Pages:
             )
         cookie = request.cookies.get(CSRF_COOKIE) or self.actions.new_cookie()
         row, successor = page.row, page.successor
-        can = applicable(row.state, int(row.failed), successor.state if successor else None, row.parent_id is not None)
+        superseded = any(r.round > row.round for r in page.rounds)
+        can = applicable(
+            row.state, int(row.failed), successor.state if successor else None, row.parent_id is not None, superseded
+        )
         response = self.render(
             request,
             "batch.html",
@@ -302,7 +305,8 @@ class Pages:
         refused = self.actions.check(request, fields.get("csrf"))
         if refused is not None:
             return self.error(request, 403, refused)
-        await run_in_threadpool(self.actions.run, action, batch_id, actor(request))
+        who = actor(request, self.actions.basic_auth, self.actions.dashboard_token)
+        await run_in_threadpool(self.actions.run, action, batch_id, who)
         return RedirectResponse(_link(request)(f"/batches/{batch_id}"), status_code=303)
 
     def lookup(self, request: Request) -> Response:
@@ -408,7 +412,7 @@ def build(
     allow_actions: bool = False,
 ) -> Starlette:
     engine = read_only_engine(fanin, pool_size, statement_timeout)
-    pages = Pages(engine, Options(refresh, page_size), Actions(fanin) if allow_actions else None)
+    pages = Pages(engine, Options(refresh, page_size), Actions(fanin, basic_auth, token) if allow_actions else None)
     api = Api(pages)
     routes = [
         Route("/", pages.index, methods=["GET"]),

@@ -38,6 +38,7 @@ from ..protocol import (
     BODY_CLAIM,
     HEADER_CARRIER,
     HEADER_CHORD,
+    THEN_CANVAS_TASK,
     ChildState,
     Marker,
     SuccessorState,
@@ -778,12 +779,26 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
             if why:
                 # A chord's body whose header did not all succeed: admitted (so this is its one run), failed here
                 # instead of run, so Celery records the failure and calls the body's errbacks once, as it does
-                # for a chord's body (`chord_error_from_stack`).
+                # for a chord's body (`chord_error_from_stack`): a chain's or a group's, which `then_canvas`
+                # carries inside its canvas, too.
+                if self.name == THEN_CANVAS_TASK and isinstance(kwargs, dict):
+                    request.errbacks = [*(request.errbacks or []), *_canvas_errbacks(kwargs.get("canvas"))]
                 raise successor_runs.chord_failure(fanin, marker.batch_id, str(why))
         return before_start(self, task_id, args, kwargs)
 
     before_start_guarded._fanin_guard = True  # type: ignore[attr-defined]
     return before_start_guarded
+
+
+def _canvas_errbacks(canvas: Any) -> list[Any]:
+    """The errbacks Celery calls when a chord's body that is this canvas fails unrun: a chain's own, or each
+    member's of a group (`Backend.chord_error_from_stack`, `_handle_group_chord_error`)."""
+    if not isinstance(canvas, dict):
+        return []
+    if canvas.get("subtask_type") == "group":
+        members = (canvas.get("kwargs") or {}).get("tasks") or []
+        return [eb for m in members if isinstance(m, dict) for eb in (m.get("options") or {}).get("link_error") or []]
+    return list((canvas.get("options") or {}).get("link_error") or [])
 
 
 def _due_at(eta: datetime | None, countdown: float | None) -> datetime:

@@ -16,6 +16,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import ChordError
 
 from celery_fanin import ChordHeaderFailed, FanIn, FanInResult, InvalidFanIn, chord
+from celery_fanin.exceptions import SuccessorNotRerunnable
 from celery_fanin.ops.rounds import retry_failed
 from tests import app as tasks
 from tests.workers import wait_for
@@ -172,3 +173,25 @@ def test_retry_failed_gives_the_body_every_result_across_the_rounds(producer: An
     assert round_two.round == 2 and round_two.children == 1
     assert FanInResult.restore(str(round_two.batch_id), producer).get(timeout=TIMEOUT) == [1, key, 3]
     assert first.get(timeout=5) == [1, key, 3]
+    # Round 1's body ran again in round 2: rerunning round 1's would run it (and its errbacks) twice.
+    with pytest.raises(SuccessorNotRerunnable, match="retried since"):
+        first.rerun()
+
+
+def test_a_chain_or_group_bodys_own_errbacks_are_called_once_when_the_header_fails(
+    producer: Any, processes: Any, notes: Any
+) -> None:
+    """As Celery's `chord_error_from_stack`: a chain body's `link_error`, and each member's of a group body."""
+    processes.worker(concurrency=2)
+    processes.relay()
+    chained = tasks.identity.s() | tasks.identity.s()
+    chained.link_error(tasks.note.si("chain body", "errback"))
+    first, second = tasks.identity.s(), tasks.identity.s()
+    first.link_error(tasks.note.si("group member 0", "errback"))
+    second.link_error(tasks.note.si("group member 1", "errback"))
+    handles = [chord([tasks.fail.s(1)], chained)(), chord([tasks.fail.s(2)], group(first, second))()]
+    for handle in handles:
+        with pytest.raises(ChordHeaderFailed):
+            handle.get(timeout=TIMEOUT)
+    expected = [("errback", "chain body"), ("errback", "group member 0"), ("errback", "group member 1")]
+    wait_for(lambda: sorted(notes()) == expected, TIMEOUT, message="each body's errbacks, once")

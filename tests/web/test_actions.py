@@ -106,3 +106,37 @@ def test_without_allow_actions_there_are_no_buttons_and_no_post(client: TestClie
     assert 'class="actions"' not in page and "csrf" not in page
     assert client.post(f"/batches/{batch.id}/actions", data={"action": "cancel"}).status_code == 404
     assert fanin_status(batch).state == "running"
+
+
+def test_the_record_names_who_signed_in_never_who_a_client_says_it_is(app: Celery, store: Store) -> None:
+    import base64
+
+    def basic(user: str, password: str) -> dict[str, str]:
+        return {"authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    for options, headers, who in (
+        ({"basic_auth": ("ops", "s3cret")}, basic("ops", "s3cret"), "ops (testclient)"),
+        ({"token": "t0ken"}, basic("alice", "t0ken"), "token (testclient)"),  # any user name: the token is the key
+    ):
+        web = create_app(app, allow_actions=True, **options)  # type: ignore[arg-type]
+        try:
+            with TestClient(web, base_url="http://dash.test", headers=headers) as client:
+                batch = store.batch(1, step="act-who")
+                _, csrf = _form(client, batch.id)
+                sent = client.post(
+                    f"/batches/{batch.id}/actions", data={"action": "cancel", "csrf": csrf}, follow_redirects=False
+                )
+                assert sent.status_code == 303
+                assert _log(client, batch.id) == [("cancel", "done", who)]
+        finally:
+            web.state.engine.dispose()
+    # No auth at all: a client's own claim is not taken.
+    web = create_app(app, allow_actions=True)
+    try:
+        with TestClient(web, base_url="http://dash.test", headers=basic("mallory", "x")) as client:
+            batch = store.batch(1, step="act-who")
+            _, csrf = _form(client, batch.id)
+            client.post(f"/batches/{batch.id}/actions", data={"action": "cancel", "csrf": csrf})
+            assert _log(client, batch.id) == [("cancel", "done", "anonymous (testclient)")]
+    finally:
+        web.state.engine.dispose()

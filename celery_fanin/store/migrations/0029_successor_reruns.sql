@@ -40,6 +40,13 @@ BEGIN
         RETURN QUERY SELECT NULL::integer, v_old.state, v_old.task_id, v_old.state;  -- refused: not failed or revoked
         RETURN;
     END IF;
+    -- A round retried since (`retry-failed`): its successor ran again there; rerunning this one would run it twice.
+    IF EXISTS (SELECT 1 FROM fanin_batches b, fanin_batches later
+                WHERE b.id = p_batch AND later.parent_id IS NULL AND later.round > b.round
+                  AND coalesce(later.retry_of, later.id) = coalesce(b.retry_of, b.id)) THEN
+        RETURN QUERY SELECT NULL::integer, 'superseded'::text, v_old.task_id, v_old.state;
+        RETURN;
+    END IF;
     IF p_task_id IS NULL OR p_task_id = '' OR p_task_id = v_old.task_id
        OR EXISTS (SELECT 1 FROM fanin_successor_reruns r
                    WHERE r.batch_id = p_batch AND r.step = p_step AND r.previous_task_id = p_task_id) THEN
