@@ -613,3 +613,6 @@ def gated_successor(outcome: dict[str, Any], label: str, key: str) -> dict[str, 
     """A successor that holds its pool process until the test opens the gate (`gated`), then records its run."""
     gated(key)
     return record_run(outcome, label)
+
+
+from tests import chord_tasks as _chord_tasks  # noqa: E402,F401  (Celery's chord cases: registered in every worker)
