@@ -823,7 +823,10 @@ class ProtocolMachine(RuleBasedStateMachine):
                 raise Violation(f"an event about a delivery a rerun replaced ({how}) moved {batch.id}'s successor")
             if moved and not how.startswith("main") and number != runs.admitted:
                 raise Violation(f"run {number} of batch {batch.id} wrote ({how}) after run {runs.admitted} began")
-            if moved and live_before and (how.startswith("main:") or elsewhere):
+            # Live when the event was made and still live now, at its commit: a run that ended meanwhile (the
+            # event's statement waited on its lock) leaves a successor no run holds, which such an event may end.
+            live_now = runs.live is not None and not runs.dead
+            if moved and live_before and live_now and (how.startswith("main:") or elsewhere):
                 raise Violation(
                     f"an event about a copy that did not run it ({how}) ended live run {runs.live} of batch {batch.id}"
                 )
@@ -864,7 +867,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 return
             if runs.carrier is None:
                 raise Violation(f"batch {batch.id}'s successor, never replaced, was failed as a lost replacement")
-            if live_before:
+            if live_before and runs.live is not None and not runs.dead:  # live then, and still (see end_run)
                 raise Violation(f"the replacement bound ended batch {batch.id}'s live carrier run {runs.live}")
             runs.live = None
 
