@@ -96,9 +96,3 @@ def _step(bid: uuid.UUID, found: list[tuple[str, str]]) -> str:
             "with step="
         )
     return candidates[0] if candidates else found[0][0]
-
-
-def reruns(fanin: FanIn, batch_id: uuid.UUID, step: str) -> list[successors.Rerun]:
-    """A successor's reruns, oldest first."""
-    with fanin.engine.connect() as conn:
-        return successors.reruns(conn, batch_id, step)

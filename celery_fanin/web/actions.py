@@ -12,7 +12,6 @@ keep reading through the dashboard's read-only engine.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import secrets
@@ -20,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.requests import Request
@@ -33,6 +33,8 @@ from ..relay import maintenance, reruns
 from ..store import admin
 
 CSRF_COOKIE = "fanin_csrf"
+# The attribute of `request.state` where the guard (`app.Guard`) puts who the request signed in as.
+ACTOR = "fanin_actor"
 ACTIONS = ("retry-failed", "cancel", "seal", "rerun")
 
 
@@ -47,10 +49,8 @@ class Done:
 class Actions:
     """The actions of one dashboard: its CSRF secret, and the FanIn whose engine runs them."""
 
-    def __init__(self, fanin: FanIn, basic_auth: tuple[str, str] | None = None, token: str | None = None) -> None:
+    def __init__(self, fanin: FanIn) -> None:
         self.fanin = fanin
-        self.basic_auth = basic_auth  # what the guard checks: who signed in, for the record
-        self.dashboard_token = token
         self.secret = secrets.token_bytes(32)  # per process: a form from before a restart is refused (reload it)
 
     # --- CSRF -------------------------------------------------------------------------------------------------------
@@ -137,30 +137,15 @@ def applicable(
     return found
 
 
-def actor(request: Request, basic_auth: tuple[str, str] | None, token: str | None) -> str:
-    """Who asks, as the record keeps it, with the client's address: the user of `--basic-auth` when the request
-    signed in as that user (the guard let it through, so only a matching user and password say so), `token` for
-    a token's holder, else `anonymous` (no auth configured: nothing a client says of itself is taken)."""
-    who = "anonymous"
-    if basic_auth is not None:
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "basic":
-            try:
-                user, _, password = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                user, password = "", ""
-            if hmac.compare_digest(user.encode(), basic_auth[0].encode()) and hmac.compare_digest(
-                password.encode(), basic_auth[1].encode()
-            ):
-                who = user
-    if who == "anonymous" and token is not None:
-        who = "token"  # the guard let it through: a token's holder (header, password or cookie)
+def actor(request: Request) -> str:
+    """Who asks, as the record keeps it: who the guard found the request signed in as (`app.Guard`: the
+    basic-auth user, `token`, or `anonymous` with no auth configured; nothing a client says of itself), with the
+    client's address."""
+    who = getattr(request.state, ACTOR, None) or "anonymous"
     client = request.client.host if request.client is not None else "?"
     return f"{who} ({client})"
 
 
 def form_fields(body: bytes) -> dict[str, Any]:
     """An `application/x-www-form-urlencoded` body's fields (the actions' forms are that, and small)."""
-    from urllib.parse import parse_qs
-
     return {k: v[-1] for k, v in parse_qs(body.decode("utf-8", "replace"), max_num_fields=10).items()}

@@ -35,7 +35,7 @@ from ..exceptions import summarise
 from ..extension import FanIn
 from ..store.reports import connect_options
 from . import data
-from .actions import ACTIONS, CSRF_COOKIE, Actions, actor, applicable, form_fields
+from .actions import ACTIONS, ACTOR, CSRF_COOKIE, Actions, actor, applicable, form_fields
 from .format import FILTERS, pct
 
 COOKIE = "fanin_dashboard"
@@ -112,6 +112,7 @@ class Guard:
             await send(message)
 
         if self.token is None and self.basic_auth is None:
+            scope.setdefault("state", {})[ACTOR] = "anonymous"
             await self.app(scope, receive, send_with_headers)
             return
         request = Request(scope)
@@ -119,28 +120,32 @@ class Guard:
         if self.token is not None and given is not None:
             await self._login(request, given)(scope, receive, send_with_headers)
             return
-        if not self._allowed(request):
+        who = self._signed_in(request)
+        if who is None:
             await self._challenge()(scope, receive, send_with_headers)
             return
+        scope.setdefault("state", {})[ACTOR] = who  # `request.state`: who an action is recorded as
         await self.app(scope, receive, send_with_headers)
 
-    def _allowed(self, request: Request) -> bool:
-        ok = False
+    def _signed_in(self, request: Request) -> str | None:
+        """Who the request signed in as: the basic-auth user, `token` for a token's holder; None if neither."""
+        by_token = by_user = False
         header = request.headers.get("authorization", "")
         scheme, _, credentials = header.partition(" ")
         if self.token is not None:
-            ok |= scheme.lower() == "bearer" and _same(credentials.strip(), self.token)
-            ok |= _same(request.cookies.get(COOKIE, ""), _cookie_value(self.token))
+            by_token |= scheme.lower() == "bearer" and _same(credentials.strip(), self.token)
+            by_token |= _same(request.cookies.get(COOKIE, ""), _cookie_value(self.token))
+        user = ""
         if scheme.lower() == "basic":
             try:
                 user, _, password = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")
             except (ValueError, UnicodeDecodeError):
                 user, password = "", ""
             if self.token is not None:
-                ok |= _same(password, self.token)
+                by_token |= _same(password, self.token)
             if self.basic_auth is not None:
-                ok |= _same(user, self.basic_auth[0]) & _same(password, self.basic_auth[1])
-        return ok
+                by_user = _same(user, self.basic_auth[0]) & _same(password, self.basic_auth[1])
+        return user if by_user else "token" if by_token else None
 
     def _login(self, request: Request, given: str) -> Response:
         assert self.token is not None
@@ -305,8 +310,7 @@ class Pages:
         refused = self.actions.check(request, fields.get("csrf"))
         if refused is not None:
             return self.error(request, 403, refused)
-        who = actor(request, self.actions.basic_auth, self.actions.dashboard_token)
-        await run_in_threadpool(self.actions.run, action, batch_id, who)
+        await run_in_threadpool(self.actions.run, action, batch_id, actor(request))
         return RedirectResponse(_link(request)(f"/batches/{batch_id}"), status_code=303)
 
     def lookup(self, request: Request) -> Response:
@@ -412,7 +416,7 @@ def build(
     allow_actions: bool = False,
 ) -> Starlette:
     engine = read_only_engine(fanin, pool_size, statement_timeout)
-    pages = Pages(engine, Options(refresh, page_size), Actions(fanin, basic_auth, token) if allow_actions else None)
+    pages = Pages(engine, Options(refresh, page_size), Actions(fanin) if allow_actions else None)
     api = Api(pages)
     routes = [
         Route("/", pages.index, methods=["GET"]),
