@@ -21,6 +21,11 @@ HEADER_UNDO = "fanin_undo"
 # On a successor's replacement (`Task.replace`): the token its run guard admits from then on, instead of any copy of
 # the message it replaced (which keeps the same task id).
 HEADER_CARRIER = "fanin_carrier"
+# On every other task of a successor's replacement (a chain's earlier tasks, a chord's header): the successor's
+# batch, with its HEADER_STEP, HEADER_CARRIER and HEADER_PART_OF (the successor's task id, which its carrier takes).
+# Such a task is not the successor: it runs freely, and its failure ends the successor (the carrier will not come).
+HEADER_PART = "fanin_part"
+HEADER_PART_OF = "fanin_part_of"
 # On a compensation task: the task id of the work it undoes (`task.request.fanin_undo_of`), its idempotency key.
 HEADER_UNDO_OF = "fanin_undo_of"
 
@@ -55,6 +60,8 @@ CLAIMED = (
     HEADER_STEP,
     HEADER_CARRIER,
     HEADER_CHORD,
+    HEADER_PART,
+    HEADER_PART_OF,
 )
 
 # The library's own tasks (`celery_fanin.builtin_tasks`). Messages in flight and users' routes name them: never
@@ -114,7 +121,7 @@ def claim(headers: Any) -> dict[str, str] | None:
     header into another integer type).
     """
     get = headers.get if hasattr(headers, "get") else (lambda k, d=None: getattr(headers, k, d))
-    if not (get(HEADER_BATCH, None) or get(HEADER_SUCCESSOR, None)):
+    if not (get(HEADER_BATCH, None) or get(HEADER_SUCCESSOR, None) or get(HEADER_PART, None)):
         return None
     return {key: str(value) for key in CLAIMED if (value := get(key, None)) is not None}
 
@@ -135,9 +142,10 @@ def put_claim(body: Any, headers: Any) -> None:
 
 
 class Marker:
-    """The fan-in headers of one task message: a child (batch + index) or a successor (batch + step)."""
+    """The fan-in headers of one task message: a child (batch + index), a successor (batch + step), or a part of a
+    successor's replacement (batch + step + `part_of`: a task that is not the successor, whose failure ends it)."""
 
-    __slots__ = ("batch_id", "index", "step", "chain", "task_name", "carrier")
+    __slots__ = ("batch_id", "index", "step", "chain", "task_name", "carrier", "part_of")
 
     def __init__(
         self,
@@ -147,6 +155,7 @@ class Marker:
         chain: str | None = None,
         task_name: str | None = None,
         carrier: str | None = None,
+        part_of: str | None = None,
     ) -> None:
         self.batch_id = batch_id
         self.index = index
@@ -156,6 +165,7 @@ class Marker:
         # HEADER_TASK existed): the message's own task name, or HEADER_TASK on a chain's tasks and replacements.
         self.task_name = task_name
         self.carrier = carrier  # a successor's replacement: the token its run guard admits (HEADER_CARRIER)
+        self.part_of = part_of  # a part of a successor's replacement: the successor's task id (HEADER_PART_OF)
 
     def child_id(self, task_id: str) -> str:
         """The task id of the child this message reports for: its own, or its chain's."""
@@ -163,16 +173,47 @@ class Marker:
 
     @property
     def is_successor(self) -> bool:
+        """A successor's message, or a part of its replacement (`is_part`): either speaks of the successor."""
         return self.step is not None
 
+    @property
+    def is_part(self) -> bool:
+        """A task of a successor's replacement other than its carrier: never admitted as a run of the successor;
+        its failure (after retries) ends the successor `failed`, as long as the carrier has not started."""
+        return self.part_of is not None
+
     def headers(self) -> dict[str, Any]:
-        """The message headers that carry this marker (what a replacement task must be given)."""
+        """The message headers that carry this marker (what a replacement's carrier must be given)."""
+        if self.is_part:
+            return {
+                HEADER_PART: self.batch_id,
+                HEADER_STEP: self.step,
+                HEADER_CARRIER: self.carrier,
+                HEADER_PART_OF: self.part_of,
+            }
         if self.is_successor:
             return {HEADER_SUCCESSOR: self.batch_id, HEADER_STEP: self.step}
         headers: dict[str, Any] = {HEADER_BATCH: self.batch_id, HEADER_INDEX: self.index}
         if self.task_name is not None:
             headers[HEADER_TASK] = self.task_name  # a replacement reports as the task it replaced
+        if self.chain is not None:
+            headers[HEADER_CHAIN] = self.chain  # a chain child's task replaced: it still reports for the chain
         return headers
+
+    def part_headers(self, task_id: str, carrier: str | None) -> dict[str, Any]:
+        """The headers of the other tasks (not its carrier) of a replacement of the task `task_id`: for a child,
+        each reports for the child as a chain's earlier task does (HEADER_CHAIN); for a successor, whose carrier
+        comes with the token `carrier`, each is a part whose failure ends it; a part's parts are parts too."""
+        if self.is_part:
+            return self.headers()
+        if self.is_successor:
+            return {
+                HEADER_PART: self.batch_id,
+                HEADER_STEP: self.step,
+                HEADER_CARRIER: carrier,
+                HEADER_PART_OF: task_id,
+            }
+        return {**self.headers(), HEADER_CHAIN: self.chain or task_id}
 
     @classmethod
     def from_mapping(cls, data: Any) -> Marker | None:
@@ -195,6 +236,11 @@ class Marker:
                 str(chain) if chain else None,
                 named if isinstance(named, str) else None,
             )
+        part = get(HEADER_PART, None)
+        part_of = get(HEADER_PART_OF, None)
+        carrier = get(HEADER_CARRIER, None)
+        if part and part_of and carrier:
+            return cls(str(part), None, str(get(HEADER_STEP, "")), carrier=str(carrier), part_of=str(part_of))
         return None
 
 

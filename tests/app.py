@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import redis
-from celery import Celery, bootsteps
+from celery import Celery, bootsteps, group
 from celery.exceptions import Reject
 from celery.worker.control import inspect_command
 
@@ -289,6 +289,15 @@ def replacing_successor(self: Any, outcome: dict[str, Any], label: str, as_chain
 def replacing_child(self: Any, i: int) -> Any:
     """A child that replaces itself with `ok(i)`: counted when the replacement ends, with its value."""
     raise self.replace(ok.s(i))
+
+
+@app.task(bind=True)
+def replacing_child_failing(self: Any, i: int, as_group: bool = False) -> Any:
+    """A child that replaces itself with a chain (or a group) whose second task fails: the child is counted
+    failed by that task, though the replacement's carrier never runs."""
+    if as_group:
+        raise self.replace(group(ok.si(i), fail.si(i)))
+    raise self.replace(ok.si(i) | fail.si(i) | ok.si(i))
 
 
 @app.task(bind=True, acks_late=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from celery_fanin.protocol import HEADER_TASK, Marker
+from celery_fanin.protocol import HEADER_CHAIN, HEADER_PART, HEADER_PART_OF, HEADER_STEP, HEADER_TASK, Marker, claim
 from celery_fanin.store.batches import Claim
 from celery_fanin.worker.hooks import ReceivedMarkers, claim_of
 
@@ -93,6 +93,35 @@ def test_a_replacement_claims_the_task_it_replaced() -> None:
     assert carried[HEADER_TASK] == "proj.original"
     replacement = Marker.from_mapping({"task": "proj.replacement", **carried})
     assert replacement is not None and claim_of(replacement) == Claim("b", 1, "proj.original")
+
+
+def test_a_replacements_other_tasks_report_for_what_it_replaced() -> None:
+    """`Task.replace` with a chain: its earlier tasks report for the child as a chain child's do; for a successor
+    they are parts (the carrier's token, the successor's task id), never the successor itself; a part's own
+    replacement keeps them parts; the headers are claimed (bound into a signed body)."""
+    child = Marker.from_mapping({"task": "proj.original", "fanin_batch": "b", "fanin_index": 1})
+    assert child is not None
+    earlier = Marker.from_mapping({"task": "proj.step", **child.part_headers("child-id", None)})
+    assert earlier is not None and not earlier.is_successor
+    assert earlier.child_id("step-id") == "child-id" and claim_of(earlier) == Claim("b", 1, "proj.original")
+    in_chain = Marker.from_mapping({"task": "p.mid", "fanin_batch": "b", "fanin_index": 0, "fanin_chain": "last"})
+    assert in_chain is not None and in_chain.headers()[HEADER_CHAIN] == "last"  # its carrier reports for the chain
+    assert in_chain.part_headers("mid-id", None)[HEADER_CHAIN] == "last"
+
+    successor = Marker.from_mapping({"task": "proj.body", "fanin_successor": "b", "fanin_step": "then"})
+    assert successor is not None
+    headers = successor.part_headers("successor-id", "token-1")
+    part = Marker.from_mapping({"task": "proj.step", **headers})
+    assert part is not None and part.is_part and part.is_successor
+    assert (part.batch_id, part.step, part.carrier, part.part_of) == ("b", "then", "token-1", "successor-id")
+    assert part.headers() == headers and part.part_headers("other-id", "token-2") == headers
+    assert claim({"id": "x", "task": "proj.step", **headers}) == {
+        "id": "x",
+        "task": "proj.step",
+        **{k: str(v) for k, v in headers.items()},
+    }
+    # Without the token (a replacement of a run already ended) the headers make no part.
+    assert Marker.from_mapping({"task": "t", HEADER_PART: "b", HEADER_STEP: "then", HEADER_PART_OF: "s"}) is None
 
 
 # --- the hooks class: one method per Celery signal --------------------------------------------------------------

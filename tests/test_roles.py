@@ -442,6 +442,8 @@ EXECUTES = {
         "fanin_take_back_v2(uuid,text,integer,double precision,text)",
         "fanin_renew_leases(uuid[],text[],integer[],double precision)",
         "fanin_finish_successor_v2(uuid,text,text,integer,text,bytea,text,text,text,text,text,integer,text,text)",
+        # a task of a successor's replacement before its carrier failed: the successor ends with it
+        "fanin_end_replacement(uuid,text,text,text,text,text,text)",
         # the successor a worker's report created, published by that worker (fanin_worker_publishes_successors)
         "fanin_claim_outbox(integer,bigint[])",
         "fanin_outbox_sent(bigint[])",

@@ -231,6 +231,35 @@ def record_state(
     return bool(found)
 
 
+def end_replacement(
+    conn: Connection,
+    batch_id: uuid.UUID,
+    step: str,
+    task_id: str,
+    carrier: str,
+    state: str,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> bool:
+    """A task of the successor's replacement other than its carrier (a part: a chain's earlier task, a chord's
+    header task) failed or was revoked, so the carrier will not be published: end the successor with it, only while
+    it is `replaced` with this `carrier` (never a run the carrier holds). True if this call ended it; a nested
+    batch's outer child ends in the same transaction (`fanin_end_replacement`)."""
+    found = conn.execute(
+        q("end_replacement").text,
+        {
+            "id": batch_id,
+            "step": step,
+            "task_id": task_id,
+            "carrier": carrier,
+            "state": state,
+            "exc_type": exc_type,
+            "exc_message": exc_message,
+        },
+    ).scalar_one()
+    return bool(found)
+
+
 def stalled(conn: Connection, timeout: float, grace: float, limit: int = 100) -> list[tuple[uuid.UUID, str]]:
     """Successors that should have run by now.
 

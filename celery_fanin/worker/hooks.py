@@ -22,7 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
-from celery import Celery, chord, current_app, signals
+from celery import Celery, Signature, chord, current_app, group, signals
 from celery.app.trace import build_tracer
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
@@ -405,6 +405,32 @@ class WorkerHooks:
         )
         return bool(done)
 
+    def end_replacement(self, fanin: FanIn, marker: Marker, state: str, exc: BaseException | None) -> bool:
+        """A part of a replaced successor's replacement (`marker.is_part`) failed, or was revoked, so its carrier
+        will not be published: the successor ends with it, while it still waits for that carrier (never a run the
+        carrier holds, nor a successor final already: `fanin_end_replacement`). True if this ended it."""
+        if state not in (SuccessorState.FAILED, SuccessorState.REVOKED) or not marker.part_of or not marker.carrier:
+            return False
+        exc_type, exc_message = _exc_fields(exc)
+        part_of, carrier = marker.part_of, marker.carrier
+        ended = report.send(
+            fanin,
+            "successor",
+            f"a part of the replacement of the successor of batch {marker.batch_id}",
+            lambda: successor_runs.end_replacement(
+                fanin, marker.batch_id, marker.step or "", part_of, carrier, state, exc_type, exc_message
+            ),
+        )
+        trace = format_traceback(exc) if ended and state == SuccessorState.FAILED else None
+        if trace is not None:
+            report.send(
+                fanin,
+                "successor",
+                f"traceback of the successor of batch {marker.batch_id}",
+                lambda: fanin.reports.note_successor_traceback(marker.batch_id, marker.step or "", trace),
+            )
+        return bool(ended)
+
     def admit_successor(
         self, fanin: FanIn, request: Any, task_id: str, marker: Marker
     ) -> successor_runs.LiveRun | None:
@@ -436,7 +462,9 @@ class WorkerHooks:
     ) -> None:
         """A main-process path ended one copy of the message: one that ran in pool process `ran_in`, or (None) one
         that never ran. Its child's terminal state, or its successor's final one, as far as that copy may end it."""
-        if marker.is_successor:
+        if marker.is_part:
+            self.end_replacement(fanin, marker, successor, exc)
+        elif marker.is_successor:
             tries = int(retries) if isinstance(retries, int) or (isinstance(retries, str) and retries.isdigit()) else 0
             self.record_successor(fanin, marker, successor, exc, task_id=task_id, ran_in=ran_in, retries=tries)
         else:
@@ -509,6 +537,9 @@ class WorkerHooks:
             return
         fanin = _fanin_for(task.app)
         if fanin is None:
+            return
+        if marker.is_part:
+            self._part_postrun(fanin, task, marker, state, retval)
             return
         if marker.is_successor:
             self._successor_postrun(fanin, marker, successor_runs.request_run(task.request), state, retval)
@@ -687,6 +718,27 @@ class WorkerHooks:
         else:  # no state: the pool process is being stopped; its lease lapses and the relay runs the successor again
             successor_runs.abandon(live)
 
+    def _part_postrun(self, fanin: FanIn, task: Any, marker: Marker, state: str | None, retval: Any) -> None:
+        """A part of a successor's replacement ended in a pool process: its failure (or a `Reject` without requeue)
+        means the replacement's carrier will not be published, so the successor fails with the part's error; its
+        success, a retry, an `Ignore` change nothing (the replacement goes on, or another attempt reports)."""
+        requeued = isinstance(retval, Reject) and retval.requeue
+        if state not in ("FAILURE", "REJECTED") or requeued or task.request.is_eager:
+            return
+        why = claim_refusal(fanin, task.request, getattr(task.request, BODY_CLAIM, None))
+        if why is not None:
+            self.refuse(fanin, task.request.id, marker, why)
+            return
+        exc = retval if isinstance(retval, BaseException) else None
+        if self.end_replacement(fanin, marker, SuccessorState.FAILED, exc):
+            logger.info(
+                "successor of batch_id=%s failed: task %s (task_id=%s) of its replacement failed, so its carrier "
+                "will not come",
+                marker.batch_id,
+                task.name,
+                task.request.id,
+            )
+
     def _report_decode_errors(self) -> None:
         """Count a child whose body the worker cannot decode (corrupt, or not what its content type says) as
         rejected: Celery acks such a message in `Consumer.on_decode_error` and only logs it, no signal fires, and
@@ -759,6 +811,8 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
             if why is not None:
                 worker_hooks.refuse(fanin, task_id, marker, why)
                 raise Ignore()
+        if marker is not None and marker.is_part:
+            return before_start(self, task_id, args, kwargs)  # not the successor: runs freely (`Marker.is_part`)
         if (
             fanin is not None
             and marker is not None
@@ -860,11 +914,14 @@ def _retry_guard(retry: Callable[..., Any]) -> Callable[..., Any]:
 def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap `Task.on_replace` (called by `Task.replace`) so that the replacement carries the fan-in on.
 
-    The replacement has the replaced task's id but none of its custom headers: it gets the fan-in headers, so a
-    child is counted when its replacement ends, and a successor ends when its replacement does. A successor's run
-    is handed over (`replaced`) before the replacement is published, so the replacement's delivery is admitted.
-    A child's replacement also keeps the ``ignore_result=True`` the library gave the child (Celery's `replace`
-    does not carry it), so that its result, stored under the child's id, stays out of the result backend too.
+    The replacement has the replaced task's id but none of its custom headers: its carrier (the task that takes
+    that id) gets the fan-in headers, so a child is counted when its replacement ends, and a successor ends when its
+    replacement does. Its other tasks (a chain's earlier tasks, a chord's header) get headers too, so that one that
+    fails ends what the carrier would have (the carrier then never comes): for a child, each reports for it as a
+    chain child's earlier task does; for a successor, each is a *part* (`Marker.is_part`), never admitted as a run.
+    A successor's run is handed over (`replaced`) before the replacement is published, so the replacement's
+    delivery is admitted. A child's replacement also keeps the ``ignore_result=True`` the library gave the child
+    (Celery's `replace` does not carry it), so that its results stay out of the result backend too.
     """
 
     def on_replace_guarded(self: Any, sig: Any) -> Any:
@@ -872,23 +929,34 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
         if marker is None or self.request.is_eager:
             return on_replace(self, sig)
         carrier = _carrier(sig)
-        carrier.options["headers"] = {**(carrier.options.get("headers") or {}), **marker.headers()}
+        tasks = [carrier, *_parts(sig, carrier)]
         if not marker.is_successor and getattr(self.request, "ignore_result", None) is True:
             fanin = _fanin_for(self.app)
             if fanin is not None and not fanin.setting("store_child_results_in_backend"):
-                carrier.options.setdefault("ignore_result", True)
-        live = successor_runs.request_run(self.request) if marker.is_successor else None
+                for task in tasks:
+                    task.options.setdefault("ignore_result", True)
+        _add_headers(carrier, marker.headers())
+        live = successor_runs.request_run(self.request) if marker.is_successor and not marker.is_part else None
         if live is None or live.ended:
+            if not marker.is_successor or marker.is_part:
+                for part in tasks[1:]:
+                    _add_headers(part, marker.part_headers(self.request.id, marker.carrier))
             return on_replace(self, sig)
         # From here on only the carrier is admitted: a copy of this message (a redelivery, the relay's, a stall
         # republish) has the same task id but not this token.
         token = uuid.uuid4().hex
         carrier.options["headers"][HEADER_CARRIER] = token
+        for part in tasks[1:]:
+            _add_headers(part, marker.part_headers(self.request.id, token))
         with _handed_over(live, SuccessorState.REPLACED, Ignore, carrier=token):
             return on_replace(self, sig)
 
     on_replace_guarded._fanin_guard = True  # type: ignore[attr-defined]
     return on_replace_guarded
+
+
+def _add_headers(sig: Any, headers: dict[str, Any]) -> None:
+    sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
 
 
 def _carrier(sig: Any) -> Any:
@@ -899,6 +967,18 @@ def _carrier(sig: Any) -> Any:
     if isinstance(sig, chord):
         return _carrier(sig.body)
     return sig
+
+
+def _parts(sig: Any, carrier: Any) -> list[Any]:
+    """The task signatures of a replacement other than its carrier: a chain's, a chord's header's and body's, a
+    group's members, at any depth."""
+    if sig is carrier:
+        return []
+    if isinstance(sig, chord):
+        return [*_parts(sig.tasks, carrier), *_parts(sig.body, carrier)]
+    if isinstance(sig, (_chain, group)):
+        return [part for task in sig.tasks if isinstance(task, Signature) for part in _parts(task, carrier)]
+    return [sig] if isinstance(sig, Signature) else []
 
 
 def guard_tasks(app: Celery) -> bool:

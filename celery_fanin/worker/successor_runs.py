@@ -245,6 +245,24 @@ def abandon(live: LiveRun) -> None:
     live.ended = True
 
 
+def end_replacement(
+    fanin: FanIn,
+    batch_id: str,
+    step: str,
+    task_id: str,
+    carrier: str,
+    state: str,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+) -> bool:
+    """One attempt at ending a replaced successor for a part of its replacement that failed or was revoked
+    (`store.successors.end_replacement`); the caller retries."""
+    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return successors.end_replacement(
+            conn, uuid.UUID(batch_id), step, task_id, carrier, state, exc_type=exc_type, exc_message=exc_message
+        )
+
+
 def record_final(
     fanin: FanIn,
     batch_id: str,

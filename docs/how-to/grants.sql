@@ -47,6 +47,7 @@ REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
                            fanin_renew_leases(uuid[], text[], integer[], double precision),
                            fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text,
                                                      text, text, integer, text, text),
+                           fanin_end_replacement(uuid, text, text, text, text, text, text),
                            fanin_wake_relay(uuid)
     FROM PUBLIC;
 -- Direct writes a database migrated (and granted) before definer_writes still has: revoked, so that re-running this
@@ -81,6 +82,7 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- through the relay's claim, marked sent or failed, and the rest of a batch past its threshold abandoned; one the
 -- worker leaves to the relay is made due at once (fanin_wake_relay). A failed child's or successor's traceback is
 -- written once, after the report that counted the failure (fanin_note_traceback, fanin_note_successor_traceback).
+-- A replaced successor ends when a task of its replacement before the carrier fails (fanin_end_replacement).
 -- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_worker;
 GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
@@ -97,6 +99,7 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text,
                           fanin_renew_leases(uuid[], text[], integer[], double precision),
                           fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text,
                                                      text, text, integer, text, text),
+                          fanin_end_replacement(uuid, text, text, text, text, text, text),
                           fanin_claim_outbox(integer, bigint[]),
                           fanin_outbox_sent(bigint[]),
                           fanin_outbox_failed(bigint, text, double precision),

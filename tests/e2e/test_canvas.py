@@ -18,7 +18,19 @@ from celery import chain, chord, group
 
 from celery_fanin import FanInGroup, FanInResult, fan_in_group
 from celery_fanin.producer.group import _RUN_CANVAS_IDS
-from tests.app import NOTES_TABLE_DDL, add, fail, identity, note, ok, raise_value_error, record_run, sum_values, tsum
+from tests.app import (
+    NOTES_TABLE_DDL,
+    add,
+    fail,
+    identity,
+    note,
+    ok,
+    raise_value_error,
+    record_run,
+    replacing_child_failing,
+    sum_values,
+    tsum,
+)
 from tests.app import values as collect
 from tests.workers import wait_for
 
@@ -140,6 +152,40 @@ def test_then_may_be_a_chain_or_a_group(canvas: dict[str, str], producer: Any) -
     assert chained.get(timeout=TIMEOUT) == [10, 20]
     grouped = fan_in_group([ok.s(1), ok.s(2)], then=group(collect.s(), sum_values.s())).apply_async()
     assert grouped.get(timeout=TIMEOUT) == [[10, 20], 30]
+
+
+def test_a_failing_task_inside_a_replacement_ends_what_it_replaced(canvas: dict[str, str], producer: Any) -> None:
+    """A chain or group that replaced a child or a successor, whose task before the carrier (the task that takes
+    the replaced task's id) fails: Celery publishes no carrier, so that task's failure ends the child (counted
+    failed) or the successor (failed with its error), at once and not at `fanin_replaced_timeout` (unset here)."""
+    body = fan_in_group([ok.s(1)], then=chain(collect.s(), fail.si(7), identity.s())).apply_async()
+    with pytest.raises(ValueError, match="child 7 failed on purpose"):
+        body.get(timeout=TIMEOUT)
+    assert _successor_end(canvas, body.batch_id) == ("failed", "ValueError", "child 7 failed on purpose")
+
+    children = fan_in_group(
+        [ok.s(1), replacing_child_failing.s(2), replacing_child_failing.s(3, as_group=True)], then=collect.s()
+    ).apply_async()
+    children.wait_batch(TIMEOUT)
+    with psycopg.connect(canvas["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT idx, state, exc_message FROM fanin_children WHERE batch_id = %s ORDER BY idx", (children.batch_id,)
+        ).fetchall()
+    assert rows == [
+        (0, "succeeded", None),
+        (1, "failed", "child 2 failed on purpose"),
+        (2, "failed", "child 3 failed on purpose"),
+    ]
+    assert _successor_end(canvas, children.batch_id)[0] == "succeeded"
+
+
+def _successor_end(env: dict[str, str], batch_id: str) -> tuple[str, str | None, str | None]:
+    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT state, exc_type, exc_message FROM fanin_successors WHERE batch_id = %s", (batch_id,)
+        ).fetchone()
+    assert row is not None
+    return (row[0], row[1], row[2])
 
 
 def test_link_and_link_error(canvas: dict[str, str], producer: Any) -> None:

@@ -23,9 +23,10 @@ expected values; what changes, and why, is said here once:
 
 Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below):
 
-1. A body chain whose middle task fails never finishes: the successor stays `replaced` and `get()` times out.
-   Affects the body of test_error_propagates_to_chord_from_chain, test_immutable_errback_called_by_chord_from_chain
-   and test_mutable_errback_called_by_chord_from_chain (both errback styles); their errbacks do run.
+1. Fixed (a replacement's tasks other than its carrier are parts of the successor, and a part's failure ends it):
+   a body chain whose middle task failed never finished (the successor stayed `replaced`). Its cases (the bodies of
+   test_error_propagates_to_chord_from_chain, test_immutable_errback_called_by_chord_from_chain and
+   test_mutable_errback_called_by_chord_from_chain, both styles) are normal tests again.
 2. A body chain whose last task has a frozen task id of its own is refused by the run guard as a duplicate
    delivery ("duplicate delivery of successor ... body not run"), so that task and its errback never run. Affects
    the body of test_mutable_errback_called_by_chord_from_chain_tail (both styles).
@@ -123,12 +124,11 @@ Every case of `test_chord`, in Celery's order:
   and body).
 - test_mutable_errback_called_by_chord_from_simple: ported in test_errbacks_from_simple_and_chain_members (both
   errback styles, header and body).
-- test_error_propagates_to_chord_from_chain: ported in test_error_propagation (header); ported, xfail (cause 1):
-  the body (test_gap_1_body_chain_fails_in_the_middle[...-body]).
+- test_error_propagates_to_chord_from_chain: ported in test_error_propagation (header and body).
 - test_immutable_errback_called_by_chord_from_chain: ported in test_errbacks_from_simple_and_chain_members
-  (header); ported, xfail (cause 1): the body.
+  (header and body).
 - test_mutable_errback_called_by_chord_from_chain: ported in test_errbacks_from_simple_and_chain_members (both
-  styles, header); ported, xfail (cause 1): the body, both styles.
+  styles, header and body).
 - test_error_propagates_to_chord_from_chain_tail: ported in test_error_propagation (header and body).
 - test_immutable_errback_called_by_chord_from_chain_tail: ported in test_errbacks_from_simple_and_chain_members
   (header and body).
@@ -232,7 +232,6 @@ Steps = Iterator[None]
 # --- the known gaps (see the module's docstring) ------------------------------------------------------------------
 
 GAPS = {
-    1: "a body chain whose middle task fails never finishes: its successor stays `replaced`",
     2: "a body chain whose last task has a frozen task id of its own is refused by the run guard as a duplicate",
     4: "a group as the body needs a result backend: then_canvas replaces itself with the group, a chord in Celery",
     5: "a chain in the header that holds a nested chord is refused with InvalidFanIn (on a worker, by run_canvas)",
@@ -754,11 +753,12 @@ def test_error_propagation(producer: Any, processes: Any, e2e_env: dict[str, str
     cases = Cases()
     with cases.case("test_error_propagates_to_chord_from_group (the group in the header is refused)"):
         _refused(producer, lambda: chord((group(identity.si(42), fail.s()),), identity.s()))
-    # the body of from_chain (cause 1) and of from_group (cause 4): test_gap_1_..., test_gap_4_...
+    # the body of from_group (cause 4): test_gap_4_...
     for kind, where in [
         ("from_simple", "header"),
         ("from_simple", "body"),
         ("from_chain", "header"),
+        ("from_chain", "body"),
         ("from_chain_tail", "header"),
         ("from_chain_tail", "body"),
         ("from_group", "header"),
@@ -780,12 +780,12 @@ def test_error_propagation(producer: Any, processes: Any, e2e_env: dict[str, str
 def test_errbacks_from_simple_and_chain_members(producer: Any, processes: Any, e2e_env: dict[str, str]) -> None:
     world = _start(producer, processes, e2e_env)
     cases = Cases()
-    # the body of from_chain (cause 1) and the mutable errbacks' of from_chain_tail (cause 2): test_gap_1_...,
-    # test_gap_2_...
+    # the mutable errbacks' of from_chain_tail (cause 2): test_gap_2_...
     for kind, where in [
         ("from_simple", "header"),
         ("from_simple", "body"),
         ("from_chain", "header"),
+        ("from_chain", "body"),
         ("from_chain_tail", "header"),
         ("from_chain_tail", "body"),
     ]:
@@ -796,6 +796,7 @@ def test_errbacks_from_simple_and_chain_members(producer: Any, processes: Any, e
             ("from_simple", "header"),
             ("from_simple", "body"),
             ("from_chain", "header"),
+            ("from_chain", "body"),
             ("from_chain_tail", "header"),
         ]:
             name = f"test_mutable_errback_called_by_chord_{kind}[{style}] ({where})"
@@ -1114,33 +1115,6 @@ def test_eager_chord_inside_task(producer: Any, e2e_env: dict[str, str]) -> None
 
 
 # --- the known gaps: one xfail per case (see the module's docstring) ----------------------------------------------
-
-GAP_1_CASES: dict[str, Callable[[], MemberCase]] = {
-    "test_error_propagates_to_chord_from_chain-body": lambda: error_propagates("from_chain", "body"),
-    "test_immutable_errback_called_by_chord_from_chain-body": lambda: immutable_errback("from_chain", "body"),
-    "test_mutable_errback_called_by_chord_from_chain-body-old_style": lambda: mutable_errback(
-        "from_chain", "body", "old_style"
-    ),
-    "test_mutable_errback_called_by_chord_from_chain-body-new_style": lambda: mutable_errback(
-        "from_chain", "body", "new_style"
-    ),
-}
-
-
-@xfail_gap(1)
-@pytest.mark.timeout(45)
-@pytest.mark.parametrize("case", GAP_1_CASES)
-def test_gap_1_body_chain_fails_in_the_middle(case: str, gap_world: Callable[..., World]) -> None:
-    """`chord((identity.si(42),), chain(identity.si(42), fail.s(), identity.si(42)))`: the errbacks run as
-    Celery's; the body's error never comes."""
-    world = gap_world()
-    member_case = GAP_1_CASES[case]()
-    res = member_case.sig.delay()
-    world.settle()
-    member_case.check(world)
-    with expect_gap(1, CeleryTimeoutError, "state=complete", "successor=replaced"):
-        _body_failed(res, HANG_TIMEOUT)
-
 
 GAP_2_CASES: dict[str, Callable[[], MemberCase]] = {
     "test_mutable_errback_called_by_chord_from_chain_tail-body-old_style": lambda: mutable_errback(

@@ -873,6 +873,40 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         self.run(Op("replacement_bound", fn, done), pick, hold)
 
+    @rule(
+        which=PICK,
+        stale=st.sampled_from([False, False, True]),
+        how=st.sampled_from(["failed", "revoked"]),
+        pick=PICK,
+        hold=HOLD,
+    )
+    @_when(has_root)
+    def replacement_part_ends(self, which: int, stale: bool, how: str, pick: int, hold: bool) -> None:
+        """A task of a successor's replacement before its carrier (a part: a chain's earlier task, a chord's header
+        task) failed or was revoked, so its carrier will not come (`fanin_end_replacement`), on any successor: the
+        part brings the token of the replacement it belongs to, the current one's or (`stale`) an earlier one's. It
+        may end only a successor replaced with that token that no carrier run holds."""
+        root: Root = self._pick(self._successor_roots(), which)
+        batch = root.batch
+        runs = self.m.runs[batch.id]
+        token = runs.carrier if runs.carrier is not None and not stale else "carrier-of-an-earlier-replacement"
+        live_before = runs.live is not None and not runs.dead
+        task_id = runs.task_id or batch.successor_task_id
+
+        def fn(conn: Connection) -> bool:
+            return successors.end_replacement(conn, batch.id, batch.step, task_id, token, how, "ValueError", "part")
+
+        def done(moved: bool) -> None:
+            if not moved:
+                return
+            if token != runs.carrier:
+                raise Violation(f"a part of another replacement ({token}) ended batch {batch.id}'s successor")
+            if live_before and runs.live is not None and not runs.dead:  # live then, and still (see end_run)
+                raise Violation(f"a part's {how} ended batch {batch.id}'s live carrier run {runs.live}")
+            runs.live = None
+
+        self.run(Op(f"replacement_part_ends({how}{', stale' if stale else ''})", fn, done), pick, hold)
+
     @rule(which=PICK, pick=PICK, hold=HOLD)
     @_when(has_root)
     def operator_rerun(self, which: int, pick: int, hold: bool) -> None:

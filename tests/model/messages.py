@@ -280,7 +280,16 @@ def make_app(url: str) -> Celery:
         _body("successor")
         if mode == "replace":
             raise self.replace(carrier.si(batch))
+        if mode.startswith("chain"):  # a chain whose first task is a part: it fails in "chain-fail"
+            raise self.replace(part.si(batch, mode == "chain-fail") | carrier.si(batch))
         return "done"
+
+    @app.task(bind=True, name="mm.part")
+    def part(self: Any, batch: str, fail: bool) -> str:
+        _body("part")
+        if fail:
+            raise ValueError(f"the part of batch {batch}'s replacement failed")
+        return "part"
 
     @app.task(bind=True, name="mm.carrier")
     def carrier(self: Any, batch: str) -> str:
@@ -315,6 +324,7 @@ class Copy:
     batch: str
     successor: bool
     origin: str
+    part: bool = False  # a task of a successor's replacement before its carrier (`Marker.is_part`)
 
 
 @dataclass
@@ -391,8 +401,9 @@ class MessageMachine(RuleBasedStateMachine):
                             headers["id"],
                             headers["task"],
                             marker.batch_id,
-                            marker.is_successor,
+                            marker.is_successor and not marker.is_part,
                             origin,
+                            marker.is_part,
                         )
                     )
             finally:
@@ -403,30 +414,37 @@ class MessageMachine(RuleBasedStateMachine):
     # `ran` lists True first, the value hypothesis tries most: most examples start where successors' copies
     # exist (hypothesis turns off a random part of the rules in each example, and the steps are few).
     @initialize(
-        n=st.integers(1, 2), replace=st.booleans(), ran=st.sampled_from([True, False]), cut=st.sampled_from([3, 5, 0])
+        n=st.integers(1, 2),
+        replace=st.booleans(),
+        ran=st.sampled_from([True, False]),
+        cut=st.sampled_from([3, 5, 0]),
+        chain=st.sampled_from(["", "chain-fail", "chain-ok"]),
     )
-    def first_batch(self, n: int, replace: bool, ran: bool, cut: int) -> None:
+    def first_batch(self, n: int, replace: bool, ran: bool, cut: int, chain: str) -> None:
         """The first batch; if `ran`, its children's copies were delivered once each and ran to their end. With
         `held_start` (hole 4's search), its first child's copy is taken at once instead, through a cut of `cut`
         statements, and held: what the expiry sweep's hole needs, reached by random steps in too few examples of a
         CI budget (2026-12-04: missed in 3 searches of 80)."""
-        self.create_batch(n, replace)
+        self.create_batch(n, replace, chain)
         if self.held_start:
-            first = next((i for i, c in enumerate(self.copies) if not c.successor), None)
+            first = next((i for i, c in enumerate(self.copies) if not c.successor and not c.part), None)
             if first is not None and cut:
                 self.deliver(first, hold=True, cut=cut)
             return
         ran = ran and "expiry" not in self.features  # the expiry sweep's hole needs a child's start cut
-        while ran and any(not c.successor for c in self.copies):
-            self.deliver(next(i for i, c in enumerate(self.copies) if not c.successor), hold=False, cut=0)
+        while ran and any(not c.successor and not c.part for c in self.copies):
+            self.deliver(
+                next(i for i, c in enumerate(self.copies) if not c.successor and not c.part), hold=False, cut=0
+            )
 
-    @rule(n=st.integers(1, 2), replace=st.booleans())
-    def create_batch(self, n: int, replace: bool) -> None:
-        """A producer's fan-in, through the public API."""
+    @rule(n=st.integers(1, 2), replace=st.booleans(), chain=st.sampled_from(["", "chain-ok", "chain-fail"]))
+    def create_batch(self, n: int, replace: bool, chain: str = "") -> None:
+        """A producer's fan-in, through the public API. A `replace` successor replaces itself with its carrier, or
+        with a chain whose first task (a part) succeeds or fails before the carrier."""
         if len(self.batches) >= 2:
             return
         tasks = self.app.tasks
-        mode = "replace" if replace and "replace" in self.features else "plain"
+        mode = (chain or "replace") if replace and "replace" in self.features else "plain"
         expires = {"expires": EXPIRES} if "expiry" in self.features else {}
         children = [tasks["mm.child"].s(i).set(**expires) for i in range(n)]
         result = fan_in_group(children, then=tasks["mm.successor"].s(mode), app=self.app).apply_async()
@@ -519,7 +537,9 @@ class MessageMachine(RuleBasedStateMachine):
             return
         copy = pool[pick % len(pool)]
         self.seen += 1
-        self.copies.append(Copy(self.seen, copy.message, copy.task_id, copy.task, copy.batch, copy.successor, "dup"))
+        self.copies.append(
+            Copy(self.seen, copy.message, copy.task_id, copy.task, copy.batch, copy.successor, "dup", copy.part)
+        )
 
     @precondition(lambda self: "stall" in self.features)
     @rule()
@@ -728,13 +748,21 @@ class MessageMachine(RuleBasedStateMachine):
             if copy.successor:
                 if BODY_RUNS[copy.batch] > 1 or self.forged[copy.batch]:
                     continue  # fenced off by a second run: that is the violation reported above
-                if copy.task == "mm.successor" and MODES.get(copy.batch) == "replace":
+                if copy.task == "mm.successor" and MODES.get(copy.batch, "plain") != "plain":
                     continue  # handed over to its carrier
                 state = succ.get(copy.batch)
                 if state not in FINAL_SUCCESSOR:
                     raise Violation(
                         f"the successor of batch {copy.batch} is {state} after copy {copy.n} ({copy.task}) ran to "
                         "its end: its report was lost"
+                    )
+            elif copy.part:
+                # A part that failed: the carrier will not come, so the successor ended with it (unless the
+                # carrier's run, from another copy that succeeded, holds it: the failure was a late copy's).
+                if MODES.get(copy.batch) == "chain-fail" and succ.get(copy.batch) not in (*FINAL_SUCCESSOR, "running"):
+                    raise Violation(
+                        f"the successor of batch {copy.batch} is {succ.get(copy.batch)} after a part of its "
+                        f"replacement (copy {copy.n}) failed: the carrier will never come"
                     )
             elif children.get(copy.task_id) not in FINAL_CHILD:
                 raise Violation(

@@ -46,6 +46,7 @@ FINISH = (
     "fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text, text, text, integer, text,"
     " text)"
 )
+END_REPLACEMENT = "fanin_end_replacement(uuid, text, text, text, text, text, text)"
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,20 @@ BREAKAGES = [
         "AND left(s.run_owner, length(p_ran_in)) = p_ran_in",
         "",
         function=FINISH,
+        machine=SuccessorGuardMachine,
+    ),
+    Breakage(
+        "a failed part of a replacement ends its successor in any state (no `s.state = 'replaced'`)",
+        "AND s.state = 'replaced' AND s.task_id = p_task_id",
+        "AND s.task_id = p_task_id",
+        function=END_REPLACEMENT,
+        machine=SuccessorGuardMachine,
+    ),
+    Breakage(
+        "a failed part of an earlier replacement ends its successor (no carrier check)",
+        "AND s.carrier = p_carrier",
+        "",
+        function=END_REPLACEMENT,
         machine=SuccessorGuardMachine,
     ),
     Breakage(

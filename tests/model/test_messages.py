@@ -43,6 +43,7 @@ CASES = {
     "5-transient-error-drops-report": frozenset({"faults"}),
     "4-lost-start-and-expiry-sweep": frozenset({"outage", "expiry"}),
     "6-forged-dead-owner": frozenset({"forge"}),
+    "7-failed-part-leaves-successor-replaced": frozenset({"replace", "duplicate"}),
     "all": MessageMachine.features,
 }
 # Hypothesis turns a random part of the rules off in each example (swarm testing): the expiry case needs its
@@ -90,6 +91,14 @@ def _starts_dropped_and_sweep_without_their_time(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(maintenance, "expiry_grace", lambda fanin: max(0.0, float(fanin.settings.expires_grace)))
 
 
+def _parts_report_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the fix a replacement's tasks other than its carrier carried no fan-in headers: their end was nothing
+    # to the fan-in (issue 40, gap 1: a chain body failing in the middle left its successor `replaced`).
+    from celery_fanin.worker.hooks import WorkerHooks
+
+    monkeypatch.setattr(WorkerHooks, "end_replacement", lambda self, fanin, marker, state, exc: False)
+
+
 # hole -> its fix undone: the model must find each.
 UNDO = {
     "1-replaced-successor-runs-again": Undo(
@@ -109,6 +118,7 @@ UNDO = {
     ),
     "4-lost-start-and-expiry-sweep": Undo(patch=_starts_dropped_and_sweep_without_their_time),
     "5-transient-error-drops-report": Undo(patch=_old_transient),
+    "7-failed-part-leaves-successor-replaced": Undo(patch=_parts_report_nothing),
     "6-forged-dead-owner": Undo(
         sql=(
             (

@@ -382,6 +382,60 @@ def test_an_event_about_a_copy_never_run_ends_a_successor_no_run_holds(store_eng
     assert event(retried, retries=1)
 
 
+def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_carrier(store_engine: Engine) -> None:
+    """`fanin_end_replacement`: a task of the replacement before its carrier failed, so the carrier will not come:
+    the successor ends, but only while it is `replaced` with that carrier token; never once the carrier's run holds
+    it, after a later replacement took it over (another token), under another task id, or with a state that is not
+    a part's end."""
+
+    def end(b: batches.NewBatch, carrier: str, state: str = "failed", task_id: str | None = None) -> bool:
+        tid = task_id or b.successor_task_id
+        return bool(
+            _in(
+                store_engine,
+                lambda c: successors.end_replacement(c, b.id, b.step, tid, carrier, state, "ValueError", "boom"),
+            )
+        )
+
+    def replaced(carrier: str = "c1") -> tuple[batches.NewBatch, successors.Run]:
+        batch, _, _ = create(store_engine, 0)
+        run = _claim(store_engine, batch)
+        assert run is not None
+        assert _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier=carrier))
+        return batch, run
+
+    waiting, _ = replaced()
+    assert not end(waiting, "c0"), "another replacement's part ended it"
+    assert not end(waiting, "c1", task_id="someone-else")
+    assert end(waiting, "c1")
+    row = _successor(store_engine, waiting.id)
+    assert row["state"] == "failed"
+    assert not end(waiting, "c1"), "ended twice"
+    assert _claim(store_engine, waiting, carrier="c1") is None, "the carrier ran after its part ended it"
+
+    carried, _ = replaced()
+    assert _claim(store_engine, carried, carrier="c1") is not None
+    assert not end(carried, "c1"), "a late part's failure ended the run its carrier holds"
+    assert _successor(store_engine, carried.id)["state"] == "running"
+
+    again, _ = replaced()
+    second = _claim(store_engine, again, carrier="c1")
+    assert second is not None
+    assert _in(store_engine, lambda c: successors.hand_over(c, second, "requeued"))
+    assert not end(again, "c1"), "a part ended a successor whose carrier's message is requeued"
+    assert _in(
+        store_engine,
+        lambda c: successors.hand_over(c, _claim(store_engine, again, carrier="c1"), "replaced", carrier="c2"),
+    )
+    assert not end(again, "c1"), "the first replacement's part ended the second replacement's successor"
+    assert end(again, "c2", state="revoked")
+    assert _successor(store_engine, again.id)["state"] == "revoked"
+
+    refused, _ = replaced()
+    with pytest.raises(Exception, match="not a state a part ends it with"):
+        end(refused, "c1", state="succeeded")
+
+
 def test_racing_deliveries_admit_exactly_one(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
     barrier = threading.Barrier(8)

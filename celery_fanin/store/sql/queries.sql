@@ -310,6 +310,10 @@ SELECT batch_id, step, runs FROM fanin_renew_leases(CAST(:ids AS uuid[]), CAST(:
 -- Move the successor to a final state
 SELECT fanin_finish_successor_v2(:id, :step, :task_id, CAST(:run AS integer), :state, :result, :rct, :rce, :exc_type, :exc_message, :carrier, CAST(:retries AS integer), :ran_in, :owner_key);
 
+-- name: end_replacement
+-- A part of the successor's replacement failed or was revoked: end the successor that still waits for its carrier
+SELECT fanin_end_replacement(:id, :step, :task_id, :carrier, :state, :exc_type, :exc_message);
+
 -- name: republish
 -- Put a stalled successor's outbox row back in line (same task id
 SELECT fanin_republish_successor(:id, :step, CAST(:timeout AS double precision), CAST(:grace AS double precision));
