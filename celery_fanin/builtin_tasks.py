@@ -31,6 +31,7 @@ from .producer.schedule import key_of_slot
 from .protocol import (
     COMPENSATION_DONE_TASK,
     HEADER_BATCH,
+    HEADER_STEP,
     HEADER_SUCCESSOR,
     PRUNE_TASK,
     RUN_CANVAS_TASK,
@@ -85,10 +86,16 @@ def register(app: Celery) -> None:
         as a successor, start the next stage of a pipeline."""
         spec = args[-1]
         group = FanInGroup.from_spec(self.app, spec)
-        if request_header(self.request, HEADER_SUCCESSOR):
+        finished = request_header(self.request, HEADER_SUCCESSOR)
+        if finished:
+            first = args[0]
+            if isinstance(first, list):
+                # A chord's body that is a chord: the header's results (args[0]) go to each of its header tasks,
+                # as Celery's chord passes them on; the batch that finished names its key.
+                key = f"then:{finished}:{request_header(self.request, HEADER_STEP)}"
+                return {"batch_id": group.evolve(key=key).apply_async(args=(first,)).batch_id}
             # A pipeline stage: the batch that just finished (its outcome is args[0]) starts the next one.
-            outcome = args[0]
-            handle = group.evolve(key=f"then:{outcome['batch_id']}:{outcome['step']}").apply_async()
+            handle = group.evolve(key=f"then:{first['batch_id']}:{first['step']}").apply_async()
             return {"batch_id": handle.batch_id}
         if request_header(self.request, HEADER_BATCH):
             # A child: the inner batch's successor will report this child; until then it is not finished.

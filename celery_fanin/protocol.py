@@ -145,7 +145,7 @@ class Marker:
     """The fan-in headers of one task message: a child (batch + index), a successor (batch + step), or a part of a
     successor's replacement (batch + step + `part_of`: a task that is not the successor, whose failure ends it)."""
 
-    __slots__ = ("batch_id", "index", "step", "chain", "task_name", "carrier", "part_of")
+    __slots__ = ("batch_id", "index", "step", "chain", "task_name", "carrier", "part_of", "stands_for")
 
     def __init__(
         self,
@@ -156,6 +156,7 @@ class Marker:
         task_name: str | None = None,
         carrier: str | None = None,
         part_of: str | None = None,
+        stands_for: str | None = None,
     ) -> None:
         self.batch_id = batch_id
         self.index = index
@@ -166,10 +167,17 @@ class Marker:
         self.task_name = task_name
         self.carrier = carrier  # a successor's replacement: the token its run guard admits (HEADER_CARRIER)
         self.part_of = part_of  # a part of a successor's replacement: the successor's task id (HEADER_PART_OF)
+        # A replacement's carrier whose own task id was frozen before (not the successor's): the successor's task
+        # id, under which its run guard admits it (HEADER_PART_OF on a successor's message).
+        self.stands_for = stands_for
 
     def child_id(self, task_id: str) -> str:
         """The task id of the child this message reports for: its own, or its chain's."""
         return self.chain or task_id
+
+    def successor_id(self, task_id: str) -> str:
+        """The task id of the successor this message speaks of: its own, or the one its carrier stands for."""
+        return self.stands_for or self.part_of or task_id
 
     @property
     def is_successor(self) -> bool:
@@ -192,7 +200,10 @@ class Marker:
                 HEADER_PART_OF: self.part_of,
             }
         if self.is_successor:
-            return {HEADER_SUCCESSOR: self.batch_id, HEADER_STEP: self.step}
+            own: dict[str, Any] = {HEADER_SUCCESSOR: self.batch_id, HEADER_STEP: self.step}
+            if self.stands_for is not None:
+                own[HEADER_PART_OF] = self.stands_for
+            return own
         headers: dict[str, Any] = {HEADER_BATCH: self.batch_id, HEADER_INDEX: self.index}
         if self.task_name is not None:
             headers[HEADER_TASK] = self.task_name  # a replacement reports as the task it replaced
@@ -223,7 +234,14 @@ class Marker:
         successor = get(HEADER_SUCCESSOR, None)
         if successor:
             carrier = get(HEADER_CARRIER, None)
-            return cls(str(successor), None, str(get(HEADER_STEP, "")), carrier=str(carrier) if carrier else None)
+            stands_for = get(HEADER_PART_OF, None)
+            return cls(
+                str(successor),
+                None,
+                str(get(HEADER_STEP, "")),
+                carrier=str(carrier) if carrier else None,
+                stands_for=str(stands_for) if stands_for else None,
+            )
         batch_id = get(HEADER_BATCH, None)
         if batch_id:
             index = get(HEADER_INDEX, None)

@@ -746,9 +746,9 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
 
     def _chord_successor(self, app: Celery, then: Signature) -> Signature:
         """A chord's body, checked and marked for the relay (`CHORD_OPTION`: send the results, not the outcome)."""
-        if isinstance(self.then, FanInGroup):
+        if isinstance(self.then, FanInGroup) and not self.then.is_chord:
             raise InvalidFanIn(
-                "a chord's body is a task, a chain or a group; for a fan-in after a fan-in use "
+                "a chord's body is a task, a chain, a group or a chord; for a fan-in after a fan-in use "
                 "fan_in_group(children, then=fan_in_group(...))"
             )
         children = self.children

@@ -19,10 +19,10 @@ from celery.result import AsyncResult, EagerResult
 from celery.utils.serialization import create_exception_cls
 from sqlalchemy.exc import SQLAlchemyError
 
-from ..codec import decode_result
+from ..codec import decode_result, decode_signature
 from ..context import FanIn
 from ..exceptions import BatchNotFound, ChordHeaderFailed, FanInDatabaseError, summarise
-from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
+from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, CHORD_OPTION, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
 from ..relay import maintenance, reruns
 from ..store import admin, batches, queries
 from ..store.outcomes import failure_entry
@@ -197,8 +197,20 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         while waiting are retried until then (a restart or failover should not end a wait), and a frozen handle
         whose batch does not exist yet waits for it.
         """
+        return self._wait(timeout, interval, follow_parents=False)
+
+    def _wait(self, timeout: float | None, interval: float, follow_parents: bool) -> BatchStatus:
+        """`wait_batch`; with `follow_parents`, while the batch does not exist yet, a failed task before the fan-in
+        in a chain raises its error (Celery's `follow_parents`): the chain stopped there, so the batch never will."""
+
+        def fetch() -> BatchStatus | None:
+            status = self._status_or_none()
+            if status is None and follow_parents:
+                self._parents_failed()
+            return status
+
         status = poll_until_finished(
-            self._status_or_none,
+            fetch,
             lambda st: st is not None and st.done,
             timeout,
             interval,
@@ -213,6 +225,16 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         )
         assert status is not None
         return status
+
+    def _parents_failed(self) -> None:
+        """Raise the error of the first task before the fan-in in its chain that failed (Celery's
+        `_maybe_reraise_parent_error`). A task's state needs the app's result backend: without one there is
+        nothing to read, and the wait goes on."""
+        for node in reversed(list(self._parents())):
+            try:
+                node.maybe_throw()
+            except NotImplementedError:  # DisabledBackend: no result backend configured
+                return
 
     # --- the successor, as Celery's AsyncResult has it --------------------------------------------------------------
 
@@ -248,6 +270,7 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         timeout: float | None = None,
         propagate: bool = True,
         interval: float = 0.1,
+        follow_parents: bool = True,
         **_: Any,
     ) -> Any:
         """The successor's return value once it has finished (as `AsyncResult.get`), read from the store.
@@ -255,21 +278,37 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         Raises its error if it failed (with `propagate`; else returns it), `TaskRevokedError` if it was revoked or
         the batch ended with nothing to run, `celery.exceptions.TimeoutError` after `timeout` seconds. A frozen
         handle whose batch does not exist yet waits for it. A batch retried with `fanin retry-failed` answers with
-        its last round's successor (waiting for it, within the same `timeout`). Other keyword arguments of
-        Celery's (`callback`, `disable_sync_subtasks`, ...) are accepted and ignored: nothing here waits on a
-        result backend."""
+        its last round's successor (waiting for it, within the same `timeout`). With `follow_parents` and
+        `propagate` (Celery's defaults), a failed task before the fan-in in a chain raises its error while the batch
+        does not exist yet (read from the result backend; without one the wait goes on). Other keyword arguments of
+        Celery's (`callback`, `disable_sync_subtasks`, ...) are accepted and ignored."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        status = self.wait_batch(timeout, interval)
+        status = self._wait(timeout, interval, follow_parents and propagate)
         latest = self._latest_round()
         if latest is not None:  # retried (`fanin retry-failed`): the last round's successor is the answer
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return latest.get(left, propagate, interval)
         value, exc = self._outcome(status)
+        if exc is None and status.successor_name == RUN_GROUP_TASK and self._body_is_a_chord():
+            # chord(header, chord(...)): as Celery's, the handle answers with the inner chord's body.
+            following = self.next_stage()
+            if following is None:
+                raise CeleryTimeoutError(f"chord {self.batch_id}'s body, a chord, was not written")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return following.get(left, propagate, interval)
         if exc is None:
             return value
         if propagate:
             raise exc
         return exc
+
+    def _body_is_a_chord(self) -> bool:
+        """Whether this batch is a chord whose body is a chord (its stored body is marked `CHORD_OPTION`)."""
+        with FanIn.of(self.app).engine.connect() as conn:
+            row = queries.batch(conn, parse_batch_id(self.batch_id))
+        if row is None or row.successor_message is None:
+            return False
+        return bool(decode_signature(self.app, row.message_for("then")).options.get(CHORD_OPTION))
 
     def wait(  # type: ignore[override]
         self, timeout: float | None = None, propagate: bool = True, interval: float = 0.1, **kwargs: Any

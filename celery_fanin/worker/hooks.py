@@ -38,6 +38,7 @@ from ..protocol import (
     BODY_CLAIM,
     HEADER_CARRIER,
     HEADER_CHORD,
+    HEADER_PART_OF,
     THEN_CANVAS_TASK,
     ChildState,
     Marker,
@@ -466,7 +467,9 @@ class WorkerHooks:
             self.end_replacement(fanin, marker, successor, exc)
         elif marker.is_successor:
             tries = int(retries) if isinstance(retries, int) or (isinstance(retries, str) and retries.isdigit()) else 0
-            self.record_successor(fanin, marker, successor, exc, task_id=task_id, ran_in=ran_in, retries=tries)
+            self.record_successor(
+                fanin, marker, successor, exc, task_id=marker.successor_id(task_id), ran_in=ran_in, retries=tries
+            )
         else:
             self.record_child(fanin, marker.child_id(task_id), marker, child, exc=exc, unrun=ran_in is None)
 
@@ -818,7 +821,7 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
             and marker is not None
             and marker.is_successor
             and successor_runs.request_run(self.request) is None
-            and worker_hooks.admit_successor(fanin, self.request, task_id, marker) is None
+            and worker_hooks.admit_successor(fanin, self.request, marker.successor_id(task_id), marker) is None
         ):
             logger.warning(
                 "duplicate delivery of successor batch_id=%s step=%s task_id=%s: body not run",
@@ -930,24 +933,31 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
             return on_replace(self, sig)
         carrier = _carrier(sig)
         tasks = [carrier, *_parts(sig, carrier)]
+        replaced_id = marker.successor_id(self.request.id) if marker.is_successor else self.request.id
         if not marker.is_successor and getattr(self.request, "ignore_result", None) is True:
             fanin = _fanin_for(self.app)
             if fanin is not None and not fanin.setting("store_child_results_in_backend"):
                 for task in tasks:
                     task.options.setdefault("ignore_result", True)
         _add_headers(carrier, marker.headers())
+        if marker.is_successor and not marker.is_part:
+            # A carrier frozen with a task id of its own (Celery keeps it) stands for the successor's.
+            if carrier.options.get("task_id", replaced_id) != replaced_id:
+                carrier.options["headers"][HEADER_PART_OF] = replaced_id
+            else:
+                carrier.options["headers"].pop(HEADER_PART_OF, None)
         live = successor_runs.request_run(self.request) if marker.is_successor and not marker.is_part else None
         if live is None or live.ended:
             if not marker.is_successor or marker.is_part:
                 for part in tasks[1:]:
-                    _add_headers(part, marker.part_headers(self.request.id, marker.carrier))
+                    _add_headers(part, marker.part_headers(replaced_id, marker.carrier))
             return on_replace(self, sig)
         # From here on only the carrier is admitted: a copy of this message (a redelivery, the relay's, a stall
         # republish) has the same task id but not this token.
         token = uuid.uuid4().hex
         carrier.options["headers"][HEADER_CARRIER] = token
         for part in tasks[1:]:
-            _add_headers(part, marker.part_headers(self.request.id, token))
+            _add_headers(part, marker.part_headers(replaced_id, token))
         with _handed_over(live, SuccessorState.REPLACED, Ignore, carrier=token):
             return on_replace(self, sig)
 

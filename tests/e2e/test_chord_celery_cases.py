@@ -27,9 +27,9 @@ Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below
    a body chain whose middle task failed never finished (the successor stayed `replaced`). Its cases (the bodies of
    test_error_propagates_to_chord_from_chain, test_immutable_errback_called_by_chord_from_chain and
    test_mutable_errback_called_by_chord_from_chain, both styles) are normal tests again.
-2. A body chain whose last task has a frozen task id of its own is refused by the run guard as a duplicate
-   delivery ("duplicate delivery of successor ... body not run"), so that task and its errback never run. Affects
-   the body of test_mutable_errback_called_by_chord_from_chain_tail (both styles).
+2. Fixed (a replacement's carrier with a task id of its own carries the successor's, under which its run guard
+   admits it): a body chain whose last task had a frozen task id was refused as a duplicate delivery. Its cases
+   (the body of test_mutable_errback_called_by_chord_from_chain_tail, both styles) are normal tests again.
 3. Fixed (commit 4748954: a failed successor's error is rebuilt as the loaded class of its name): a body's error
    was rebuilt by name only (`celery_fanin.remote.ExpectedException`). Its cases (the bodies of
    test_error_propagates_to_chord_from_simple and _from_chain_tail, test_immutable_errback_called_by_chord_from_simple
@@ -46,14 +46,16 @@ Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below
    test_chord_unlock_with_failed_task_in_nested_chain_member.
 6. Fixed (`chord.link_error` links the errback to each header task when `task_allow_error_cb_on_chord_header`
    is on, as Celery's): test_flag_allow_error_cb_on_chord_header_on_upgraded_chord is a normal test.
-7. A chord as a chord's body is refused (`InvalidFanIn`). Affects
-   test_chord_error_propagation_with_different_body_types[body is a chord].
+7. Fixed (a chord's body may be a chord: it is written when the header finishes, each of its header tasks given
+   the header's results, and the outer handle's `get()` answers with its body): a chord as a chord's body was
+   refused. test_chord_error_propagation_with_different_body_types[body is a chord] is a normal test.
 8. Parent ids differ from Celery's: a header task's parent is the `celery_fanin.run_canvas` task that wrote the
    chord, and the body's first task's the `celery_fanin.then_canvas` that ran the body chain
    (test_parent_ids) or the task before the chord (test_parent_ids__OR). Affects test_parent_ids and
    test_parent_ids__OR.
-9. `get()` does not follow a failed task before the chord in a chain: the chord is never written and `get()`
-   waits (Celery xfails this case on Redis, #6437). Affects test_error_propagates_from_chord.
+9. Fixed (`get()` follows the chain's parents while the batch does not exist, as Celery's `follow_parents`):
+   `get()` did not follow a failed task before the chord in a chain and waited (Celery xfails this case on Redis,
+   #6437). test_error_propagates_from_chord is a normal test.
 
 An xfail is strict and expects `KnownGap`, which the test raises only once it has seen its cause (the error, the
 log line, the refusal that the cause names); it fails fast (a hang is waited for once nothing is left to run,
@@ -115,7 +117,7 @@ Every case of `test_chord`, in Celery's order:
 - test_nested_chord_group_chain_group_tail: ported in test_groups_in_chains_in_the_header_are_refused (the
   refusal); ported, xfail (cause 5): the counterpart with a nested chord, refused at `delay()`
   (test_gap_5_chord_in_a_header_chain[test_nested_chord_group_chain_group_tail]).
-- test_error_propagates_from_chord: ported, xfail (cause 9): test_gap_9_error_propagates_from_chord; its chain ends
+- test_error_propagates_from_chord: ported in test_error_propagates_from_chord; its chain ends
   in a group with no body, the counterpart is a chord with `tsum.s()` as body; the error is that of a task before
   the chord, which only a result backend holds.
 - test_error_propagates_from_chord2: ported in test_error_propagation (a chord with `tsum.s()` as body, as above).
@@ -133,8 +135,7 @@ Every case of `test_chord`, in Celery's order:
 - test_immutable_errback_called_by_chord_from_chain_tail: ported in test_errbacks_from_simple_and_chain_members
   (header and body).
 - test_mutable_errback_called_by_chord_from_chain_tail: ported in test_errbacks_from_simple_and_chain_members (both
-  styles, header); ported, xfail (cause 2): the body, both styles
-  (test_gap_2_body_chain_tail_with_a_frozen_id[...]).
+  styles, header and body).
 - test_error_propagates_to_chord_from_group: ported in test_error_propagation (the header group: the refusal, then
   the group as the header); ported, xfail (cause 4): the body (test_gap_4_group_body[...-body]).
 - test_immutable_errback_called_by_chord_from_group: ported in test_errbacks_from_groups (the header group as
@@ -166,8 +167,8 @@ Every case of `test_chord`, in Celery's order:
 - test_upgraded_chord_link_error_with_header_errback_enabled: ported in test_errback_flags_and_nested_chords, with
   `chain(identity.si(42), chord(...))`.
 - test_chord_error_propagation_with_different_body_types: ported in test_errback_flags_and_nested_chords (a task, a
-  chain and a group as body; no "task_id must not be empty" in the worker's log); ported, xfail (cause 7): a chord
-  as body (test_gap_7_chord_error_propagation_with_a_chord_as_body).
+  chain and a group as body; no "task_id must not be empty" in the worker's log), and a chord as body in
+  test_chord_error_propagation_with_a_chord_as_body.
 - test_chord_error_in_nested_chain_does_not_crash: ported in test_cases_whose_tasks_need_a_result_backend:
   `chain(chord(...), identity.s())`, whose result is the plain task's after the chord.
 - test_chord_unlock_with_failed_task_in_nested_chain_member: ported, xfail (cause 5): refused at `apply_async()`
@@ -232,12 +233,9 @@ Steps = Iterator[None]
 # --- the known gaps (see the module's docstring) ------------------------------------------------------------------
 
 GAPS = {
-    2: "a body chain whose last task has a frozen task id of its own is refused by the run guard as a duplicate",
     4: "a group as the body needs a result backend: then_canvas replaces itself with the group, a chord in Celery",
     5: "a chain in the header that holds a nested chord is refused with InvalidFanIn (on a worker, by run_canvas)",
-    7: "a chord as a chord's body is refused with InvalidFanIn",
     8: "parent ids differ from Celery's: a header task's parent is run_canvas, the body's first task's no header task",
-    9: "get() does not follow a failed task before the chord in a chain (Celery xfails this on Redis, #6437)",
 }
 
 
@@ -780,7 +778,6 @@ def test_error_propagation(producer: Any, processes: Any, e2e_env: dict[str, str
 def test_errbacks_from_simple_and_chain_members(producer: Any, processes: Any, e2e_env: dict[str, str]) -> None:
     world = _start(producer, processes, e2e_env)
     cases = Cases()
-    # the mutable errbacks' of from_chain_tail (cause 2): test_gap_2_...
     for kind, where in [
         ("from_simple", "header"),
         ("from_simple", "body"),
@@ -798,6 +795,7 @@ def test_errbacks_from_simple_and_chain_members(producer: Any, processes: Any, e
             ("from_chain", "header"),
             ("from_chain", "body"),
             ("from_chain_tail", "header"),
+            ("from_chain_tail", "body"),
         ]:
             name = f"test_mutable_errback_called_by_chord_{kind}[{style}] ({where})"
             cases.start(name, _member_case(cases, where, mutable_errback(kind, where, style), world))
@@ -992,7 +990,7 @@ def test_errback_flags_and_nested_chords(producer: Any, processes: Any, e2e_env:
         yield  # world.settle()
         assert "task_id must not be empty" not in world.worker_log()
 
-    bodies = {  # "body is a chord" is cause 7's (test_gap_7_chord_error_propagation_with_a_chord_as_body)
+    bodies = {  # "body is a chord": test_chord_error_propagation_with_a_chord_as_body
         "body is a single_task": lambda: add.si(9, 7),
         "body is a chain": lambda: chain(add.si(9, 7), add.si(5, 7)),
         "body is a group": lambda: group([add.si(9, 7), add.si(5, 7)]),
@@ -1115,32 +1113,6 @@ def test_eager_chord_inside_task(producer: Any, e2e_env: dict[str, str]) -> None
 
 
 # --- the known gaps: one xfail per case (see the module's docstring) ----------------------------------------------
-
-GAP_2_CASES: dict[str, Callable[[], MemberCase]] = {
-    "test_mutable_errback_called_by_chord_from_chain_tail-body-old_style": lambda: mutable_errback(
-        "from_chain_tail", "body", "old_style"
-    ),
-    "test_mutable_errback_called_by_chord_from_chain_tail-body-new_style": lambda: mutable_errback(
-        "from_chain_tail", "body", "new_style"
-    ),
-}
-
-
-@xfail_gap(2)
-@pytest.mark.timeout(45)
-@pytest.mark.parametrize("case", GAP_2_CASES)
-def test_gap_2_body_chain_tail_with_a_frozen_id(case: str, gap_world: Callable[..., World]) -> None:
-    """`chord((identity.si(42),), chain(identity.si(42), fail_sig))`, `fail_sig` frozen (its id is the errback's
-    key): the run guard takes its message for a duplicate, so it never runs."""
-    world = gap_world()
-    member_case = GAP_2_CASES[case]()
-    res = member_case.sig.delay()
-    world.settle()
-    refused = world.log_lines("duplicate delivery of successor", f"task_id={member_case.failing_id}: body not run")
-    gap(2, bool(refused), refused)
-    _body_failed(res, TIMEOUT)
-    member_case.check(world)
-
 
 GAP_4_CASES: dict[str, Callable[[], MemberCase]] = {
     "test_error_propagates_to_chord_from_group-body": lambda: error_propagates("from_group", "body"),
@@ -1279,17 +1251,18 @@ def test_gap_5_chord_in_a_header_chain(case: str, gap_world: Callable[..., World
     GAP_5_CASES[case](gap_world)
 
 
-@xfail_gap(7)
 @pytest.mark.timeout(45)
-def test_gap_7_chord_error_propagation_with_a_chord_as_body(gap_world: Callable[..., World]) -> None:
-    """test_chord_error_propagation_with_different_body_types[body is a chord]."""
+def test_chord_error_propagation_with_a_chord_as_body(gap_world: Callable[..., World]) -> None:
+    """test_chord_error_propagation_with_different_body_types[body is a chord]; and the body chord's value, its
+    header tasks given the outer header's results (as Celery's)."""
+    world = gap_world()
     failing_chord = chord(
         [add.si(15, 7), fail.si()], chord(group([add.si(1, 1), add.si(2, 2)]), add.si(10, 10))
     )  # chain(group([...]), chord(...))
-    with expect_gap(7, InvalidFanIn, "a chord's body is a task, a chain or a group"):
-        result = failing_chord.apply_async()
-    world = gap_world()
+    result = failing_chord.apply_async()
     _header_failed(result, TIMEOUT)
+    nested = chord([add.si(1, 1), add.si(2, 2)], chord([tsum.s(), tsum.s()], tsum.s())).apply_async()
+    assert nested.get(timeout=TIMEOUT) == 12  # each inner header task sums [2, 4]; the body sums [6, 6]
     world.settle()
     assert "task_id must not be empty" not in world.worker_log()
 
@@ -1366,20 +1339,14 @@ def test_gap_8_parent_ids(case: str, producer: Any, gap_world: Callable[..., Wor
     assert not wrong, f"{len(wrong)} parent ids differ from Celery's, the first: {wrong[:2]}"
 
 
-@xfail_gap(9)
 @pytest.mark.timeout(45)
-def test_gap_9_error_propagates_from_chord(gap_world: Callable[..., World], result_backend: str) -> None:
-    """`add.s(1, 1) | fail.s() | chord(...)`: fail stops the chain, so the chord is never written."""
+def test_error_propagates_from_chord(gap_world: Callable[..., World], result_backend: str) -> None:
+    """`add.s(1, 1) | fail.s() | chord(...)`: fail stops the chain, so the chord is never written; its handle's
+    `get()` raises fail's error, read from the result backend (Celery's `follow_parents`)."""
     world = gap_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
+    before = _batches(world.producer)
     sig = add.s(1, 1) | fail.s() | chord([add.s(1), add.s(1)], tsum.s())  # Celery: ... | group(add.s(1), add.s(1))
     res = sig.delay()
+    _body_failed(res, TIMEOUT)  # Celery: pytest.raises(ExpectedException), the error before the chord
     world.settle()
-    with expect_gap(
-        9,
-        CeleryTimeoutError,
-        "not created yet",
-        "tests.chord_tasks.fail[",
-        "raised unexpected: ExpectedException",
-        evidence=lambda: world.log_lines("raised unexpected: ExpectedException"),
-    ):
-        _body_failed(res, HANG_TIMEOUT)  # Celery: pytest.raises(ExpectedException), the error before the chord
+    assert _batches(world.producer) == before, "the chord was written after the task before it failed"
