@@ -150,30 +150,34 @@ class _Arguments:
         tasks = publish.chain_tasks(chained)
         return maybe_signature(tasks[0], app=self.app) if tasks else None
 
-    def child(self, child: Any, what: str) -> None:
-        """A child as given: a plain signature, a chain, or a nested fan-in (its children and successors)."""
+    def child(self, child: Any, what: str, *before: Any) -> None:
+        """A child as given (after the partial arguments `before` it will be given): a plain signature, a chain, or
+        a nested fan-in (its children and successors)."""
         if isinstance(child, FanInGroup):
             self.group(child, what)
         elif isinstance(child, Signature):
-            self.signature(child, what)
+            self.signature(child, what, *before)
 
-    def group(self, group: FanInGroup, what: str) -> None:
+    def group(self, group: FanInGroup, what: str, *before: Any) -> None:
         """A nested fan-in or a pipeline's next stage, whose batch a worker writes later: checked now, as its own
-        `apply_async` would check it there (its children must be a list to travel in a message)."""
+        `apply_async` would check it there (its children must be a list to travel in a message), its children
+        given `before` first (a chord's body that is a chord: the header's results)."""
         children = group._partial_children(tuple(group.args), group.kwargs)
         if isinstance(children, (list, tuple)):
             for i, child in enumerate(children):
-                self.child(child, f"{what}, child {i}")
+                self.child(child, f"{what}, child {i}", *before)
         self.successor(group.then, f"{what}, then")
         policy = group.policy_options
         for name in ("on_failure", "on_expire"):
             if isinstance(policy.get(name), Signature):
                 self.successor(policy[name], f"{what}, {name}")
 
-    def successor(self, then: Any, what: str) -> None:
-        """`then=` (or on_failure, on_expire) as given, with the outcome first."""
-        if isinstance(then, FanInGroup):  # a pipeline's next stage: run by run_group, the outcome not its children's
-            self.group(then, what)
+    def successor(self, then: Any, what: str, of_chord: bool = False) -> None:
+        """`then=` (or on_failure, on_expire) as given, with the outcome first (a chord's: its results)."""
+        if isinstance(then, FanInGroup):
+            # A pipeline's next stage: run by run_group, the outcome not its children's; a chord's body that is a
+            # chord: the results are each of its header tasks' first argument.
+            self.group(then, what, *((self.OUTCOME,) if of_chord else ()))
         elif isinstance(then, _group):  # then_canvas passes the outcome to every member
             for i, member in enumerate(then.tasks):
                 self.successor(maybe_signature(member, app=self.app), f"{what}, member {i} of the group")
@@ -870,7 +874,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
             tx = adopt(fanin, transaction)
         policy = self._policy(fanin)
         arguments = _Arguments(app)
-        arguments.successor(self.then, "then")
+        arguments.successor(self.then, "then", of_chord=self.is_chord)
         for name in ("on_failure", "on_expire"):
             if getattr(policy, name) is not None:
                 arguments.successor(getattr(policy, name), name)

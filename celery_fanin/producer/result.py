@@ -231,10 +231,9 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         `_maybe_reraise_parent_error`). A task's state needs the app's result backend: without one there is
         nothing to read, and the wait goes on."""
         for node in reversed(list(self._parents())):
-            try:
-                node.maybe_throw()
-            except NotImplementedError:  # DisabledBackend: no result backend configured
-                return
+            if isinstance(getattr(node, "backend", None), DisabledBackend):
+                return  # no result backend configured
+            node.maybe_throw()
 
     # --- the successor, as Celery's AsyncResult has it --------------------------------------------------------------
 
@@ -503,7 +502,10 @@ class FanInChildren:
         return f"<FanInChildren batch_id={self.id}>"
 
     def __bool__(self) -> bool:
-        return True  # Celery walks parents `while node:`; truth must not read the store (`len` does)
+        # Truth is whether a result comes before the fan-in in a chain, never the store's (`len` reads it): Celery
+        # walks parents `while node:`, and sets a result's parent only `if not prev_res.parent` (5.5+), so a
+        # handle with no parent yet must read as having none, or a chain's earlier results are never linked.
+        return self.parent is not None
 
     def maybe_throw(self, callback: Any = None, propagate: bool = True) -> None:
         """Nothing: a child's failure does not fail the fan-in (its successor decides), unlike a chord header's."""
