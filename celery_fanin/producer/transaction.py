@@ -17,16 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, text
+from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.engine.url import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
 from ..context import FanIn
 from ..exceptions import InvalidFanIn
-from ..protocol import OUTBOX_CHANNEL
 from ..relay.outbox import publish_outbox, publish_remaining_children
 from ..store import batches
+from ..store.statements import q
 
 logger = logging.getLogger("celery_fanin.producer")
 
@@ -114,7 +114,7 @@ def _leave_alone(dbapi_connection: Any) -> None:
 def _check_same_database(fanin: FanIn, conn: Connection) -> None:
     """The caller's transaction must be on the fan-in database: workers report to `fanin_database_url`."""
     expected = make_url(fanin.database_url).database
-    row = conn.execute(text("SELECT current_database(), to_regclass('fanin_batches') IS NOT NULL")).one()
+    row = conn.execute(q("caller_database").text).one()
     if expected and row[0] != expected:
         raise InvalidFanIn(
             f"transaction= is on database {row[0]!r}, but fanin_database_url names {expected!r}: the batch must be "
@@ -126,9 +126,7 @@ def _check_same_database(fanin: FanIn, conn: Connection) -> None:
 
 def wake_relay(conn: Connection, batch_id: uuid.UUID) -> None:
     """Sent in the caller's transaction, so delivered when it commits: the relay publishes what we do not."""
-    conn.execute(
-        text("SELECT pg_notify(:channel, :payload)"), {"channel": OUTBOX_CHANNEL, "payload": f"batch:{batch_id}"}
-    )
+    conn.execute(q("wake_relay_for_batch").text, {"payload": f"batch:{batch_id}"})
 
 
 def publish_committed(fanin: FanIn, batch_id: uuid.UUID, successor_outbox_id: int | None) -> None:

@@ -25,8 +25,8 @@ from psycopg.conninfo import make_conninfo
 
 from .. import retry
 from ..context import FanIn
-from ..protocol import OUTBOX_CHANNEL
 from ..store.reports import connect_options, libpq_conninfo
+from ..store.statements import q
 from . import maintenance as maintenance_duties
 from . import outbox
 
@@ -159,7 +159,7 @@ class Relay:
         options: dict[str, Any] = {**connect_options(url), "application_name": name}
         conninfo = make_conninfo(libpq_conninfo(url), **options)
         conn = psycopg.connect(conninfo, autocommit=True)
-        conn.execute(f"LISTEN {OUTBOX_CHANNEL}")  # a constant, never input
+        conn.execute(q("listen_outbox").psycopg)
         self._listener = conn
 
     def _close_listener(self) -> None:

@@ -27,11 +27,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..context import FanIn
 from ..store import observability, outbox
+from ..store.statements import q
 
 logger = logging.getLogger("celery_fanin.metrics")
 
@@ -188,7 +189,7 @@ def health(fanin: FanIn, relay: Any = None, ready: bool = False) -> tuple[bool, 
     if ready:
         try:
             with fanin.engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
+                conn.execute(q("ping").text)
             checks["database"] = "ok"
         except SQLAlchemyError as exc:
             checks["database"] = f"unreachable: {str(exc).splitlines()[0]}"

@@ -17,10 +17,11 @@ from __future__ import annotations
 import psycopg
 
 from .reports import libpq_conninfo
+from .statements import q
 
 
 def _pid(conn: psycopg.Connection[tuple[int]]) -> int:
-    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    row = conn.execute(q("backend_pid").psycopg).fetchone()
     assert row is not None
     return int(row[0])
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_fanin.protocol import OUTBOX_CHANNEL
 from celery_fanin.store import statements
 
 PACKAGE = Path(statements.__file__).resolve().parent.parent
@@ -15,6 +16,10 @@ PACKAGE = Path(statements.__file__).resolve().parent.parent
 _ASKED = re.compile(r"""\bq\(\s*["']([a-z_0-9]+)["']\s*\)""")
 # The store's statements chosen by name at runtime (sagas._children is given one of these).
 _BY_VARIABLE = {"first_child", "succeeded_children_marked", "get_saga", "get_saga_locked"}
+# Modules that hold SQL of their own, not the store's runtime statements: the migrator's bookkeeping (it runs before
+# any schema), the loader (it holds none), and the tools that create a database for a developer (`embedded`) or a
+# test session (`testing`), before any fan-in schema exists.
+_OWN_SQL = {"store/migrate.py", "store/statements.py", "embedded.py", "testing.py"}
 
 
 def test_every_statement_is_named_described_and_used_and_every_name_exists() -> None:
@@ -26,13 +31,20 @@ def test_every_statement_is_named_described_and_used_and_every_name_exists() -> 
     assert set(found) - asked - _BY_VARIABLE == set(), "queries.sql has statements nothing runs"
     for name, st in found.items():
         assert st.description and not st.description.startswith(("name:", "store/")), name
-    store_modules = (PACKAGE / "store").glob("*.py")
-    for path in store_modules:
-        if path.name in ("migrate.py", "statements.py"):
-            continue  # the migrator's own bookkeeping runs before any schema; the loader holds no SQL
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).as_posix() in _OWN_SQL:
+            continue
         source = path.read_text(encoding="utf-8")
-        assert not re.search(r"\btext\(\s*f?[\"']", source), f"{path.name} runs SQL that is not in queries.sql"
-        assert 'exec_driver_sql("' not in source, path.name
+        where = path.relative_to(PACKAGE).as_posix()
+        assert not re.search(r"\btext\(\s*f?[\"']", source), f"{where} runs SQL that is not in queries.sql"
+        assert not re.search(r"\.execute\(\s*f?[\"']", source), f"{where} runs SQL that is not in queries.sql"
+        assert 'exec_driver_sql("' not in source, where
+
+
+def test_the_relay_listens_on_the_channel_the_schema_notifies() -> None:
+    listen = statements.q("listen_outbox").sql
+    assert listen.split() == ["LISTEN", OUTBOX_CHANNEL]
+    assert f"pg_notify('{OUTBOX_CHANNEL}'" in statements.q("wake_relay_for_batch").sql
 
 
 def test_one_text_serves_sqlalchemy_and_psycopg() -> None:

@@ -858,3 +858,23 @@ SELECT id FROM fanin_batches WHERE parent_id = :b ORDER BY id;
 SELECT n.id FROM fanin_children c JOIN fanin_batches n ON n.parent_task_id = c.task_id
  WHERE c.batch_id = ANY(CAST(:bs AS uuid[])) AND c.task_name = :run_group
  ORDER BY c.idx, n.id;
+
+-- name: caller_database
+-- The database a caller's transaction (`transaction=`) is on, and whether it holds the fan-in schema
+SELECT current_database(), to_regclass('fanin_batches') IS NOT NULL;
+
+-- name: wake_relay_for_batch
+-- Wake the relay when the caller's transaction commits (a NOTIFY is delivered then): it publishes the batch's children
+SELECT pg_notify('fanin_outbox', :payload);
+
+-- name: ping
+-- Whether the store answers (the relay's readiness probe)
+SELECT 1;
+
+-- name: listen_outbox
+-- The relay's subscription to the channel new outbox rows and new batches are announced on (protocol.OUTBOX_CHANNEL)
+LISTEN fanin_outbox;
+
+-- name: backend_pid
+-- The server process of this session (the pooler probe watches whether a client keeps it)
+SELECT pg_backend_pid();
