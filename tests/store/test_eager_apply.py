@@ -142,3 +142,28 @@ def test_a_chord_runs_inline_under_apply(app: Celery, broker: redis.Redis) -> No
         failed.get(timeout=TIMEOUT)
     assert ran == [[0, 2, 4, 6]] and broker.llen(QUEUE) == 0
     _unchanged(app)
+
+
+def test_a_then_chain_failing_in_the_middle_and_a_chord_as_a_chords_body_under_apply(
+    app: Celery, broker: redis.Redis
+) -> None:
+    """Inline as on a worker: a `then=` chain whose middle task fails fails the successor with that task's error;
+    a chord whose body is a chord gives each inner header task the outer results and answers with the inner body."""
+    t = _tasks(app)
+
+    @app.task(name="tests.eager.first", shared=False)
+    def first(outcome: dict[str, Any]) -> int:
+        return int(outcome["succeeded"])
+
+    @app.task(name="tests.eager.summed", shared=False)
+    def summed(values: list[int]) -> int:
+        return sum(values)
+
+    failing = fan_in_group([t["double"].s(1)], then=first.s() | t["boom"].s() | t["double"].s()).apply()
+    with pytest.raises(ValueError, match="boom 1"):
+        failing.get(timeout=TIMEOUT)
+    assert failing.batch_status().successor_state == "failed"
+    nested = chord([t["double"].s(1), t["double"].s(2)], chord([summed.s(), summed.s()], summed.s())).apply()
+    assert nested.get(timeout=TIMEOUT) == 12  # each inner header task sums [2, 4]; the body sums [6, 6]
+    assert broker.llen(QUEUE) == 0
+    _unchanged(app)
