@@ -22,6 +22,7 @@ from typing import Any
 
 import amqp
 import pytest
+from celery import chain
 
 from celery_fanin import fan_in_group
 from celery_fanin.broker import publish
@@ -197,3 +198,21 @@ def test_refused_children_are_published_by_the_relay_once_accepted_and_hold_no_o
     assert len(successor_runs(refused.batch_id)) == 1
     [mark] = rows(producer, "SELECT published_upto FROM fanin_batches WHERE id = :b", b=refused.batch_id)
     assert mark.published_upto == 2
+
+
+def test_a_replacement_failing_before_its_carrier_ends_its_child_and_its_successor(
+    e2e_env: dict[str, str], producer: Any, processes: Any
+) -> None:
+    """On RabbitMQ as on Redis (tests/e2e/test_canvas.py): a child replaced by a chain whose second task fails is
+    counted failed, and a `then=` chain whose middle task fails ends the successor with that task's error."""
+    _worker(processes, e2e_env)
+    processes.relay()
+    handle = fan_in_group(
+        [tasks.ok.s(1), tasks.replacing_child_failing.s(2)],
+        then=chain(tasks.values.s(), tasks.fail.si(7), tasks.identity.s()),
+    ).apply_async()
+    with pytest.raises(ValueError, match="child 7 failed on purpose"):
+        handle.get(timeout=60)
+    assert counters(producer, handle.batch_id) == ("complete", 0, 1, 1)
+    [succ] = rows(producer, "SELECT state, exc_type FROM fanin_successors WHERE batch_id = :b", b=handle.batch_id)
+    assert (succ.state, succ.exc_type) == ("failed", "ValueError")
