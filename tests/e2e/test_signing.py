@@ -90,6 +90,27 @@ def test_signed_children_successor_and_relay(
     assert rows == [(0, "succeeded", 0), (1, "succeeded", 0), (2, "failed", 0)]
 
 
+def test_signed_replacements_whose_task_before_the_carrier_fails(
+    signed_app: Celery, signing_dir: Path, e2e_env: dict[str, str], processes: Any
+) -> None:
+    """The headers a replacement's other tasks get (a child's chain marker, a successor's part) are bound into
+    their signed bodies too: a signing worker takes them, and their failure ends the child and the successor."""
+    env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
+    app = signed_app
+    then = chain(_sig(app, "values"), app.signature("tests.app.fail", args=(7,), immutable=True), _sig(app, "identity"))
+    handle = fan_in_group([_sig(app, "ok", 1), _sig(app, "replacing_child_failing", 2)], then=then, app=app)
+    handle = handle.apply_async()
+    processes.worker(env)
+    processes.relay(env)
+    status = handle.wait_batch(timeout=60)
+    assert (status.successor_state, status.succeeded, status.failed, status.refused_reports) == ("failed", 1, 1, 0)
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"]) as conn:
+        [(state, exc)] = conn.execute(
+            "SELECT state, exc_message FROM fanin_successors WHERE batch_id = %s", (uuid.UUID(handle.batch_id),)
+        ).fetchall()
+    assert (state, exc) == ("failed", "child 7 failed on purpose")
+
+
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
     broker: str,
