@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import amqp
+import psycopg
 import pytest
 from celery import chain
 
-from celery_fanin import fan_in_group
+from celery_fanin import ChordHeaderFailed, chord, fan_in_group
 from celery_fanin.broker import publish
 from celery_fanin.codec import decode_signature
 from celery_fanin.store.batches import Encoded
@@ -216,3 +217,37 @@ def test_a_replacement_failing_before_its_carrier_ends_its_child_and_its_success
     assert counters(producer, handle.batch_id) == ("complete", 0, 1, 1)
     [succ] = rows(producer, "SELECT state, exc_type FROM fanin_successors WHERE batch_id = :b", b=handle.batch_id)
     assert (succ.state, succ.exc_type) == ("failed", "ValueError")
+
+
+def test_a_chord_on_rabbitmq_its_results_its_failed_header_and_a_rerun(
+    e2e_env: dict[str, str], producer: Any, processes: Any
+) -> None:
+    """The drop-in chord (tests/e2e/test_chord.py runs it on Redis): the body gets the results in header order; a
+    failed header task fails the body with ChordHeaderFailed and calls its errback once; a rerun of that body runs
+    it once more, under its new task id (tests/e2e/test_rerun.py)."""
+    url = e2e_env["FANIN_DATABASE_URL"]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(tasks.NOTES_TABLE_DDL)
+        conn.execute("TRUNCATE e2e_notes")
+    _worker(processes, e2e_env, concurrency=2)
+    processes.relay()
+    assert chord([tasks.identity.s(i) for i in range(6)], tasks.identity.s()).apply_async().get(timeout=60) == list(
+        range(6)
+    )
+    body = tasks.identity.s()
+    body.link_error(tasks.note.si("body errback", "errback"))
+    handle = chord([tasks.ok.s(1), tasks.fail.s(2)], body).apply_async()
+    with pytest.raises(ChordHeaderFailed, match="1 of 2 header tasks succeeded"):
+        handle.get(timeout=60)
+
+    def notes() -> list[tuple[str, Any]]:
+        with psycopg.connect(url, autocommit=True) as conn:
+            return [(r[0], r[1]) for r in conn.execute("SELECT label, value FROM e2e_notes ORDER BY id")]
+
+    wait_for(lambda: notes() == [("errback", "body errback")], 60, message="the body's errback")
+    rerun = handle.rerun()
+    assert rerun.previous_state == "failed"
+    with pytest.raises(ChordHeaderFailed):  # the header still has its failure: the body fails again, once
+        handle.get(timeout=60)
+    [succ] = rows(producer, "SELECT runs, state FROM fanin_successors WHERE batch_id = :b", b=handle.batch_id)
+    assert (succ.runs, succ.state) == (2, "failed")
