@@ -131,7 +131,10 @@ def register(app: Celery) -> None:
         """The successor of `fan_in_group(..., then=chain(...) or group(...))`: replaces itself with that canvas,
         the outcome its first argument (as a chord's body gets the header's results). The replacement ends the
         successor, and takes its task id."""
-        raise self.replace(_with_first_argument(self.app.signature(canvas), outcome))
+        replacement = _with_first_argument(self.app.signature(canvas), outcome)
+        if self.request.parent_id:  # its canvas is its parent's child, as a chord's body is of its last header task
+            _set_first_parent(replacement, self.request.parent_id)
+        raise self.replace(replacement)
 
     @app.task(name=SAGA_STEP_DONE_TASK, **_SAGA_TASK_OPTIONS)
     def saga_step_done(self: Any, outcome: dict[str, Any], saga_id: str, position: int) -> dict[str, Any]:
@@ -181,6 +184,18 @@ def register(app: Celery) -> None:
         return prune(
             FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit, max_seconds=max_seconds
         ).as_dict()
+
+
+def _set_first_parent(sig: Signature, parent_id: str) -> None:
+    """Make `parent_id` the parent of the tasks `sig` publishes first (a chain's first task, each member of a
+    group): Celery's `replace` publishes them from this task, which would be their parent otherwise."""
+    if isinstance(sig, _chain):
+        _set_first_parent(sig.tasks[0], parent_id)
+    elif isinstance(sig, group):
+        for member in sig.tasks:
+            _set_first_parent(member, parent_id)
+    else:
+        sig.options["parent_id"] = parent_id
 
 
 def _with_first_argument(sig: Signature, value: Any) -> Signature:

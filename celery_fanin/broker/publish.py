@@ -40,6 +40,8 @@ from ..protocol import (
     HEADER_STEP,
     HEADER_SUCCESSOR,
     HEADER_TASK,
+    RUN_CANVAS_TASK,
+    THEN_CANVAS_TASK,
     put_claim,
 )
 from . import amqp_frames
@@ -47,6 +49,21 @@ from .amqp_frames import FrameBuffer
 from .confirms import ConfirmChannel, Unconfirmed, confirm_channel
 
 logger = logging.getLogger("celery_fanin.publish")
+
+# The library's own tasks that only write or run a user's canvas (`run_canvas` writes the fan-in a chain reached,
+# `then_canvas` replaces itself with a successor's chain or group): what they publish is their parent's child, as
+# in the canvas Celery would have run without them (Celery's test_parent_ids).
+_TRANSPARENT = frozenset({RUN_CANVAS_TASK, THEN_CANVAS_TASK})
+
+
+def parent_ids(app: Celery) -> tuple[str | None, str | None]:
+    """(root_id, parent_id) of a message published now, as `send_task` sets them from the running task: None
+    outside a task; a transparent task's (`_TRANSPARENT`) own parent as the parent."""
+    parent = app.current_worker_task
+    if parent is None:
+        return None, None
+    root_id = parent.request.root_id or parent.request.id
+    return root_id, parent.request.parent_id if parent.name in _TRANSPARENT else parent.request.id
 
 # Redis commands buffered per pipeline round trip. RabbitMQ: at MAX_UNCONFIRMED messages written and not yet
 # confirmed, one call waits until CONFIRM_WINDOW fewer are (room for the producer's chunks in flight).
@@ -146,13 +163,10 @@ class _Builder:
         self.origin = anon_nodename()
         # As `send_task` does: a batch created inside a task is that task's child.
         parent = app.current_worker_task
-        self.root_id = self.parent_id = None
+        self.root_id, self.parent_id = parent_ids(app)
         self.parent_priority = None
-        if parent is not None:
-            self.root_id = parent.request.root_id or parent.request.id
-            self.parent_id = parent.request.id
-            if conf.task_inherit_parent_priority:
-                self.parent_priority = (parent.request.delivery_info or {}).get("priority")
+        if parent is not None and conf.task_inherit_parent_priority:
+            self.parent_priority = (parent.request.delivery_info or {}).get("priority")
         self.simple_routes = all(type(r).__name__ == "MapRoute" for r in self.amqp.router.routes)
         self.routes: dict[Any, _Route] = {}
         self.tasks: dict[str, Task | None] = {}
@@ -611,6 +625,9 @@ def _publish_with_celery(
         return
     if ignore_results and "ignore_result" not in sig.options:
         options["ignore_result"] = True
+    running = sig.app.current_worker_task
+    if running is not None and running.name in _TRANSPARENT and "parent_id" not in sig.options:
+        options.setdefault("parent_id", parent_ids(sig.app)[1])
     apply_async(
         sig,
         task_id=task_id,
@@ -898,6 +915,10 @@ def _publish_successor(
     marker: dict[str, Any],
 ) -> None:
     target = confirms.producer if confirms is not None else prod
+    # The parent a chain's freeze stored is the task before the fan-in; the successor is the child of the task that
+    # finished the batch, when one publishes it, as a chord's body is of the header task that completed it.
+    then = then.clone()
+    then.options.pop("parent_id", None)
     if bulk_publish_enabled(app):
         builder = _Builder(app, str(batch_id))
         try:

@@ -49,10 +49,10 @@ Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below
 7. Fixed (a chord's body may be a chord: it is written when the header finishes, each of its header tasks given
    the header's results, and the outer handle's `get()` answers with its body): a chord as a chord's body was
    refused. test_chord_error_propagation_with_different_body_types[body is a chord] is a normal test.
-8. Parent ids differ from Celery's: a header task's parent is the `celery_fanin.run_canvas` task that wrote the
-   chord, and the body's first task's the `celery_fanin.then_canvas` that ran the body chain
-   (test_parent_ids) or the task before the chord (test_parent_ids__OR). Affects test_parent_ids and
-   test_parent_ids__OR.
+8. Fixed (`run_canvas` and `then_canvas` are transparent in the task tree: what they publish is their parent's
+   child; the body is the child of the header task whose report finished the batch and published it): a header
+   task's parent was the `run_canvas` task that wrote the chord, and the body's first task's the `then_canvas`
+   that ran the body chain or the task before the chord. test_parent_ids and test_parent_ids__OR are normal tests.
 9. Fixed (`get()` follows the chain's parents while the batch does not exist, as Celery's `follow_parents`):
    `get()` did not follow a failed task before the chord in a chain and waited (Celery xfails this case on Redis,
    #6437). test_error_propagates_from_chord is a normal test.
@@ -90,10 +90,10 @@ Every case of `test_chord`, in Celery's order:
 - test_nested_chord: ported: its first canvas in test_cases_whose_tasks_need_a_result_backend (its body is
   `add_to_all`), its third (four levels) in test_results_in_header_order; its second is the first written as `group
   | task`.
-- test_parent_ids: ported, xfail (cause 8): test_gap_8_parent_ids[test_parent_ids]; the root ids, values and order
-  are asserted before the parent ids (the results before and inside the body are plain tasks', read from the
+- test_parent_ids: ported as test_parent_ids[test_parent_ids]; the root ids, values and order are asserted before
+  the parent ids (the results before and inside the body are plain tasks', read from the
   result backend as Celery reads them).
-- test_parent_ids__OR: ported, xfail (cause 8): test_gap_8_parent_ids[test_parent_ids__OR], as test_parent_ids.
+- test_parent_ids__OR: ported as test_parent_ids[test_parent_ids__OR], as test_parent_ids.
 - test_chord_on_error: ported in test_errback_flags_and_nested_chords: the error names the failed task, the
   old-style errback runs once with the body's id, the header's results (`[3, 7]` and one failure) read from
   `fanin_children` where Celery reads the Redis backend's `.j` key.
@@ -235,7 +235,6 @@ Steps = Iterator[None]
 GAPS = {
     4: "a group as the body needs a result backend: then_canvas replaces itself with the group, a chord in Celery",
     5: "a chain in the header that holds a nested chord is refused with InvalidFanIn (on a worker, by run_canvas)",
-    8: "parent ids differ from Celery's: a header task's parent is run_canvas, the body's first task's no header task",
 }
 
 
@@ -1280,14 +1279,13 @@ def _parent_ids_canvas(case: str) -> tuple[Any, str, str, str]:
     return g, expected_root_id, collect_id, second_id
 
 
-@xfail_gap(8)
 @pytest.mark.timeout(45)
 @pytest.mark.parametrize("case", ["test_parent_ids", "test_parent_ids__OR"])
-def test_gap_8_parent_ids(case: str, producer: Any, gap_world: Callable[..., World], result_backend: str) -> None:
+def test_parent_ids(case: str, producer: Any, gap_world: Callable[..., World], result_backend: str) -> None:
     """Celery's `assert_parentids_chord`: what each task saw of its root and parent. The results before the body
     and inside it are plain tasks' (read from the result backend, as Celery does); the chord's from PostgreSQL.
     The parent ids are compared last, all together, so that a wrong one hides none of the other checks."""
-    world = gap_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
+    gap_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
     g, expected_root_id, collect_id, second_id = _parent_ids_canvas(case)
     res = g()
     parents: list[tuple[str, Any, Any]] = []  # (which task, its parent_id, the one Celery expects)
@@ -1308,11 +1306,9 @@ def test_gap_8_parent_ids(case: str, producer: Any, gap_world: Callable[..., Wor
     )
     # check what the chord callback recorded
     assert [p[2] for p in prev] == list(range(3, 50))  # in header order
-    header_parents = set()
     for root_id, parent_id, i in prev:
         assert root_id == expected_root_id
         parents.append((f"ids(i={i}), in the header", parent_id, second_id))
-        header_parents.add(parent_id)
     # ids(i=2)
     root_id, parent_id, value = AsyncResult(second_id, app=producer).get(timeout=TIMEOUT)
     assert value == 2
@@ -1324,18 +1320,6 @@ def test_gap_8_parent_ids(case: str, producer: Any, gap_world: Callable[..., Wor
     assert root_id == expected_root_id
     assert parent_id is None
     wrong = [f"{task}: parent_id {got}, not {expected}" for task, got, expected in parents if got != expected]
-    names = world.task_names()
-    header_parent_names = {frozenset(names.get(p, {p})) for p in header_parents}
-    if case == "test_parent_ids":  # the body is a chain: then_canvas runs it
-        body_parent, body_by_the_gap = names.get(body_parent_id, {body_parent_id}), "celery_fanin.then_canvas"
-    else:  # `chord | task` makes the body a chain too, whose first task's parent is the task before the chord
-        body_parent, body_by_the_gap = ({"ids(i=2)"} if body_parent_id == second_id else {body_parent_id}), "ids(i=2)"
-    gap(
-        8,
-        all("celery_fanin.run_canvas" in p for p in header_parent_names) and body_by_the_gap in body_parent,
-        f"the header tasks' parent: {header_parent_names}; the body's: {body_parent}; {len(wrong)} parent ids differ"
-        f" from Celery's, the first: {wrong[:2]}",
-    )
     assert not wrong, f"{len(wrong)} parent ids differ from Celery's, the first: {wrong[:2]}"
 
 
