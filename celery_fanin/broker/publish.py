@@ -65,6 +65,7 @@ def parent_ids(app: Celery) -> tuple[str | None, str | None]:
     root_id = parent.request.root_id or parent.request.id
     return root_id, parent.request.parent_id if parent.name in _TRANSPARENT else parent.request.id
 
+
 # Redis commands buffered per pipeline round trip. RabbitMQ: at MAX_UNCONFIRMED messages written and not yet
 # confirmed, one call waits until CONFIRM_WINDOW fewer are (room for the producer's chunks in flight).
 BATCH_SIZE = 1000
