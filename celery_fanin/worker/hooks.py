@@ -136,6 +136,19 @@ def format_traceback(exc: BaseException | None) -> str | None:
     return text if len(text) <= TRACEBACK_LIMIT else "...\n" + text[-(TRACEBACK_LIMIT - 4) :]
 
 
+def _note_successor_traceback(fanin: FanIn, marker: Marker, exc: BaseException | None) -> None:
+    """Keep the traceback of the error that failed the successor, after the statement that recorded the failure
+    (a statement of its own: the success path is unchanged), if the error has one."""
+    trace = format_traceback(exc)
+    if trace is not None:
+        report.send(
+            fanin,
+            "successor",
+            f"traceback of the successor of batch {marker.batch_id}",
+            lambda: fanin.reports.note_successor_traceback(marker.batch_id, marker.step or "", trace),
+        )
+
+
 def claim_of(marker: Marker) -> batches.Claim:
     """What a message says its child is, which the store checks before counting the report."""
     return batches.Claim(marker.batch_id, marker.index, marker.task_name)
@@ -377,14 +390,8 @@ class WorkerHooks:
                 logger.warning("result of the successor of batch_id=%s cannot be encoded: %s", marker.batch_id, err)
         if live is not None:
             finished = successor_runs.finish(live, state, result=result, exc_type=exc_type, exc_message=exc_message)
-            trace = format_traceback(exc) if finished and state == SuccessorState.FAILED else None
-            if trace is not None:
-                report.send(
-                    fanin,
-                    "successor",
-                    f"traceback of the successor of batch {marker.batch_id}",
-                    lambda: fanin.reports.note_successor_traceback(marker.batch_id, marker.step or "", trace),
-                )
+            if finished and state == SuccessorState.FAILED:
+                _note_successor_traceback(fanin, marker, exc)
             return finished
         done = report.send(
             fanin,
@@ -422,14 +429,8 @@ class WorkerHooks:
                 fanin, marker.batch_id, marker.step or "", part_of, carrier, state, exc_type, exc_message
             ),
         )
-        trace = format_traceback(exc) if ended and state == SuccessorState.FAILED else None
-        if trace is not None:
-            report.send(
-                fanin,
-                "successor",
-                f"traceback of the successor of batch {marker.batch_id}",
-                lambda: fanin.reports.note_successor_traceback(marker.batch_id, marker.step or "", trace),
-            )
+        if ended and state == SuccessorState.FAILED:
+            _note_successor_traceback(fanin, marker, exc)
         return bool(ended)
 
     def admit_successor(

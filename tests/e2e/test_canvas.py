@@ -162,6 +162,11 @@ def test_a_failing_task_inside_a_replacement_ends_what_it_replaced(canvas: dict[
     with pytest.raises(ValueError, match="child 7 failed on purpose"):
         body.get(timeout=TIMEOUT)
     assert _successor_end(canvas, body.batch_id) == ("failed", "ValueError", "child 7 failed on purpose")
+    with psycopg.connect(canvas["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        [trace] = conn.execute(
+            "SELECT traceback FROM fanin_successors WHERE batch_id = %s", (body.batch_id,)
+        ).fetchone()
+    assert trace is not None and "ValueError: child 7 failed on purpose" in trace, "the part's traceback is kept"
 
     children = fan_in_group(
         [ok.s(1), replacing_child_failing.s(2), replacing_child_failing.s(3, as_group=True)], then=collect.s()
