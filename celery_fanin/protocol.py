@@ -167,13 +167,14 @@ class Marker:
         self.task_name = task_name
         self.carrier = carrier  # a successor's replacement: the token its run guard admits (HEADER_CARRIER)
         self.part_of = part_of  # a part of a successor's replacement: the successor's task id (HEADER_PART_OF)
-        # A replacement's carrier whose own task id was frozen before (not the successor's): the successor's task
-        # id, under which its run guard admits it (HEADER_PART_OF on a successor's message).
+        # A replacement's carrier whose own task id was frozen before (not the replaced one's): the successor's task
+        # id, under which its run guard admits it, or the child's, which it reports for (HEADER_PART_OF).
         self.stands_for = stands_for
 
     def child_id(self, task_id: str) -> str:
-        """The task id of the child this message reports for: its own, or its chain's."""
-        return self.chain or task_id
+        """The task id of the child this message reports for: its own, its chain's, or the one its replacement's
+        carrier stands for."""
+        return self.chain or self.stands_for or task_id
 
     def successor_id(self, task_id: str) -> str:
         """The task id of the successor this message speaks of: its own, or the one its carrier stands for."""
@@ -209,6 +210,8 @@ class Marker:
             headers[HEADER_TASK] = self.task_name  # a replacement reports as the task it replaced
         if self.chain is not None:
             headers[HEADER_CHAIN] = self.chain  # a chain child's task replaced: it still reports for the chain
+        if self.stands_for is not None:
+            headers[HEADER_PART_OF] = self.stands_for  # a carrier with its own task id, replaced in turn
         return headers
 
     def part_headers(self, task_id: str, carrier: str | None) -> dict[str, Any]:
@@ -224,7 +227,8 @@ class Marker:
                 HEADER_CARRIER: carrier,
                 HEADER_PART_OF: task_id,
             }
-        return {**self.headers(), HEADER_CHAIN: self.chain or task_id}
+        own = {key: value for key, value in self.headers().items() if key != HEADER_PART_OF}
+        return {**own, HEADER_CHAIN: self.chain or task_id}
 
     @classmethod
     def from_mapping(cls, data: Any) -> Marker | None:
@@ -246,6 +250,7 @@ class Marker:
         if batch_id:
             index = get(HEADER_INDEX, None)
             chain = get(HEADER_CHAIN, None)
+            stands_for = get(HEADER_PART_OF, None)
             named = get(HEADER_TASK, None) or (None if chain else get("task", None))
             return cls(
                 str(batch_id),
@@ -253,6 +258,7 @@ class Marker:
                 None,
                 str(chain) if chain else None,
                 named if isinstance(named, str) else None,
+                stands_for=str(stands_for) if stands_for else None,
             )
         part = get(HEADER_PART, None)
         part_of = get(HEADER_PART_OF, None)

@@ -292,6 +292,21 @@ def replacing_child(self: Any, i: int) -> Any:
 
 
 @app.task(bind=True)
+def replacing_child_frozen(self: Any, i: int) -> Any:
+    """A child that replaces itself with a chain whose last task was given a task id of its own (Celery keeps it):
+    that task reports for the child all the same."""
+    last = ok.si(i).set(task_id=f"frozen-{self.request.id}")
+    raise self.replace(ok.si(0) | last)
+
+
+@app.task(bind=True)
+def replacing_child_with_group(self: Any, i: int) -> Any:
+    """A child that replaces itself with a group, which Celery upgrades to a chord: counted when the chord's body
+    (the carrier) ends, which needs its header tasks' results in the result backend."""
+    raise self.replace(group(ok.si(i), ok.si(i + 10)))
+
+
+@app.task(bind=True)
 def replacing_child_failing(self: Any, i: int, as_group: bool = False) -> Any:
     """A child that replaces itself with a chain (or a group) whose second task fails: the child is counted
     failed by that task, though the replacement's carrier never runs."""

@@ -120,6 +120,12 @@ def test_a_replacements_other_tasks_report_for_what_it_replaced() -> None:
         "task": "proj.step",
         **{k: str(v) for k, v in headers.items()},
     }
+    # A child's carrier frozen with a task id of its own stands for the child; its own parts do not.
+    carrier = Marker.from_mapping({"task": "p.last", "fanin_batch": "b", "fanin_index": 1, HEADER_PART_OF: "child"})
+    assert carrier is not None and carrier.child_id("own-id") == "child" and not carrier.is_part
+    assert carrier.headers()[HEADER_PART_OF] == "child"
+    assert HEADER_PART_OF not in carrier.part_headers("child", None)
+    assert carrier.part_headers("child", None)[HEADER_CHAIN] == "child"
     # Without the token (a replacement of a run already ended) the headers make no part.
     assert Marker.from_mapping({"task": "t", HEADER_PART: "b", HEADER_STEP: "then", HEADER_PART_OF: "s"}) is None
 

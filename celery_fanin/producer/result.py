@@ -410,6 +410,12 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
     def parent(self, value: Any) -> None:
         self._previous = value
 
+    def as_tuple(self) -> Any:
+        """What Celery stores of this result (a task that returns the handle, `GroupResult.save`): its id and the
+        result before the fan-in in a chain, as `AsyncResult.as_tuple` (never the children, which are rows)."""
+        previous = self._previous
+        return (self.id, previous.as_tuple() if previous is not None else None), None
+
     def forget(self) -> None:
         """Forget the successor's result in Celery's result backend, if one is configured (nothing else to do
         without one). The batch's rows stay, with the successor's result, until `celery -A proj fanin prune`."""

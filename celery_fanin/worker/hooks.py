@@ -556,10 +556,10 @@ class WorkerHooks:
                 return
         child_id = marker.child_id(task_id)
         if state == "SUCCESS":
-            if child_id != task_id:
+            if child_id != task_id and marker.stands_for is None:
                 return  # a chain's earlier task: the worker publishes the next, and the last one reports
-            start = starts.take_start(fanin, task_id)
-            self.record_child(fanin, task_id, marker, ChildState.SUCCEEDED, value=retval, has_value=True, start=start)
+            start = starts.take_start(fanin, child_id)
+            self.record_child(fanin, child_id, marker, ChildState.SUCCEEDED, value=retval, has_value=True, start=start)
         elif state == "FAILURE":
             exc = retval if isinstance(retval, BaseException) else None
             terminal = ChildState.TIME_LIMIT if isinstance(exc, SoftTimeLimitExceeded) else ChildState.FAILED
@@ -934,15 +934,18 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
             return on_replace(self, sig)
         carrier = _carrier(sig)
         tasks = [carrier, *_parts(sig, carrier)]
-        replaced_id = marker.successor_id(self.request.id) if marker.is_successor else self.request.id
+        rid = self.request.id
+        replaced_id = marker.successor_id(rid) if marker.is_successor else marker.child_id(rid)
         if not marker.is_successor and getattr(self.request, "ignore_result", None) is True:
             fanin = _fanin_for(self.app)
             if fanin is not None and not fanin.setting("store_child_results_in_backend"):
-                for task in tasks:
-                    task.options.setdefault("ignore_result", True)
+                # The carrier only: a part's result is stored under its own id, and a chord (a group replacement,
+                # which Celery upgrades) reads its header's results from the result backend.
+                carrier.options.setdefault("ignore_result", True)
         _add_headers(carrier, marker.headers())
-        if marker.is_successor and not marker.is_part:
-            # A carrier frozen with a task id of its own (Celery keeps it) stands for the successor's.
+        if not marker.is_part and (marker.is_successor or marker.chain is None):
+            # A carrier frozen with a task id of its own (Celery keeps it) stands for the successor's or the
+            # child's (`Marker.stands_for`); in a chain child, the chain's id names the child already.
             if carrier.options.get("task_id", replaced_id) != replaced_id:
                 carrier.options["headers"][HEADER_PART_OF] = replaced_id
             else:

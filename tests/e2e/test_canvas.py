@@ -28,6 +28,8 @@ from tests.app import (
     raise_value_error,
     record_run,
     replacing_child_failing,
+    replacing_child_frozen,
+    replacing_child_with_group,
     sum_values,
     tsum,
 )
@@ -182,6 +184,29 @@ def test_a_failing_task_inside_a_replacement_ends_what_it_replaced(canvas: dict[
         (2, "failed", "child 3 failed on purpose"),
     ]
     assert _successor_end(canvas, children.batch_id)[0] == "succeeded"
+
+
+def test_a_child_replaced_by_a_group_finishes_on_a_database_result_backend(
+    e2e_env: dict[str, str], producer: Any, processes: Any
+) -> None:
+    """Celery upgrades a group replacement to a chord, whose header results a database result backend keeps (Redis
+    counts them its own way): only the carrier goes without its result, so the chord's body runs and the child is
+    counted (fresh eyes found the header results dropped, and the child never counted)."""
+    backend = "db+" + e2e_env["FANIN_DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://", 1)
+    processes.worker(extra_env={"FANIN_TEST_RESULT_BACKEND": backend}, concurrency=4)
+    processes.relay()
+    handle = fan_in_group([replacing_child_with_group.s(1), ok.s(2)], then=collect.s()).apply_async()
+    status = handle.wait_batch(TIMEOUT)
+    assert (status.succeeded, status.failed) == (2, 0)
+
+
+def test_a_replacements_carrier_with_a_task_id_of_its_own_reports_for_the_child(
+    canvas: dict[str, str], producer: Any
+) -> None:
+    """`self.replace(chain(a, b))` with `b` frozen beforehand: Celery keeps b's id, and b reports for the child it
+    stands for (before, b's report named a task id no child has, and the child was never counted)."""
+    handle = fan_in_group([replacing_child_frozen.s(3), ok.s(4)], then=collect.s()).apply_async()
+    assert handle.get(timeout=TIMEOUT) == [30, 40]
 
 
 def _successor_end(env: dict[str, str], batch_id: str) -> tuple[str, str | None, str | None]:
