@@ -343,6 +343,8 @@ class MessageMachine(RuleBasedStateMachine):
         {"duplicate", "replace", "stall", "relay", "events", "faults", "outage", "forge", "expiry", "twin"}
     )
     held_start: ClassVar[bool] = False  # the first child's copy taken through a cut and held (see first_batch)
+    # Hole 7's search: the first batch's successor replaces itself with a chain whose part fails (see first_batch).
+    forced_chain: ClassVar[str] = ""
 
     def __init__(self) -> None:
         super().__init__()
@@ -425,6 +427,10 @@ class MessageMachine(RuleBasedStateMachine):
         `held_start` (hole 4's search), its first child's copy is taken at once instead, through a cut of `cut`
         statements, and held: what the expiry sweep's hole needs, reached by random steps in too few examples of a
         CI budget (2026-12-04: missed in 3 searches of 80)."""
+        if self.forced_chain:
+            # Three draws of one option each (replace, the chain, its part failing) come together in too few
+            # examples of a CI budget (CI of 12d0308: missed in 5 searches; found locally in 1).
+            replace, chain = True, self.forced_chain
         self.create_batch(n, replace, chain)
         if self.held_start:
             first = next((i for i, c in enumerate(self.copies) if not c.successor and not c.part), None)

@@ -138,7 +138,12 @@ def _run(
     examples, steps = model_budget(config, EXAMPLES.get(case, CI_EXAMPLES), CI_STEPS)
     APPS[url] = make_app(url)
     held_start = case == "4-lost-start-and-expiry-sweep"
-    machine = type("Messages", (MessageMachine,), {"url": url, "features": CASES[case], "held_start": held_start})
+    forced_chain = "chain-fail" if case == "7-failed-part-leaves-successor-replaced" else ""
+    machine = type(
+        "Messages",
+        (MessageMachine,),
+        {"url": url, "features": CASES[case], "held_start": held_start, "forced_chain": forced_chain},
+    )
     STATS.clear()
     started = time.monotonic()
     try:
