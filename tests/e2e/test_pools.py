@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from celery import chain
 from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
@@ -45,6 +46,22 @@ def test_children_of_every_kind_and_a_retrying_successor(
     runs = successor_runs(handle.batch_id)
     assert len(runs) == 1
     assert sorted((f["index"], f["state"]) for f in runs[0]["outcome"]["failures"]) == [(1, "failed"), (4, "rejected")]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_replacement_failing_before_its_carrier_ends_its_child_and_its_successor(
+    producer: Any, processes: Any, pool: str
+) -> None:
+    """A child replaced by a chain, and a `then=` chain, each failing in its middle: the failed task's own hooks end
+    the child and the successor, whichever pool ran it (tests/e2e/test_canvas.py on prefork has the details)."""
+    processes.worker(pool=pool, concurrency=CONCURRENCY[pool])
+    processes.relay()
+    then = chain(tasks.values.s(), tasks.fail.si(7), tasks.identity.s())
+    handle = fan_in_group([tasks.ok.s(1), tasks.replacing_child_failing.s(2)], then=then).apply_async()
+    status = handle.wait_batch(timeout=60)
+    assert (status.succeeded, status.failed, status.remaining, status.successor_state) == (1, 1, 0, "failed")
+    with pytest.raises(ValueError, match="child 7 failed on purpose"):
+        handle.get(timeout=5)
 
 
 @pytest.mark.parametrize("pool", IN_PROCESS_POOLS)
