@@ -542,10 +542,7 @@ class WorkerHooks:
         fanin = _fanin_for(task.app)
         if fanin is None:
             return
-        if marker.is_part:
-            self._part_postrun(fanin, task, marker, state, retval)
-            return
-        if marker.is_successor:
+        if marker.is_successor and not marker.is_part:
             self._successor_postrun(fanin, marker, successor_runs.request_run(task.request), state, retval)
             return
         if not task.request.is_eager and state in ("SUCCESS", "FAILURE", "REJECTED"):
@@ -554,6 +551,9 @@ class WorkerHooks:
             if why is not None:
                 self.refuse(fanin, task_id, marker, why)
                 return
+        if marker.is_part:
+            self._part_postrun(fanin, task, marker, state, retval)
+            return
         child_id = marker.child_id(task_id)
         if state == "SUCCESS":
             if child_id != task_id and marker.stands_for is None:
@@ -728,11 +728,7 @@ class WorkerHooks:
         success, a retry, an `Ignore` change nothing (the replacement goes on, or another attempt reports)."""
         requeued = isinstance(retval, Reject) and retval.requeue
         if state not in ("FAILURE", "REJECTED") or requeued or task.request.is_eager:
-            return
-        why = claim_refusal(fanin, task.request, getattr(task.request, BODY_CLAIM, None))
-        if why is not None:
-            self.refuse(fanin, task.request.id, marker, why)
-            return
+            return  # (its claim was checked by `task_postrun`, as a child's is)
         exc = retval if isinstance(retval, BaseException) else None
         if self.end_replacement(fanin, marker, SuccessorState.FAILED, exc):
             logger.info(
