@@ -742,6 +742,14 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         self.run(Op("claim_run", fn, done), pick, hold)
 
+    def _ended(self, batch_id: uuid.UUID, state: str) -> None:
+        """A committed write ended the successor as `state`. Noted at its commit, not only when the invariant next
+        reads the database: a transaction waiting on that write's lock (a rerun) may commit before the invariant
+        runs, and the model must already know what it waited for. The invariant checks the database agrees."""
+        seen = self.m.final_successors.setdefault(batch_id, state)
+        if seen != state:
+            raise Violation(f"the successor of batch {batch_id}, final as {seen}, was ended again as {state}")
+
     def _running(self) -> list[tuple[Root, SuccessorModel]]:
         return [(r, self.m.runs[r.batch.id]) for r in self.m.roots.values() if self.m.runs[r.batch.id].admitted]
 
@@ -845,6 +853,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 runs.carrier = runs.carried.get(number)
             elif how != "renew":
                 runs.live = None
+                self._ended(batch.id, how.rpartition(":")[2])
 
         self.run(Op(f"end_run({how}{', stale' if stale else ''})", fn, done), pick, hold)
 
@@ -870,6 +879,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             if live_before and runs.live is not None and not runs.dead:  # live then, and still (see end_run)
                 raise Violation(f"the replacement bound ended batch {batch.id}'s live carrier run {runs.live}")
             runs.live = None
+            self._ended(batch.id, "failed")
 
         self.run(Op("replacement_bound", fn, done), pick, hold)
 
@@ -904,6 +914,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             if live_before and runs.live is not None and not runs.dead:  # live then, and still (see end_run)
                 raise Violation(f"a part's {how} ended batch {batch.id}'s live carrier run {runs.live}")
             runs.live = None
+            self._ended(batch.id, how)
 
         self.run(Op(f"replacement_part_ends({how}{', stale' if stale else ''})", fn, done), pick, hold)
 

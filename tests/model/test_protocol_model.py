@@ -64,3 +64,30 @@ def test_successor_guard_model(
     )
     print("successor guard model:", examples, "examples of up to", steps, "steps;", dict(sorted(STATS.items())))
     assert STATS["runs admitted"] and STATS["end_run committed"], "the guard's machine admits and ends runs"
+
+
+@pytest.mark.timeout(120)
+def test_a_rerun_that_waited_on_a_successors_end_is_judged_after_that_end(scratch_db: Callable[[], str]) -> None:
+    """A case CI's search found (stop 46): a held run ends its successor `failed`, an operator's rerun waits on
+    that row's lock and commits right after it, before the invariant reads the database. The model must know of the
+    end from the end's own commit, or it calls the rerun admitted while the successor was not final."""
+    state = type("Guard", (SuccessorGuardMachine,), {"url": scratch_db()})()
+    opts = {
+        "max_failures": None,
+        "deadline": None,
+        "child_timeout": False,
+        "on_lost": "fail",
+        "on_expire": False,
+        "on_failure": False,
+        "expires": False,
+    }
+    STATS.clear()
+    try:
+        state.seed(opts=opts, n=1, start="carried")
+        state.end_run(hold=True, how="failed", pick=0, stale=False, which=0)
+        state.operator_rerun(hold=False, pick=0, which=0)
+        state.release(commit=True, which=0)
+        state.protocol_holds()
+        assert STATS["reruns"] == 1, "the rerun went ahead once the run's end committed"
+    finally:
+        state.teardown()
