@@ -3,6 +3,7 @@
 - ``celery_fanin.run_group``: a nested fan-in, as a child or as `then=` (a pipeline stage);
 - ``celery_fanin.run_canvas``: a fan-in that came out of a message (a chain's next step, a link, a chord's body);
 - ``celery_fanin.then_canvas``: the successor of a fan-in whose `then=` is a chain or a group;
+- ``celery_fanin.group_results``: the successor of such a group, written as a fan-in of its own;
 - ``celery_fanin.saga_step_done`` and ``celery_fanin.compensation_done``: the successors that move a saga on;
 - ``celery_fanin.prune``: retention, for celery beat.
 
@@ -20,16 +21,20 @@ from typing import Any
 
 from celery import Celery
 from celery.canvas import Signature, _chain, group, maybe_signature
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import ChordError, Ignore, Reject
+from celery.utils.functional import maybe_list
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from .codec import decode_result
 from .context import FanIn
-from .exceptions import FanInDatabaseError
+from .exceptions import FanInDatabaseError, InvalidFanIn
 from .ops.retention import prune
 from .producer.group import FanInGroup
+from .producer.result import rebuilt_exception
 from .producer.schedule import key_of_slot
 from .protocol import (
     COMPENSATION_DONE_TASK,
+    GROUP_RESULTS_TASK,
     HEADER_BATCH,
     HEADER_STEP,
     HEADER_SUCCESSOR,
@@ -42,6 +47,7 @@ from .protocol import (
     request_header,
 )
 from .sagas.driver import kick, settle_stage, settle_step
+from .store import queries
 from .store import sagas as store
 
 logger = logging.getLogger("celery_fanin.canvas")
@@ -127,14 +133,40 @@ def register(app: Celery) -> None:
         return {"batch_id": group.apply_async().batch_id}
 
     @app.task(name=THEN_CANVAS_TASK, bind=True, shared=False)
-    def then_canvas(self: Any, outcome: dict[str, Any], canvas: dict[str, Any]) -> Any:
-        """The successor of `fan_in_group(..., then=chain(...) or group(...))`: replaces itself with that canvas,
-        the outcome its first argument (as a chord's body gets the header's results). The replacement ends the
-        successor, and takes its task id."""
+    def then_canvas(self: Any, outcome: Any, canvas: dict[str, Any]) -> Any:
+        """The successor of `fan_in_group(..., then=chain(...) or group(...))` (or a chord's body), the outcome
+        (a chord's: the header's results) the first argument of the canvas's first tasks.
+
+        A group is written as a fan-in of its own, the next stage (`_group_stage`), whose successor returns the
+        members' values: Celery's `replace` would make it a chord, which needs a result backend. A chain, and a
+        group the fan-in cannot take as children, replace this task: the replacement ends the successor, and takes
+        its task id."""
         replacement = _with_first_argument(self.app.signature(canvas), outcome)
+        if isinstance(replacement, group):
+            written = _group_stage(self, replacement)
+            if written is not None:
+                return written
         if self.request.parent_id:  # its canvas is its parent's child, as a chord's body is of its last header task
             _set_first_parent(replacement, self.request.parent_id)
         raise self.replace(replacement)
+
+    @app.task(name=GROUP_RESULTS_TASK, bind=True, shared=False)
+    def group_results(self: Any, outcome: dict[str, Any]) -> list[Any]:
+        """The successor of a group that `then_canvas` wrote: its members' values in order, as a group's result
+        is; if one did not succeed, the first such member's error (as `GroupResult.get()` raises it)."""
+        if outcome.get("failures"):
+            first = min(outcome["failures"], key=lambda f: f.get("index", 0))
+            raise rebuilt_exception(first.get("exc_type"), first.get("exc_message"))
+        if outcome.get("failed") or outcome.get("succeeded") != outcome.get("planned"):
+            raise ChordError(
+                f"group {outcome.get('batch_id')}: {outcome.get('succeeded')} of {outcome.get('planned')} members "
+                f"succeeded ({outcome.get('state')})"
+            )
+        engine = FanIn.of(self.app).engine
+        rows = queries.child_results(
+            engine, uuid.UUID(outcome["batch_id"]), across_rounds=int(outcome.get("round") or 1) > 1
+        )
+        return [decode_result(self.app, encoded) if encoded is not None else None for *_, encoded in rows]
 
     @app.task(name=SAGA_STEP_DONE_TASK, **_SAGA_TASK_OPTIONS)
     def saga_step_done(self: Any, outcome: dict[str, Any], saga_id: str, position: int) -> dict[str, Any]:
@@ -184,6 +216,45 @@ def register(app: Celery) -> None:
         return prune(
             FanIn.of(self.app), older_than, chunk=chunk, max_children=max_children, limit=limit, max_seconds=max_seconds
         ).as_dict()
+
+
+# A group's options that place it in a canvas or name it, not message options its members take.
+_GROUP_OWN_OPTIONS = frozenset({"task_id", "group_id", "group_index", "chord", "chain", "link", "link_error"})
+
+
+def _group_stage(task: Any, members: group) -> dict[str, Any] | None:
+    """Write the group `then_canvas` was given as the next stage of its batch: a fan-in of its members (each with
+    the successor's errbacks, as `group.link_error` gives them) whose successor, `celery_fanin.group_results`,
+    takes the successor's callbacks and chain. Keyed by the batch and step it follows, so a second run of
+    `then_canvas` finds the stage the first wrote. The handle's `get()` follows it (`FanInResult.get`). None for a
+    group the fan-in cannot take as children (a group or chord inside it): Celery's `replace` runs it then."""
+    request = task.request
+    errbacks = [maybe_signature(e, app=task.app) for e in maybe_list(request.errbacks) or []]
+    tasks = []
+    shared = {k: v for k, v in members.options.items() if k not in _GROUP_OWN_OPTIONS}
+    for member in members.tasks:
+        member = maybe_signature(member, app=task.app).clone()
+        member.options = {**shared, **member.options}  # the group's message options (queue, ...) under its members'
+        for errback in errbacks:
+            member.link_error(errback.clone())
+        tasks.append(member)
+    collector = task.app.signature(GROUP_RESULTS_TASK)
+    for callback in maybe_list(request.callbacks) or []:
+        collector.link(maybe_signature(callback, app=task.app))
+    if request.chain:
+        collector.options["chain"] = list(request.chain)
+    stage = FanInGroup(tasks, then=collector, app=task.app)
+    finished = request_header(request, HEADER_SUCCESSOR)
+    if finished:
+        stage = stage.evolve(key=f"then:{finished}:{request_header(request, HEADER_STEP)}")
+    try:
+        handle = stage.apply_async()
+    except InvalidFanIn as exc:
+        logger.info("then_canvas %s: the group is not a fan-in's children (%s): Celery runs it", request.id, exc)
+        return None
+    # Its callbacks and chain went to the stage's successor: Celery must not send them this task's return value.
+    request.callbacks, request.chain = None, None
+    return {"batch_id": handle.batch_id}
 
 
 def _set_first_parent(sig: Signature, parent_id: str) -> None:

@@ -75,8 +75,11 @@ PRUNE_TASK = "celery_fanin.prune"
 UNPUBLISHABLE_TASK = "celery_fanin.unpublishable"
 # A fan-in that came out of a message (a chain's next step, a link, a chord's body) or a beat entry: writes it.
 RUN_CANVAS_TASK = "celery_fanin.run_canvas"
-# The successor of a fan-in whose `then=` is a chain or a group: replaces itself with that canvas.
+# The successor of a fan-in whose `then=` is a chain or a group: replaces itself with a chain; writes a group as a
+# fan-in of its own (a next stage) whose successor is GROUP_RESULTS_TASK.
 THEN_CANVAS_TASK = "celery_fanin.then_canvas"
+# The successor of a group written by THEN_CANVAS_TASK: the members' values as a list, or the first failure's error.
+GROUP_RESULTS_TASK = "celery_fanin.group_results"
 # The subtask type a fan_in_group signature is registered under (`Signature.register_type`).
 FAN_IN_GROUP_TYPE = "fan_in_group"
 # ... and a `celery_fanin.chord`'s.

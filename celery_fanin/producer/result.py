@@ -22,7 +22,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..codec import decode_result, decode_signature
 from ..context import FanIn
 from ..exceptions import BatchNotFound, ChordHeaderFailed, FanInDatabaseError, summarise
-from ..protocol import BATCH_ENDED_WITHOUT_SUCCESSOR, CHORD_OPTION, RUN_GROUP_TASK, SUCCESSOR_FINAL, SuccessorState
+from ..protocol import (
+    BATCH_ENDED_WITHOUT_SUCCESSOR,
+    CHORD_OPTION,
+    RUN_GROUP_TASK,
+    SUCCESSOR_FINAL,
+    THEN_CANVAS_TASK,
+    SuccessorState,
+)
 from ..relay import maintenance, reruns
 from ..store import admin, batches, queries
 from ..store.outcomes import failure_entry
@@ -295,6 +302,13 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
                 raise CeleryTimeoutError(f"chord {self.batch_id}'s body, a chord, was not written")
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return following.get(left, propagate, interval)
+        if exc is None and status.successor_name == THEN_CANVAS_TASK and isinstance(value, dict):
+            # then=group(...) (a chord's body that is a group): the group's values, from the stage it was written
+            # as; none for a group Celery ran (`then_canvas`), whose value is the group's already.
+            following = self.next_stage()
+            if following is not None and value == {"batch_id": following.batch_id}:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return following.get(left, propagate, interval)
         if exc is None:
             return value
         if propagate:
@@ -335,7 +349,7 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
             succ = queries.successor(conn, bid, status.step)
             encoded = queries.successor_result(conn, bid, status.step)
             if succ is not None and succ.state == SuccessorState.FAILED:
-                exc = _exception(succ.exc_type, succ.exc_message)
+                exc = rebuilt_exception(succ.exc_type, succ.exc_message)
                 if isinstance(exc, ChordHeaderFailed):  # a chord's body not run: name its failed children
                     exc.batch_id = self.batch_id
                     limit = int(fanin.setting("outcome_failures_limit"))
@@ -591,12 +605,12 @@ _CELERY_STATES: dict[str, str] = {
 }
 
 
-def _exception(exc_type: str | None, exc_message: str | None) -> BaseException:
-    """The successor's error as the store has it (its type's name and its text), as the caller can catch it: a
-    built-in exception type is itself; any other is the one exception class of that name loaded in this process
-    (the producer imports the tasks that raise it, so `except MyError:` around `get()` works, as it does with a
-    result backend); with none, or several of that name, one is made by name, as Celery's result backends make one
-    they cannot import."""
+def rebuilt_exception(exc_type: str | None, exc_message: str | None) -> BaseException:
+    """A successor's (or a child's) error as the store has it (its type's name and its text), as the caller can
+    catch it: a built-in exception type is itself; any other is the one exception class of that name loaded in this
+    process (the producer imports the tasks that raise it, so `except MyError:` around `get()` works, as it does
+    with a result backend); with none, or several of that name, one is made by name, as Celery's result backends
+    make one they cannot import."""
     name = exc_type or "Exception"
     if name == ChordHeaderFailed.__name__:  # the library's own: a chord's body that did not run
         return ChordHeaderFailed(exc_message or "")

@@ -15,7 +15,7 @@ from celery import chain, group, states
 from celery.backends.base import DisabledBackend
 from celery.exceptions import ChordError
 
-from celery_fanin import ChordHeaderFailed, FanIn, FanInResult, InvalidFanIn, chord
+from celery_fanin import ChordHeaderFailed, FanIn, FanInResult, InvalidFanIn, chord, fan_in_group
 from celery_fanin.exceptions import SuccessorNotRerunnable
 from celery_fanin.ops.rounds import retry_failed
 from tests import app as tasks
@@ -78,6 +78,38 @@ def test_every_call_form_gives_the_body_the_results_in_header_order(producer: An
     assert in_group.get(timeout=TIMEOUT) == [1, 5]
     first = handles["apply_async"]
     assert first.state == states.SUCCESS and first.parent.completed_count() == 8
+
+
+def test_a_group_as_the_body_needs_no_result_backend(
+    producer: Any, processes: Any, e2e_env: dict[str, str], notes: Any
+) -> None:
+    """A group as a chord's body, or `then=group(...)`, is written as a fan-in of its own, whose successor returns
+    the members' values in order: no result backend (Celery's `replace` makes a group a chord, which needs one).
+    The body's callbacks and the chain after it get that list; each batch writes one stage, under a key that a
+    second run of its successor finds."""
+    assert isinstance(producer.backend, DisabledBackend)
+    processes.worker(concurrency=4)
+    processes.relay()
+    handle = chord([tasks.identity.s(1), tasks.identity.s(2)], group(tasks.tsum.s(), tasks.identity.s())).delay()
+    linked = fan_in_group([tasks.ok.s(1), tasks.ok.s(2)], then=group(tasks.sum_values.s(), tasks.sum_values.s()))
+    linked.link(tasks.note.s("linked"))
+    linked_handle = linked.apply_async()
+    chain(chord([tasks.identity.s(5)], group(tasks.tsum.s(), tasks.tsum.s(extra=1))), tasks.note.s("chained"))()
+    assert handle.get(timeout=TIMEOUT) == [3, [1, 2]]
+    assert linked_handle.get(timeout=TIMEOUT) == [30, 30]
+    wait_for(
+        lambda: sorted(notes()) == [("chained", [5, 6]), ("linked", [30, 30])],
+        TIMEOUT,
+        message="the callback and the chain to get the group's list",
+    )
+    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        stages = conn.execute(
+            "SELECT b.key, s.result IS NOT NULL FROM fanin_batches b JOIN fanin_successors s ON s.batch_id = b.id"
+            " WHERE b.key LIKE 'then:%' ORDER BY b.key"
+        ).fetchall()
+    outer = sorted(f"then:{h.batch_id}:{h.batch_status().step}" for h in (handle, linked_handle))
+    assert len(stages) == 3 and all(done for _, done in stages), stages
+    assert outer == sorted(k for k, _ in stages if k in outer), "one stage for each batch, keyed by it"
 
 
 def test_a_failed_header_task_stops_the_body_and_calls_its_errbacks_once(

@@ -34,11 +34,13 @@ Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below
    was rebuilt by name only (`celery_fanin.remote.ExpectedException`). Its cases (the bodies of
    test_error_propagates_to_chord_from_simple and _from_chain_tail, test_immutable_errback_called_by_chord_from_simple
    and _from_chain_tail, test_mutable_errback_called_by_chord_from_simple) are normal tests again.
-4. A group as the body needs a result backend: `then_canvas` replaces itself with the group, which Celery upgrades
-   to a chord, so the body fails with NotImplementedError. Affects the body of
-   test_error_propagates_to_chord_from_group, test_immutable_errback_called_by_chord_from_group,
-   test_mutable_errback_called_by_chord_from_group, test_immutable_errback_called_by_chord_from_group_fail_multiple
-   and test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure.
+4. Fixed (`then_canvas` writes a group as a fan-in of its own, whose successor `celery_fanin.group_results` returns
+   the members' values or raises the first failing member's error; the handle's `get()` follows it): a group as the
+   body needed a result backend (`then_canvas` replaced itself with the group, which Celery upgrades to a chord),
+   so the body failed with NotImplementedError. Its cases (the body of test_error_propagates_to_chord_from_group,
+   test_immutable_errback_called_by_chord_from_group, test_mutable_errback_called_by_chord_from_group,
+   test_immutable_errback_called_by_chord_from_group_fail_multiple and
+   test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure) are normal tests.
 5. A chain in the header that holds a nested chord is refused (`InvalidFanIn`): at `apply_async` when the chord is
    the top of the canvas, on a worker (`celery_fanin.run_canvas`) when a chain holds it, and then `get()` waits.
    Affects test_chord_in_chords_with_chains, test_chain_chord_chain_chord, test_nested_group_chain and
@@ -137,17 +139,17 @@ Every case of `test_chord`, in Celery's order:
 - test_mutable_errback_called_by_chord_from_chain_tail: ported in test_errbacks_from_simple_and_chain_members (both
   styles, header and body).
 - test_error_propagates_to_chord_from_group: ported in test_error_propagation (the header group: the refusal, then
-  the group as the header); ported, xfail (cause 4): the body (test_gap_4_group_body[...-body]).
+  the group as the header; and the body).
 - test_immutable_errback_called_by_chord_from_group: ported in test_errbacks_from_groups (the header group as
-  above); ported, xfail (cause 4): the body.
-- test_mutable_errback_called_by_chord_from_group: ported in test_errbacks_from_groups (both styles, the header);
-  ported, xfail (cause 4): the body, both styles.
+  above, and the body).
+- test_mutable_errback_called_by_chord_from_group: ported in test_errbacks_from_groups (both styles, the header and
+  the body).
 - test_immutable_errback_called_by_chord_from_group_fail_multiple: ported in test_errbacks_from_groups (the
-  header); ported, xfail (cause 4): the body.
+  header and the body).
 - test_mutable_errback_called_by_chord_from_group_fail_multiple_on_header_failure: ported in
   test_errbacks_from_groups (both styles).
-- test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure: ported, xfail (cause 4): both
-  styles (test_gap_4_group_body[...]).
+- test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure: ported in test_errbacks_from_groups
+  (both styles).
 - test_chord_header_task_replaced_with_chain: ported in test_tasks_replaced_with_chains (its header a list).
 - test_chord_header_child_replaced_with_chain_first: ported in test_tasks_replaced_with_chains.
 - test_chord_header_child_replaced_with_chain_middle: ported in test_tasks_replaced_with_chains.
@@ -233,7 +235,6 @@ Steps = Iterator[None]
 # --- the known gaps (see the module's docstring) ------------------------------------------------------------------
 
 GAPS = {
-    4: "a group as the body needs a result backend: then_canvas replaces itself with the group, a chord in Celery",
     5: "a chain in the header that holds a nested chord is refused with InvalidFanIn (on a worker, by run_canvas)",
 }
 
@@ -750,7 +751,6 @@ def test_error_propagation(producer: Any, processes: Any, e2e_env: dict[str, str
     cases = Cases()
     with cases.case("test_error_propagates_to_chord_from_group (the group in the header is refused)"):
         _refused(producer, lambda: chord((group(identity.si(42), fail.s()),), identity.s()))
-    # the body of from_group (cause 4): test_gap_4_...
     for kind, where in [
         ("from_simple", "header"),
         ("from_simple", "body"),
@@ -759,6 +759,7 @@ def test_error_propagation(producer: Any, processes: Any, e2e_env: dict[str, str
         ("from_chain_tail", "header"),
         ("from_chain_tail", "body"),
         ("from_group", "header"),
+        ("from_group", "body"),
     ]:
         name = f"test_error_propagates_to_chord_{kind} ({where})"
         cases.start(name, _member_case(cases, where, error_propagates(kind, where), world))
@@ -803,7 +804,7 @@ def test_errbacks_from_simple_and_chain_members(producer: Any, processes: Any, e
 
 @pytest.mark.timeout(60)
 def test_errbacks_from_groups(producer: Any, processes: Any, e2e_env: dict[str, str]) -> None:
-    """The header groups; the body groups are cause 4's (test_gap_4_group_body)."""
+    """The groups in the header and as the body (written as a fan-in of their own: no result backend needed)."""
     world = _start(producer, processes, e2e_env)
     cases = Cases()
 
@@ -826,7 +827,31 @@ def test_errbacks_from_groups(producer: Any, processes: Any, e2e_env: dict[str, 
             f"test_mutable_errback_called_by_chord_from_group_fail_multiple_on_header_failure[{style}]",
             _member_case(cases, "header", mutable_errback_fail_multiple_on_header_failure(style), world),
         )
+    for name, case in GROUP_BODY_CASES.items():
+        cases.start(name, _member_case(cases, "body", case(), world))
     _run_errback_cases(world, cases)
+
+
+# A group as the body: each failing member calls the errbacks (Celery's `group.link_error` links them to every
+# member), and the handle's get() raises the first failing member's error, as a group's result does.
+GROUP_BODY_CASES: dict[str, Callable[[], MemberCase]] = {
+    "test_immutable_errback_called_by_chord_from_group (body)": lambda: immutable_errback("from_group", "body"),
+    "test_mutable_errback_called_by_chord_from_group[old_style] (body)": lambda: mutable_errback(
+        "from_group", "body", "old_style"
+    ),
+    "test_mutable_errback_called_by_chord_from_group[new_style] (body)": lambda: mutable_errback(
+        "from_group", "body", "new_style"
+    ),
+    "test_immutable_errback_called_by_chord_from_group_fail_multiple (body)": lambda: immutable_errback_fail_multiple(
+        "body"
+    ),
+    "test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure[old_style]": lambda: (
+        mutable_errback_fail_multiple_on_body_failure("old_style")
+    ),
+    "test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure[new_style]": lambda: (
+        mutable_errback_fail_multiple_on_body_failure("new_style")
+    ),
+}
 
 
 HEADERS = (
@@ -1112,42 +1137,6 @@ def test_eager_chord_inside_task(producer: Any, e2e_env: dict[str, str]) -> None
 
 
 # --- the known gaps: one xfail per case (see the module's docstring) ----------------------------------------------
-
-GAP_4_CASES: dict[str, Callable[[], MemberCase]] = {
-    "test_error_propagates_to_chord_from_group-body": lambda: error_propagates("from_group", "body"),
-    "test_immutable_errback_called_by_chord_from_group-body": lambda: immutable_errback("from_group", "body"),
-    "test_mutable_errback_called_by_chord_from_group-body-old_style": lambda: mutable_errback(
-        "from_group", "body", "old_style"
-    ),
-    "test_mutable_errback_called_by_chord_from_group-body-new_style": lambda: mutable_errback(
-        "from_group", "body", "new_style"
-    ),
-    "test_immutable_errback_called_by_chord_from_group_fail_multiple-body": lambda: immutable_errback_fail_multiple(
-        "body"
-    ),
-    "test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure-old_style": lambda: (
-        mutable_errback_fail_multiple_on_body_failure("old_style")
-    ),
-    "test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure-new_style": lambda: (
-        mutable_errback_fail_multiple_on_body_failure("new_style")
-    ),
-}
-
-
-@xfail_gap(4)
-@pytest.mark.timeout(45)
-@pytest.mark.parametrize("case", GAP_4_CASES)
-def test_gap_4_group_body(case: str, gap_world: Callable[..., World]) -> None:
-    """`chord((identity.si(42),), group(...))` with no result backend: the body fails with Celery's
-    NotImplementedError before any of its tasks runs."""
-    world = gap_world()
-    member_case = GAP_4_CASES[case]()
-    res = member_case.sig.delay()
-    with expect_gap(4, NotImplementedError, "Starting chords requires a result backend"):
-        _body_failed(res, TIMEOUT)
-    world.settle()
-    member_case.check(world)
-
 
 REFUSED_CHAIN = ("celery_fanin.exceptions.InvalidFanIn", "a chain child may hold only task signatures")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 
 from celery_fanin import ChordHeaderFailed, FanIn, chord, fan_in_group
 
@@ -165,5 +165,28 @@ def test_a_then_chain_failing_in_the_middle_and_a_chord_as_a_chords_body_under_a
     assert failing.batch_status().successor_state == "failed"
     nested = chord([t["double"].s(1), t["double"].s(2)], chord([summed.s(), summed.s()], summed.s())).apply()
     assert nested.get(timeout=TIMEOUT) == 12  # each inner header task sums [2, 4]; the body sums [6, 6]
+    assert broker.llen(QUEUE) == 0
+    _unchanged(app)
+
+
+def test_a_group_as_a_chords_body_under_apply(app: Celery, broker: redis.Redis) -> None:
+    """Inline as on a worker, with no result backend: a group as the body is written as a fan-in of its own, each
+    member given the header's results; `get()` answers with the members' values, or raises the first failing
+    member's error."""
+    t = _tasks(app)
+
+    @app.task(name="tests.eager.summed", shared=False)
+    def summed(values: list[int], extra: int = 0) -> int:
+        return sum(values) + extra
+
+    @app.task(name="tests.eager.refuse", shared=False)
+    def refuse(values: list[int]) -> None:
+        raise KeyError(f"refused {values}")
+
+    grouped = chord([t["double"].s(1), t["double"].s(2)], group(summed.s(), summed.s(extra=1))).apply()
+    assert grouped.get(timeout=TIMEOUT) == [6, 7]
+    failing = chord([t["double"].s(1)], group(summed.s(), refuse.s(), t["boom"].si(3))).apply()
+    with pytest.raises(KeyError, match=r"refused \[2\]"):
+        failing.get(timeout=TIMEOUT)
     assert broker.llen(QUEUE) == 0
     _unchanged(app)
