@@ -104,8 +104,10 @@ def register(app: Celery) -> None:
             handle = group.evolve(key=f"then:{first['batch_id']}:{first['step']}").apply_async()
             return {"batch_id": handle.batch_id}
         if request_header(self.request, HEADER_BATCH):
-            # A child: the inner batch's successor will report this child; until then it is not finished.
-            group.evolve(key=f"nested:{self.request.id}", parent_task_id=self.request.id).apply_async()
+            # A child: the inner batch's successor will report this child; until then it is not finished. At the
+            # end of a chain child, the value of the task before it (args[0]) goes to each of its children first.
+            nested = group.evolve(key=f"nested:{self.request.id}", parent_task_id=self.request.id)
+            nested.apply_async(args=tuple(args[:-1]))
             raise Ignore()
         # Called on its own (not through a fan-in): just start the group.
         return {"batch_id": group.apply_async().batch_id}

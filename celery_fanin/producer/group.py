@@ -102,10 +102,11 @@ class _MessageTimes:
 
 
 def _check_chain(value: Signature, what: str) -> Signature:
-    """A chain child holds task signatures only (nested chains are flattened); returns its last task.
+    """A chain child holds task signatures only (nested chains are flattened; a nested fan-in at its end is one
+    already, `_nested_tail`); returns its last task.
 
     Why: the child is counted when the chain's last task ends; a group or chord inside the chain publishes task
-    ids the chain's headers do not reach, and a chain ending in one has no single last task."""
+    ids the chain's headers do not reach, and a chain ending in a Celery group or chord has no single last task."""
     tasks = publish.chain_tasks(value)
     if not tasks:
         raise InvalidFanIn(f"{what} is an empty chain")
@@ -113,10 +114,29 @@ def _check_chain(value: Signature, what: str) -> Signature:
         if isinstance(task, Signature) and type(task) is not Signature:
             kind = task.get("subtask_type") or type(task).__name__.lstrip("_")
             raise InvalidFanIn(
-                f"{what}: task {i} of the chain is a {kind}; a chain child may hold only task signatures (task.s(...))"
+                f"{what}: task {i} of the chain is a {kind}; a chain child may hold only task signatures "
+                "(task.s(...)), and end with a nested fan-in (a celery_fanin.chord or fan_in_group)"
             )
         _check_plain_signature(task, f"{what}: task {i} of the chain")
     return tasks[-1]
+
+
+def _nested_tail(app: Celery, chained: Signature, what: str, arguments: _Arguments) -> Signature:
+    """A chain child whose last task is a nested fan-in (`a | chord(...)`), with that fan-in as its message,
+    `celery_fanin.run_group(spec)`: as a chain's last task it takes the child's task id, and its batch, written
+    when it runs, stands for the child (counted when its successor ends), as a nested fan-in child's does. The
+    task before it passes its value on, to each of the fan-in's children first, as a chord in a chain gets it.
+    Any other chain is returned as it is."""
+    tasks = publish.chain_tasks(chained)
+    last = maybe_signature(tasks[-1], app=app) if tasks else None
+    if not isinstance(last, FanInGroup):
+        return chained
+    before = (arguments.OUTCOME,) if len(tasks) > 1 and not last.immutable else ()
+    arguments.group(last, f"{what}: the fan-in that ends the chain", *before)
+    nested = last.as_signature(app, f"{what}: the fan-in that ends the chain")
+    rebuilt = _chain(*tasks[:-1], nested, app=app)
+    rebuilt.options.update(chained.options)
+    return rebuilt
 
 
 class _Arguments:
@@ -934,6 +954,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
                 sig = with_message_options(item.as_signature(app, f"child {index}"))
                 arguments.group(item, f"child {index}")
             elif publish.is_chain(item):  # counted when its last task ends (or any task fails)
+                item = _nested_tail(app, item, f"child {index}", arguments)
                 tail = _check_chain(item, f"child {index}")
                 arguments.signature(item, f"child {index}")
                 item = with_message_options(item)

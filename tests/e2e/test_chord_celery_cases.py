@@ -15,13 +15,13 @@ expected values; what changes, and why, is said here once:
 - `celery_fanin.chord` refuses a single signature as the header; Celery takes one as a header of one task, so the
   cases that give one (`chord(sig, body)`) give `[sig]`.
 - No result backend (tests/app.py configures none): the body's list and the handle's answers are read from
-  PostgreSQL. Only `test_cases_whose_tasks_need_a_result_backend` and the xfails of causes 8 and 9 give the worker
+  PostgreSQL. Only `test_cases_whose_tasks_need_a_result_backend` and the cases of causes 8 and 9 give the worker
   one, for what is Celery's, not the chord's: `add_to_all` replaces itself with a group, which Celery turns into a
   chord of its own, and reading a plain task's result (`AsyncResult(id).get()`) needs one.
 - "Exactly once" (Celery: wait a second and look again) is checked once nothing is left to run: the broker queue
   empty, the worker with nothing active, reserved or scheduled, the outbox all sent.
 
-Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below):
+The gaps this port found (causes), all fixed now; each fix first showed as its strict xfail passing:
 
 1. Fixed (a replacement's tasks other than its carrier are parts of the successor, and a part's failure ends it):
    a body chain whose middle task failed never finished (the successor stayed `replaced`). Its cases (the bodies of
@@ -41,11 +41,12 @@ Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below
    test_immutable_errback_called_by_chord_from_group, test_mutable_errback_called_by_chord_from_group,
    test_immutable_errback_called_by_chord_from_group_fail_multiple and
    test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure) are normal tests.
-5. A chain in the header that holds a nested chord is refused (`InvalidFanIn`): at `apply_async` when the chord is
-   the top of the canvas, on a worker (`celery_fanin.run_canvas`) when a chain holds it, and then `get()` waits.
-   Affects test_chord_in_chords_with_chains, test_chain_chord_chain_chord, test_nested_group_chain and
-   test_nested_chord_group_chain_group_tail (their counterparts with a nested chord), and
-   test_chord_unlock_with_failed_task_in_nested_chain_member.
+5. Fixed (a chain child may end with a nested fan-in: its message, `celery_fanin.run_group`, is the chain's last
+   task, and the batch it writes stands for the child, each of its children given the value of the task before):
+   a chain in the header that held a nested chord was refused (`InvalidFanIn`), at `apply_async` or on a worker
+   (`celery_fanin.run_canvas`). Its cases (test_chord_in_chords_with_chains, test_chain_chord_chain_chord,
+   test_nested_group_chain and test_nested_chord_group_chain_group_tail, their counterparts with a nested chord,
+   and test_chord_unlock_with_failed_task_in_nested_chain_member) are test_a_chord_at_the_end_of_a_chain_in_the_header.
 6. Fixed (`chord.link_error` links the errback to each header task when `task_allow_error_cb_on_chord_header`
    is on, as Celery's): test_flag_allow_error_cb_on_chord_header_on_upgraded_chord is a normal test.
 7. Fixed (a chord's body may be a chord: it is written when the header finishes, each of its header tasks given
@@ -58,10 +59,6 @@ Known gaps (causes; a case they break is an xfail, `test_gap_<cause>_...`, below
 9. Fixed (`get()` follows the chain's parents while the batch does not exist, as Celery's `follow_parents`):
    `get()` did not follow a failed task before the chord in a chain and waited (Celery xfails this case on Redis,
    #6437). test_error_propagates_from_chord is a normal test.
-
-An xfail is strict and expects `KnownGap`, which the test raises only once it has seen its cause (the error, the
-log line, the refusal that the cause names); it fails fast (a hang is waited for once nothing is left to run,
-`HANG_TIMEOUT`). So a gap fixed makes its test XPASS, an error, and any other failure of the case is a failure.
 
 Every case of `test_chord`, in Celery's order:
 
@@ -83,8 +80,7 @@ Every case of `test_chord`, in Celery's order:
 - test_group_args_and_kwargs: ported in test_cases_whose_tasks_need_a_result_backend (the list asserted in order,
   which Celery's Redis backend does not keep).
 - test_nested_group_chain: ported in test_groups_in_chains_in_the_header_are_refused (the group at the end of the
-  header's chain); ported, xfail (cause 5): the counterpart with a nested chord, refused on the worker
-  (test_gap_5_chord_in_a_header_chain[test_nested_group_chain]).
+  header's chain); the counterpart with a nested chord in test_a_chord_at_the_end_of_a_chain_in_the_header.
 - test_single_task_header: ported in test_cases_whose_tasks_need_a_result_backend (its `group | task` form as
   `chord(header)(body)`).
 - test_empty_header_chord: ported in test_cases_whose_tasks_need_a_result_backend (its `group | task` form as
@@ -104,10 +100,8 @@ Every case of `test_chord`, in Celery's order:
   (celery #3021); a fan-in validates and writes the whole header in one transaction before publishing any of it, by
   design (so no one-second sleeps).
 - test_parallel_chords: ported in test_results_in_header_order.
-- test_chord_in_chords_with_chains: ported, xfail (cause 5): refused at `delay()`
-  (test_gap_5_chord_in_a_header_chain[test_chord_in_chords_with_chains]).
-- test_chain_chord_chain_chord: ported, xfail (cause 5): refused on the worker, `get()` waits
-  (test_gap_5_chord_in_a_header_chain[test_chain_chord_chain_chord]).
+- test_chord_in_chords_with_chains: ported in test_a_chord_at_the_end_of_a_chain_in_the_header.
+- test_chain_chord_chain_chord: ported in test_a_chord_at_the_end_of_a_chain_in_the_header.
 - test_chord_in_chain_with_args: ported in test_cases_whose_tasks_need_a_result_backend (xfail in Celery, #6176):
   `chain(chord(...), identity.s())` ends in a plain task, whose result only a result backend holds.
 - test_chain_in_chain_with_args: not applicable: no chord in it (a chain in a chain, celery #6200).
@@ -117,8 +111,7 @@ Every case of `test_chord`, in Celery's order:
 - test_priority_chain: not applicable: no chord in it (a chain's priority).
 - test_nested_chord_group: ported in test_results_in_header_order: the refusal, and the group as the header.
 - test_nested_chord_group_chain_group_tail: ported in test_groups_in_chains_in_the_header_are_refused (the
-  refusal); ported, xfail (cause 5): the counterpart with a nested chord, refused at `delay()`
-  (test_gap_5_chord_in_a_header_chain[test_nested_chord_group_chain_group_tail]).
+  refusal); the counterpart with a nested chord in test_a_chord_at_the_end_of_a_chain_in_the_header.
 - test_error_propagates_from_chord: ported in test_error_propagates_from_chord; its chain ends
   in a group with no body, the counterpart is a chord with `tsum.s()` as body; the error is that of a task before
   the chord, which only a result backend holds.
@@ -173,10 +166,10 @@ Every case of `test_chord`, in Celery's order:
   test_chord_error_propagation_with_a_chord_as_body.
 - test_chord_error_in_nested_chain_does_not_crash: ported in test_cases_whose_tasks_need_a_result_backend:
   `chain(chord(...), identity.s())`, whose result is the plain task's after the chord.
-- test_chord_unlock_with_failed_task_in_nested_chain_member: ported, xfail (cause 5): refused at `apply_async()`
-  (test_gap_5_chord_in_a_header_chain[test_chord_unlock_with_failed_task_in_nested_chain_member]); there is no
-  `chord_unlock`, but the claim stands: a header chain whose first task fails before a nested chord fails the chord
-  promptly (Celery's TIMEOUT / 10).
+- test_chord_unlock_with_failed_task_in_nested_chain_member: ported in
+  test_a_chord_at_the_end_of_a_chain_in_the_header (the nested group a nested chord); there is no `chord_unlock`,
+  but the claim stands: a header chain whose first task fails before a nested chord fails the chord promptly
+  (Celery's TIMEOUT / 10), and the nested chord is never written.
 """
 
 from __future__ import annotations
@@ -196,7 +189,6 @@ import redis
 from celery import chain, group
 from celery.backends.base import DisabledBackend
 from celery.exceptions import ChordError
-from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from kombu.serialization import loads
 
@@ -226,45 +218,9 @@ from tests.workers import wait_for
 pytestmark = [pytest.mark.e2e]
 
 TIMEOUT = 20  # Celery's is 60: each canvas here takes a second or two
-HANG_TIMEOUT = 2  # a known hang's get(), once nothing is left to run (World.settle): nothing can answer it later
 ERRBACK_STYLES = {"old_style": errback_old_style, "new_style": errback_new_style}
 
 Steps = Iterator[None]
-
-
-# --- the known gaps (see the module's docstring) ------------------------------------------------------------------
-
-GAPS = {
-    5: "a chain in the header that holds a nested chord is refused with InvalidFanIn (on a worker, by run_canvas)",
-}
-
-
-class KnownGap(Exception):
-    """Raised by a case only once it has met its known gap: its xfail expects this type and no other."""
-
-
-def xfail_gap(cause: int) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=KnownGap, reason=f"cause {cause}: {GAPS[cause]}")
-
-
-def gap(cause: int, seen: bool, detail: str) -> None:
-    """Raise KnownGap if the cause was `seen`; else the case goes on to Celery's assertions."""
-    if seen:
-        raise KnownGap(f"cause {cause} ({GAPS[cause]}):\n{detail}")
-
-
-@contextmanager
-def expect_gap(
-    cause: int, error: type[BaseException], *signs: str, evidence: Callable[[], str] = lambda: ""
-) -> Iterator[None]:
-    """An `error` whose text (with `evidence`, e.g. worker log lines) holds every sign is the gap (KnownGap); any
-    other error is the test's failure, as it is."""
-    try:
-        yield
-    except error as exc:
-        seen = f"{type(exc).__module__}.{type(exc).__name__}: {exc}\n{evidence()}"
-        gap(cause, all(sign in seen for sign in signs), seen)
-        raise
 
 
 # --- running several cases in one test function -------------------------------------------------------------------
@@ -449,10 +405,9 @@ def result_backend(e2e_env: dict[str, str], producer: Any) -> Iterator[str]:
 
 
 @pytest.fixture
-def gap_world(producer: Any, processes: Any, e2e_env: dict[str, str]) -> Iterator[Callable[..., World]]:
-    """For the xfails: `gap_world(extra_env=None)` starts the worker and relay (after the send, where the gap is a
-    refusal at send, so that a refused case starts none). The worker is SIGKILLed at the end: these cases check
-    nothing of its shutdown, and a warm one costs two seconds."""
+def late_world(producer: Any, processes: Any, e2e_env: dict[str, str]) -> Iterator[Callable[..., World]]:
+    """`late_world(extra_env=None)` starts the worker and relay when a case asks (some with a result backend). The
+    worker is SIGKILLed at the end: these cases check nothing of its shutdown, and a warm one costs two seconds."""
     worlds: list[World] = []
 
     def start(extra_env: dict[str, str] | None = None) -> World:
@@ -660,7 +615,7 @@ def test_results_in_header_order(producer: Any, processes: Any, e2e_env: dict[st
 @pytest.mark.timeout(30)
 def test_groups_in_chains_in_the_header_are_refused(producer: Any) -> None:
     """The refusals of test_nested_group_chain and test_nested_chord_group_chain_group_tail (their counterparts, with
-    a nested chord, are test_gap_5_chord_in_a_header_chain's): nothing runs, so no worker."""
+    a nested chord, are test_a_chord_at_the_end_of_a_chain_in_the_header's): nothing runs, so no worker."""
     # test_nested_group_chain. Celery: chain(add.si(1, 0), group(add.si(1, 100), chain(add.si(1, 200),
     # group(add.si(1, 1000), add.si(1, 2000)))), add.si(1, 10)): the group before add.si(1, 10) is the header, the
     # inner one is in it.
@@ -1136,30 +1091,10 @@ def test_eager_chord_inside_task(producer: Any, e2e_env: dict[str, str]) -> None
         chord_add.app.conf.task_always_eager = prev
 
 
-# --- the known gaps: one xfail per case (see the module's docstring) ----------------------------------------------
-
-REFUSED_CHAIN = ("celery_fanin.exceptions.InvalidFanIn", "a chain child may hold only task signatures")
+# --- a chord at the end of a chain in the header (cause 5, fixed) --------------------------------------------------
 
 
-def _refused_at_send(send: Callable[[], Any]) -> Any:
-    with expect_gap(5, InvalidFanIn, *REFUSED_CHAIN):
-        return send()
-
-
-def _refused_on_the_worker(world: World, res: Any, expected: Any) -> None:
-    world.settle()
-    with expect_gap(
-        5,
-        CeleryTimeoutError,
-        "not created yet",
-        "celery_fanin.run_canvas[",
-        *REFUSED_CHAIN[1:],
-        evidence=lambda: world.log_lines("raised unexpected: InvalidFanIn"),
-    ):
-        assert res.get(timeout=HANG_TIMEOUT) == expected
-
-
-def _chord_in_chords_with_chains(start: Callable[..., World]) -> None:
+def _chord_in_chords_with_chains(world: World) -> None:
     c = chord(
         group(
             [
@@ -1169,13 +1104,10 @@ def _chord_in_chords_with_chains(start: Callable[..., World]) -> None:
         ),
         add.si(2, 2),
     )
-    r = _refused_at_send(c.delay)
-    start()
-    assert r.get(timeout=TIMEOUT) == 4
+    assert c.delay().get(timeout=TIMEOUT) == 4
 
 
-def _chain_chord_chain_chord(start: Callable[..., World]) -> None:
-    world = start()
+def _chain_chord_chain_chord(world: World) -> None:
     c = chain(
         identity.si(1),
         chord(
@@ -1183,12 +1115,11 @@ def _chain_chord_chain_chord(start: Callable[..., World]) -> None:
             identity.si(7),
         ),
     )
-    _refused_on_the_worker(world, c.delay(), 7)
+    assert c.delay().get(timeout=TIMEOUT) == 7
 
 
-def _nested_group_chain(start: Callable[..., World]) -> None:
+def _nested_group_chain(world: World) -> None:
     """The counterpart with a nested chord (the refusal of Celery's group: test_groups_in_chains_..._refused)."""
-    world = start()
     c = chain(
         add.si(1, 0),
         chord(
@@ -1196,34 +1127,40 @@ def _nested_group_chain(start: Callable[..., World]) -> None:
             add.si(1, 10),
         ),
     )
-    _refused_on_the_worker(world, c(), 11)
+    assert c().get(timeout=TIMEOUT) == 11
 
 
-def _nested_chord_group_chain_group_tail(start: Callable[..., World]) -> None:
-    """The counterpart with a nested chord (the refusal of Celery's group: test_groups_in_chains_..._refused)."""
+def _nested_chord_group_chain_group_tail(world: World) -> None:
+    """The counterpart with a nested chord (the refusal of Celery's group: test_groups_in_chains_..._refused): the
+    value of the chain's task before the chord reaches each of the chord's header tasks first."""
     sig = chord(
         group(chain(identity.s(42), chord([identity.s(), identity.s()], identity.s()))),  # [42, 42]
         identity.s(),  # [[42, 42]]
     )
-    res = _refused_at_send(sig.delay)
-    start()
-    assert res.get(timeout=TIMEOUT) == [[42, 42]]
+    assert sig.delay().get(timeout=TIMEOUT) == [[42, 42]]
 
 
-def _chord_unlock_with_failed_task_in_nested_chain_member(start: Callable[..., World]) -> None:
+def _chord_unlock_with_failed_task_in_nested_chain_member(world: World) -> None:
     # Celery: chain(group(identity.si(1), chain(fail.si(), group(identity.si(2), identity.si(3)), identity.si(4))),
     # identity.s())
     c = chord(
         [identity.si(1), chain(fail.si(), chord([identity.si(2), identity.si(3)], identity.si(4)))],
         identity.s(),
     )
-    result = _refused_at_send(c.apply_async)
-    start()
-    with pytest.raises((ExpectedException, ChordError)):
+    result = c.apply_async()
+    with pytest.raises(ChordHeaderFailed, match="ExpectedException"):  # Celery: ExpectedException or ChordError
         result.get(timeout=TIMEOUT / 10 + 4)  # Celery's TIMEOUT / 10 (6 s)
+    world.settle()
+    [child] = rows(
+        world.producer,
+        "SELECT c.state, (SELECT count(*) FROM fanin_batches n WHERE n.parent_task_id = c.task_id) AS n"
+        " FROM fanin_children c WHERE c.batch_id = :b AND c.idx = 1",
+        b=result.batch_id,
+    )
+    assert (child.state, child.n) == ("failed", 0), "counted failed; the chord after the failed task never written"
 
 
-GAP_5_CASES: dict[str, Callable[[Callable[..., World]], None]] = {
+CHAINS_ENDING_IN_A_CHORD: dict[str, Callable[[World], None]] = {
     "test_chord_in_chords_with_chains": _chord_in_chords_with_chains,
     "test_chain_chord_chain_chord": _chain_chord_chain_chord,
     "test_nested_group_chain": _nested_group_chain,
@@ -1232,18 +1169,20 @@ GAP_5_CASES: dict[str, Callable[[Callable[..., World]], None]] = {
 }
 
 
-@xfail_gap(5)
 @pytest.mark.timeout(45)
-@pytest.mark.parametrize("case", GAP_5_CASES)
-def test_gap_5_chord_in_a_header_chain(case: str, gap_world: Callable[..., World]) -> None:
-    GAP_5_CASES[case](gap_world)
+@pytest.mark.parametrize("case", CHAINS_ENDING_IN_A_CHORD)
+def test_a_chord_at_the_end_of_a_chain_in_the_header(case: str, late_world: Callable[..., World]) -> None:
+    """The chord is the chain's last task: written when the task before it succeeded, it stands for the header
+    task, which is counted when its body ends, with the body's value."""
+    world = late_world()
+    CHAINS_ENDING_IN_A_CHORD[case](world)
 
 
 @pytest.mark.timeout(45)
-def test_chord_error_propagation_with_a_chord_as_body(gap_world: Callable[..., World]) -> None:
+def test_chord_error_propagation_with_a_chord_as_body(late_world: Callable[..., World]) -> None:
     """test_chord_error_propagation_with_different_body_types[body is a chord]; and the body chord's value, its
     header tasks given the outer header's results (as Celery's)."""
-    world = gap_world()
+    world = late_world()
     failing_chord = chord(
         [add.si(15, 7), fail.si()], chord(group([add.si(1, 1), add.si(2, 2)]), add.si(10, 10))
     )  # chain(group([...]), chord(...))
@@ -1270,11 +1209,11 @@ def _parent_ids_canvas(case: str) -> tuple[Any, str, str, str]:
 
 @pytest.mark.timeout(45)
 @pytest.mark.parametrize("case", ["test_parent_ids", "test_parent_ids__OR"])
-def test_parent_ids(case: str, producer: Any, gap_world: Callable[..., World], result_backend: str) -> None:
+def test_parent_ids(case: str, producer: Any, late_world: Callable[..., World], result_backend: str) -> None:
     """Celery's `assert_parentids_chord`: what each task saw of its root and parent. The results before the body
     and inside it are plain tasks' (read from the result backend, as Celery does); the chord's from PostgreSQL.
     The parent ids are compared last, all together, so that a wrong one hides none of the other checks."""
-    gap_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
+    late_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
     g, expected_root_id, collect_id, second_id = _parent_ids_canvas(case)
     res = g()
     parents: list[tuple[str, Any, Any]] = []  # (which task, its parent_id, the one Celery expects)
@@ -1313,10 +1252,10 @@ def test_parent_ids(case: str, producer: Any, gap_world: Callable[..., World], r
 
 
 @pytest.mark.timeout(45)
-def test_error_propagates_from_chord(gap_world: Callable[..., World], result_backend: str) -> None:
+def test_error_propagates_from_chord(late_world: Callable[..., World], result_backend: str) -> None:
     """`add.s(1, 1) | fail.s() | chord(...)`: fail stops the chain, so the chord is never written; its handle's
     `get()` raises fail's error, read from the result backend (Celery's `follow_parents`)."""
-    world = gap_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
+    world = late_world(extra_env={"FANIN_TEST_RESULT_BACKEND": result_backend})
     before = _batches(world.producer)
     sig = add.s(1, 1) | fail.s() | chord([add.s(1), add.s(1)], tsum.s())  # Celery: ... | group(add.s(1), add.s(1))
     res = sig.delay()

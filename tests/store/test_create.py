@@ -205,6 +205,20 @@ INVALID: list[Any] = [
         r"child 1: task 1 of the chain is a group; a chain child may hold only task signatures",
         id="child-chain-with-a-group",
     ),
+    pytest.param(  # a nested fan-in may end a chain child (it stands for the child), not sit in its middle
+        lambda t: fan_in_group(
+            [chain(t.add.s(1, 1), fan_in_group([t.add.s(2)], then=t.collect.s()), t.add.s(3))], then=t.collect.s()
+        ),
+        r"child 0: task 1 of the chain is a fan_in_group; .* and end with a nested fan-in",
+        id="child-chain-with-a-fan-in-before-its-end",
+    ),
+    pytest.param(  # the fan-in at a chain's end is checked as a nested one, given the value before it
+        lambda t: fan_in_group(
+            [chain(t.add.s(1, 1), fan_in_group([t.add.s(1, 2)], then=t.collect.s()))], then=t.collect.s()
+        ),
+        r"child 0: the fan-in that ends the chain, child 0 \(tests\.\w+\.add\): its arguments do not fit",
+        id="child-chain-ending-in-a-fan-in-whose-child-does-not-fit",
+    ),
     pytest.param(
         lambda t: fan_in_group([t.add.s(1, 1), chain(t.add.s(1, object()), t.add.s(2))], then=t.collect.s()),
         r"child 1: its arguments cannot be encoded",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, group
+from celery import Celery, chain, group
 
 from celery_fanin import ChordHeaderFailed, FanIn, chord, fan_in_group
 
@@ -188,5 +188,23 @@ def test_a_group_as_a_chords_body_under_apply(app: Celery, broker: redis.Redis) 
     failing = chord([t["double"].s(1)], group(summed.s(), refuse.s(), t["boom"].si(3))).apply()
     with pytest.raises(KeyError, match=r"refused \[2\]"):
         failing.get(timeout=TIMEOUT)
+    assert broker.llen(QUEUE) == 0
+    _unchanged(app)
+
+
+def test_a_chain_child_ending_in_a_chord_under_apply(app: Celery, broker: redis.Redis) -> None:
+    """Inline as on a worker: a chain child may end with a nested chord, which stands for the child; the value of
+    the task before it reaches each of its header tasks first, and its body's value is the child's."""
+    t = _tasks(app)
+
+    @app.task(name="tests.eager.listed", shared=False)
+    def listed(results: list[int]) -> list[int]:
+        return results
+
+    nested = chain(t["double"].s(1), chord([t["double"].s(), t["double"].s()], listed.s()))
+    assert chord([nested, t["double"].s(5)], listed.s()).apply().get(timeout=TIMEOUT) == [[4, 4], 10]
+    failing = chain(t["boom"].s(1), chord([t["double"].s()], listed.s()))
+    with pytest.raises(ChordHeaderFailed, match="boom 1"):
+        chord([failing], listed.s()).apply().get(timeout=TIMEOUT)
     assert broker.llen(QUEUE) == 0
     _unchanged(app)
