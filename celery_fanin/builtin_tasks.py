@@ -47,7 +47,7 @@ from .protocol import (
     request_header,
 )
 from .sagas.driver import kick, settle_stage, settle_step
-from .store import queries
+from .store import admin, queries
 from .store import sagas as store
 
 logger = logging.getLogger("celery_fanin.canvas")
@@ -229,8 +229,17 @@ def _group_stage(task: Any, members: group) -> dict[str, Any] | None:
     the successor's errbacks, as `group.link_error` gives them) whose successor, `celery_fanin.group_results`,
     takes the successor's callbacks and chain. Keyed by the batch and step it follows, so a second run of
     `then_canvas` finds the stage the first wrote. The handle's `get()` follows it (`FanInResult.get`). None for a
-    group the fan-in cannot take as children (a group or chord inside it): Celery's `replace` runs it then."""
+    group the fan-in cannot take as children (a group or chord inside it), and for a batch that stands for a child
+    of another (nested): Celery's `replace` runs it then, as before, and needs a result backend. (A nested batch
+    counts its child when its successor ends, with its value: a stage would leave the child counted before the
+    group ran, with the stage's id for its value.)"""
     request = task.request
+    finished = request_header(request, HEADER_SUCCESSOR)
+    if finished:
+        with FanIn.of(task.app).engine.connect() as conn:
+            found = admin.node(conn, uuid.UUID(finished))
+        if found is not None and found.parent_task_id is not None:
+            return None
     errbacks = [maybe_signature(e, app=task.app) for e in maybe_list(request.errbacks) or []]
     tasks = []
     shared = {k: v for k, v in members.options.items() if k not in _GROUP_OWN_OPTIONS}
@@ -246,7 +255,6 @@ def _group_stage(task: Any, members: group) -> dict[str, Any] | None:
     if request.chain:
         collector.options["chain"] = list(request.chain)
     stage = FanInGroup(tasks, then=collector, app=task.app)
-    finished = request_header(request, HEADER_SUCCESSOR)
     if finished:
         stage = stage.evolve(key=f"then:{finished}:{request_header(request, HEADER_STEP)}")
     try:

@@ -121,6 +121,16 @@ def _check_chain(value: Signature, what: str) -> Signature:
     return tasks[-1]
 
 
+def _check_nested(nested: FanInGroup, what: str) -> None:
+    """A nested fan-in stands for a child, counted when its successor ends, with its value: a chord whose body is
+    a chord would be counted when the inner chord was written, with its id for a value, so it is refused."""
+    if nested.is_chord and isinstance(nested.then, FanInGroup):
+        raise InvalidFanIn(
+            f"{what}: a chord whose body is a chord cannot be a fan-in's child: it would be counted when its inner "
+            "chord is written (with that chord's id for its value), not when the inner chord's body ends"
+        )
+
+
 def _nested_tail(app: Celery, chained: Signature, what: str, arguments: _Arguments) -> Signature:
     """A chain child whose last task is a nested fan-in (`a | chord(...)`), with that fan-in as its message,
     `celery_fanin.run_group(spec)`: as a chain's last task it takes the child's task id, and its batch, written
@@ -131,6 +141,7 @@ def _nested_tail(app: Celery, chained: Signature, what: str, arguments: _Argumen
     last = maybe_signature(tasks[-1], app=app) if tasks else None
     if not isinstance(last, FanInGroup):
         return chained
+    _check_nested(last, f"{what}: the fan-in that ends the chain")
     before = (arguments.OUTCOME,) if len(tasks) > 1 and not last.immutable else ()
     arguments.group(last, f"{what}: the fan-in that ends the chain", *before)
     nested = last.as_signature(app, f"{what}: the fan-in that ends the chain")
@@ -174,6 +185,7 @@ class _Arguments:
         """A child as given (after the partial arguments `before` it will be given): a plain signature, a chain, or
         a nested fan-in (its children and successors)."""
         if isinstance(child, FanInGroup):
+            _check_nested(child, what)
             self.group(child, what)
         elif isinstance(child, Signature):
             self.signature(child, what, *before)
@@ -951,6 +963,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
 
         def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
             if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
+                _check_nested(item, f"child {index}")
                 sig = with_message_options(item.as_signature(app, f"child {index}"))
                 arguments.group(item, f"child {index}")
             elif publish.is_chain(item):  # counted when its last task ends (or any task fails)

@@ -156,6 +156,22 @@ def test_then_may_be_a_chain_or_a_group(canvas: dict[str, str], producer: Any) -
     assert grouped.get(timeout=TIMEOUT) == [[10, 20], 30]
 
 
+def test_a_nested_fan_ins_group_is_left_to_celery(canvas: dict[str, str], producer: Any) -> None:
+    """`then=group(...)` of a nested fan-in (a fan-in among another's children): `then_canvas` leaves it to Celery's
+    `replace` (a chord of Celery's, on the result backend), so that the outer child is counted with the group's
+    values once all are in, not with the id of a stage written for it."""
+    nested = fan_in_group([ok.s(1), ok.s(2)], then=group(sum_values.s(), collect.s()))
+    handle = fan_in_group([nested, ok.s(3)], then=collect.s()).apply_async()
+    assert handle.get(timeout=TIMEOUT) == [[30, [10, 20]], 30]
+    assert [key for _, key in _keys(canvas) if key.startswith("then:")] == [], "no stage written"
+
+
+def _keys(env: dict[str, str]) -> list[tuple[str, str]]:
+    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        rows = conn.execute("SELECT id::text, key FROM fanin_batches WHERE key IS NOT NULL ORDER BY created_at")
+        return [(r[0], r[1]) for r in rows]
+
+
 def test_a_failing_task_inside_a_replacement_ends_what_it_replaced(canvas: dict[str, str], producer: Any) -> None:
     """A chain or group that replaced a child or a successor, whose task before the carrier (the task that takes
     the replaced task's id) fails: Celery publishes no carrier, so that task's failure ends the child (counted

@@ -18,6 +18,7 @@ from kombu.exceptions import OperationalError
 from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, FanInDatabaseError, FanInGroup, FanInResult, InvalidFanIn, codec, fan_in_group
+from celery_fanin import chord as fanin_chord
 from celery_fanin.broker import publish
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
@@ -218,6 +219,21 @@ INVALID: list[Any] = [
         ),
         r"child 0: the fan-in that ends the chain, child 0 \(tests\.\w+\.add\): its arguments do not fit",
         id="child-chain-ending-in-a-fan-in-whose-child-does-not-fit",
+    ),
+    pytest.param(  # a nested fan-in is counted when its successor ends: a chord body is only written then
+        lambda t: fan_in_group(
+            [t.add.s(1, 1), chain(t.add.s(1, 1), fanin_chord([t.add.s(2)], fanin_chord([t.add.s(3)], t.collect.s())))],
+            then=t.collect.s(),
+        ),
+        r"child 1: the fan-in that ends the chain: a chord whose body is a chord cannot be a fan-in's child",
+        id="child-chain-ending-in-a-chord-whose-body-is-a-chord",
+    ),
+    pytest.param(
+        lambda t: fan_in_group(
+            [fanin_chord([t.add.s(2, 2)], fanin_chord([t.add.s(3)], t.collect.s()))], then=t.collect.s()
+        ),
+        r"child 0: a chord whose body is a chord cannot be a fan-in's child",
+        id="child-chord-whose-body-is-a-chord",
     ),
     pytest.param(
         lambda t: fan_in_group([t.add.s(1, 1), chain(t.add.s(1, object()), t.add.s(2))], then=t.collect.s()),
