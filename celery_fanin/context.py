@@ -149,22 +149,8 @@ class Settings:
     successor_handoff: float = 5.0
 
     def __post_init__(self) -> None:
-        # Checked where the setting is read, before a producer writes or a relay publishes anything with it.
-        budget = self.outcome_max_bytes
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-            raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {budget!r}")
-        # Durations the relay acts on (its expiry sweep waits the first two's sum past a child's `expires`): checked
-        # here, not where they are read mid-round. replaced_timeout may be None (no bound).
-        for name in ("expires_grace", "report_timeout", "replaced_timeout"):
-            value = getattr(self, name)
-            if value is None and name in NONE_ALLOWED:
-                continue
-            try:
-                valid = not isinstance(value, bool) and float(value) >= 0  # NaN compares False
-            except (TypeError, ValueError):
-                valid = False
-            if not valid:
-                raise FanInNotConfigured(f"fanin_{name} must be a number of seconds >= 0, not {value!r}")
+        for name in CHECKED:
+            _check(name, getattr(self, name))
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:
@@ -177,6 +163,52 @@ class Settings:
         if not values.get("database_url") and not values.get("django_database"):
             values["database_url"] = os.environ.get("FANIN_DATABASE_URL") or None
         return cls(**values)
+
+
+# The settings checked where they are read, before a producer writes or a relay publishes anything with them:
+# the successor's outcome budget, and durations the relay acts on (its expiry sweep waits the sum of the first two
+# past a child's `expires`), checked when read rather than mid-round.
+CHECKED = ("outcome_max_bytes", "expires_grace", "report_timeout", "replaced_timeout")
+
+
+def _check(name: str, value: Any) -> Any:
+    """`value`, if it is a valid value of setting `name` (one of CHECKED); else FanInNotConfigured."""
+    if name == "outcome_max_bytes":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise FanInNotConfigured(f"fanin_outcome_max_bytes must be a whole number of bytes >= 0, not {value!r}")
+        return value
+    if value is None and name in NONE_ALLOWED:  # replaced_timeout = None: no bound
+        return value
+    try:
+        valid = not isinstance(value, bool) and float(value) >= 0  # NaN compares False
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise FanInNotConfigured(f"fanin_{name} must be a number of seconds >= 0, not {value!r}")
+    return value
+
+
+class LiveSettings:
+    """`Settings` as `fanin.settings` gives them: each read from `app.conf` when it is used, so one costs one
+    lookup on a hot path (a whole `Settings` reads every one), and it is the configuration of now (apps are
+    configured after `FanIn(app)`). A setting that `Settings` checks is checked when it is read."""
+
+    __slots__ = ("_conf",)
+
+    def __init__(self, conf: Any) -> None:
+        self._conf = conf
+
+    def __getattr__(self, name: str) -> Any:
+        field = Settings.__dataclass_fields__.get(name)
+        if field is None:
+            raise AttributeError(f"no celery-fanin setting named {name!r}")
+        value = self._conf.get(f"fanin_{name}", _UNSET)
+        if value is _UNSET or (value is None and name not in NONE_ALLOWED):
+            if name == "database_url" and not self.django_database:
+                return os.environ.get("FANIN_DATABASE_URL") or None
+            return field.default
+        value = _seconds(name, value)
+        return _check(name, value) if name in CHECKED else value
 
 
 # Settings given as seconds; a timedelta is taken too, as Celery's own durations (`result_expires`) are.
@@ -204,13 +236,10 @@ NONE_ALLOWED = frozenset({"child_timeout", "replaced_timeout"})
 _UNSET = object()
 
 
-def setting(app: Celery, name: str) -> Any:
-    """One setting of `app` (`fanin_<name>`, else its default), for code that may run for an app `FanIn(app)` was
-    not called for (the publishing functions take any app): `FanIn.setting` without the extension."""
-    value = app.conf.get(f"fanin_{name}", _UNSET)
-    if value is _UNSET or (value is None and name not in NONE_ALLOWED):
-        return Settings.__dataclass_fields__[name].default
-    return _seconds(name, value)
+def settings_of(app: Celery) -> Settings:
+    """`app`'s settings (`LiveSettings`), for code that may run for an app `FanIn(app)` was not called for (the
+    publishing functions take any app): `FanIn.settings` without the extension."""
+    return cast(Settings, LiveSettings(app.conf))
 
 
 def _seconds(name: str, value: Any) -> Any:
@@ -326,8 +355,9 @@ class FanIn:
 
     @property
     def settings(self) -> Settings:  # type: ignore[override]
-        # Read on use, not at FanIn(app): apps are often configured after the extension is created.
-        return Settings.from_conf(self.app.conf)
+        """The app's settings (`fanin.settings.report_timeout`), each read from `app.conf` when it is used
+        (`LiveSettings`): cheap enough for a worker hook's path."""
+        return settings_of(self.app)
 
     @property
     def database_url(self) -> str:
@@ -376,7 +406,7 @@ class FanIn:
                     self._reports = ReportConnection(
                         self.database_url,
                         lambda: self.worker_publishes_successors,
-                        lambda: float(self.setting("successor_handoff")),
+                        lambda: float(self.settings.successor_handoff),
                     )
                 reports = self._reports
         return reports
@@ -385,11 +415,7 @@ class FanIn:
     def worker_publishes_successors(self) -> bool:
         """Whether this process's worker hooks publish the successors their reports create (not in eager mode,
         which runs them inline)."""
-        return bool(self.setting("worker_publishes_successors")) and not is_eager(self.app)
-
-    def setting(self, name: str) -> Any:
-        """One setting, read from `app.conf` on use: cheap enough for a worker hook's path, unlike `settings`."""
-        return setting(self.app, name)
+        return bool(self.settings.worker_publishes_successors) and not is_eager(self.app)
 
     def dispose(self) -> None:
         with self._engine_lock:
@@ -421,6 +447,11 @@ class FanIn:
                 "statements). Use session mode (PgBouncer pool_mode = session) or a direct connection "
                 "(set fanin_check_pooler = False to skip this check)."
             )
+
+    def check_settings(self) -> None:
+        """Raise `FanInNotConfigured` if a checked setting has a bad value: every setting read at once, when a worker
+        or relay starts, rather than at its first read mid-round."""
+        Settings.from_conf(self.app.conf)
 
     def check_schema(self) -> None:
         """Raise `FanInNotConfigured` if the database lacks a migration this installation needs (none applied, or

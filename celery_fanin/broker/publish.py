@@ -30,7 +30,7 @@ from kombu.entity import maybe_delivery_mode
 from kombu.serialization import dumps, loads
 
 from ..codec import serialize
-from ..context import eager_call, is_eager, setting
+from ..context import eager_call, is_eager, settings_of
 from ..protocol import (
     CLAIM_RECEIVER,
     HEADER_BATCH,
@@ -396,7 +396,7 @@ def child_results_ignored(app: Celery) -> bool:
     result subscription per child on the producer) was the difference between a chord user's tasks and the
     benchmark's. Successors are never affected: their result is the fan-in's result.
     """
-    return not setting(app, "store_child_results_in_backend")
+    return not settings_of(app).store_child_results_in_backend
 
 
 def bulk_publish_enabled(app: Celery) -> bool:

@@ -171,7 +171,8 @@ def relay(
     if metrics_port is not None:
         serve(r.fanin, metrics_port, metrics_host, relay=r)
     if once:
-        fanin_.check_schema()  # as `Relay.run` does
+        fanin_.check_settings()  # as `Relay.run` does
+        fanin_.check_schema()
         n = r.run_once()
         click.echo(f"published {n} messages")
         return

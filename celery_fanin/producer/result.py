@@ -352,7 +352,7 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
                 exc = rebuilt_exception(succ.exc_type, succ.exc_message)
                 if isinstance(exc, ChordHeaderFailed):  # a chord's body not run: name its failed children
                     exc.batch_id = self.batch_id
-                    limit = int(fanin.setting("outcome_failures_limit"))
+                    limit = int(fanin.settings.outcome_failures_limit)
                     exc.failures = [failure_entry(r) for r in queries.failures(conn, bid, limit=limit)]
                 return None, exc
         if succ is None or succ.state == SuccessorState.REVOKED:

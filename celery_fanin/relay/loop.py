@@ -89,6 +89,7 @@ class Relay:
         signal.signal(signal.SIGINT, handler)
 
     def run(self) -> RelayStats:
+        self.fanin.check_settings()
         self.fanin.check_session_pooling()
         self.fanin.check_schema()
         # The relay never gives up (it is the component that finishes what others could not): a failed round is

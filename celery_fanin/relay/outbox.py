@@ -73,7 +73,7 @@ def publish_outbox(
     successor publishes it so, `publish_created_successor`).
     """
     app = fanin.app
-    limit = limit or int(fanin.setting("relay_batch_size"))  # one setting, not `settings`: this is a successor's path
+    limit = limit or int(fanin.settings.relay_batch_size)
     with fanin.engine.begin() as conn:
         rows = outbox.claim(conn, limit, ids, batch_id)
         if not rows:
@@ -213,7 +213,7 @@ def _send_successor(
     task_id = succ.task_id if succ is not None else batch.successor_task_id
     kind = succ.kind if succ is not None else "then"
     sig = decode_signature(fanin.app, batch.message_for(kind))
-    limit, max_bytes = fanin.setting("outcome_failures_limit"), fanin.setting("outcome_max_bytes")
+    limit, max_bytes = fanin.settings.outcome_failures_limit, fanin.settings.outcome_max_bytes
     outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
     if sig.options.pop(CHORD_OPTION, None) and kind == "then":
         first, why = _chord_results(fanin, batch, outcome)
@@ -235,7 +235,7 @@ def _chord_results(fanin: FanIn, batch: queries.BatchRow, outcome: dict[str, Any
     body must not run (its run guard then fails it with `ChordHeaderFailed`)."""
     if batch.state != BatchState.COMPLETE or outcome["failed"] or outcome["abandoned"] or outcome["unfinished"]:
         return outcome, "failed"
-    budget = int(fanin.setting("chord_max_bytes"))
+    budget = int(fanin.settings.chord_max_bytes)
     used, values = 0, []
     for _index, _task_id, state, encoded in queries.child_results(fanin.engine, batch.id, across_rounds=True):
         if state != ChildState.SUCCEEDED:  # a retry round's view: an earlier round's failure not retried yet

@@ -514,7 +514,7 @@ class WorkerHooks:
         if fanin is None:
             return
         request = task.request
-        if not fanin.setting("track_started") and not getattr(request, "expires", None):
+        if not fanin.settings.track_started and not getattr(request, "expires", None):
             # Off, but a child with `expires` is recorded still: the relay's expiry sweep takes a child with no start
             # for one no worker took (docs/concepts/terminal-outcomes.md).
             return
@@ -662,11 +662,13 @@ class WorkerHooks:
         )
 
     def worker_init(self, sender: Any = None, **_: Any) -> None:
-        """Refuse a pooled database URL or an unmigrated schema, guard the app's tasks, count undecodable messages."""
+        """Refuse a bad setting, a pooled database URL or an unmigrated schema; guard the app's tasks; count
+        undecodable messages."""
         app = getattr(sender, "app", None)
         fanin = _fanin_for(app)
         if fanin is not None:
             try:
+                fanin.check_settings()
                 fanin.check_session_pooling()
                 fanin.check_schema()
             except FanInNotConfigured as exc:  # Celery logs and ignores a signal handler's Exception: stop the worker
@@ -934,7 +936,7 @@ def _replace_guard(on_replace: Callable[..., Any]) -> Callable[..., Any]:
         replaced_id = marker.successor_id(rid) if marker.is_successor else marker.child_id(rid)
         if not marker.is_successor and getattr(self.request, "ignore_result", None) is True:
             fanin = _fanin_for(self.app)
-            if fanin is not None and not fanin.setting("store_child_results_in_backend"):
+            if fanin is not None and not fanin.settings.store_child_results_in_backend:
                 # The carrier only: a part's result is stored under its own id, and a chord (a group replacement,
                 # which Celery upgrades) reads its header's results from the result backend.
                 carrier.options.setdefault("ignore_result", True)

@@ -65,7 +65,7 @@ def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any], batch_id: 
     a thread (`background`), which wakes the relay if the report created `batch_id`'s successor; a pool process
     waits, since it takes its next task only after its report.
     """
-    timeout = float(fanin.setting("report_timeout"))
+    timeout = float(fanin.settings.report_timeout)
     if not in_event_loop_now():
         return _send_waiting(kind, what, once, timeout)
     # In the worker's event loop (a main-process signal): one attempt here; if the store is unreachable, the rest

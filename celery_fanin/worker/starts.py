@@ -50,7 +50,7 @@ class StartRecorder:
     def __init__(self, fanin: FanIn, interval: float = 0.25, timeout: float | None = None) -> None:
         self._fanin = fanin
         self._interval = interval
-        self._timeout = float(fanin.setting("report_timeout")) if timeout is None else timeout
+        self._timeout = float(fanin.settings.report_timeout) if timeout is None else timeout
         self._flushing = False
         self._pending: deque[_Queued] = deque()
         self._inflight: list[_Queued] = []  # the statement's starts, kept between attempts while it is retried
@@ -222,7 +222,7 @@ def recorder(fanin: FanIn) -> StartRecorder:
     with _recorders_lock:
         found = _recorders.get(fanin)
         if found is None:
-            found = _recorders[fanin] = StartRecorder(fanin, float(fanin.setting("start_write_interval")))
+            found = _recorders[fanin] = StartRecorder(fanin, float(fanin.settings.start_write_interval))
         return found
 
 

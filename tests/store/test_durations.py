@@ -30,7 +30,7 @@ def _stored_timeouts(engine: Engine, batch_id: str) -> tuple[Any, Any]:
 def test_child_timeout_setting_none_means_no_timeout(app: Celery, tasks: Tasks, store_engine: Engine) -> None:
     app.conf.fanin_child_timeout = None
     assert FanIn.of(app).settings.child_timeout is None
-    assert FanIn.of(app).setting("child_timeout") is None
+    assert Settings.from_conf(app.conf).child_timeout is None
     handle = fan_in_group([tasks.add.s(1, 1)], then=tasks.collect.s()).apply_async()
     assert _stored_timeouts(store_engine, handle.batch_id)[0] is None  # the relay's reaper skips NULL timeouts
 
@@ -83,7 +83,7 @@ def test_every_duration_setting_takes_a_timedelta(app: Celery, name: str) -> Non
     app.conf[f"fanin_{name}"] = timedelta(seconds=42)
     fanin = FanIn.of(app)
     assert getattr(fanin.settings, name) == 42.0
-    assert fanin.setting(name) == 42.0
+    assert getattr(Settings.from_conf(app.conf), name) == 42.0
 
 
 def test_the_duration_settings_are_the_float_settings() -> None:

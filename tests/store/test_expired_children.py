@@ -15,6 +15,7 @@ from celery import Celery
 from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, FanInNotConfigured
+from celery_fanin.context import Settings
 from celery_fanin.relay import maintenance
 from celery_fanin.store import batches, recovery
 
@@ -78,4 +79,6 @@ def test_the_sweep_waits_for_a_start_retried_through_an_outage(app: Celery, engi
 def test_a_bad_expiry_grace_is_refused(app: Celery, name: str, value: object) -> None:
     app.conf[f"fanin_{name}"] = value
     with pytest.raises(FanInNotConfigured, match=f"fanin_{name} must be a number of seconds >= 0"):
-        FanIn.of(app).settings  # noqa: B018 - validated when read
+        getattr(FanIn.of(app).settings, name)  # checked when read
+    with pytest.raises(FanInNotConfigured, match=f"fanin_{name} must be a number of seconds >= 0"):
+        Settings.from_conf(app.conf)  # and when all are read at once
