@@ -19,7 +19,18 @@ from .producer.chord import FanInChord, chord
 from .producer.group import FanInGroup, fan_in_group
 from .producer.result import BatchStatus, FanInResult
 from .producer.schedule import fan_in_schedule
-from .protocol import BatchState, ChildState, CompensationState, SagaState, SagaStepState, SuccessorState
+from .protocol import (
+    BatchState,
+    ChildState,
+    CompensationState,
+    OnDeadline,
+    OnLost,
+    OutcomePayload,
+    SagaState,
+    SagaStepState,
+    SuccessorKind,
+    SuccessorState,
+)
 from .sagas import SagaResult, SagaStatus, compensated, manual, saga
 
 __all__ = [
@@ -44,10 +55,14 @@ __all__ = [
     "FanInResult",
     "InvalidArguments",
     "InvalidFanIn",
+    "OnDeadline",
+    "OnLost",
+    "OutcomePayload",
     "SagaResult",
     "SagaState",
     "SagaStatus",
     "SagaStepState",
+    "SuccessorKind",
     "SuccessorState",
     "chord",
     "compensated",

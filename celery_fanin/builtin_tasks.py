@@ -44,6 +44,7 @@ from .protocol import (
     SAGA_STEP_DONE_TASK,
     THEN_CANVAS_TASK,
     UNPUBLISHABLE_TASK,
+    OutcomePayload,
     request_header,
 )
 from .sagas.driver import kick, settle_stage, settle_step
@@ -153,7 +154,7 @@ def register(app: Celery) -> None:
         raise self.replace(replacement)
 
     @app.task(name=GROUP_RESULTS_TASK, bind=True, shared=False)
-    def group_results(self: Any, outcome: dict[str, Any]) -> list[Any]:
+    def group_results(self: Any, outcome: OutcomePayload) -> list[Any]:
         """The successor of a group that `then_canvas` wrote: its members' values in order, as a group's result
         is; if one did not succeed, the first such member's error (as `GroupResult.get()` raises it)."""
         if outcome.get("failures"):
@@ -171,7 +172,7 @@ def register(app: Celery) -> None:
         return [decode_result(self.app, encoded) if encoded is not None else None for *_, encoded in rows]
 
     @app.task(name=SAGA_STEP_DONE_TASK, **_SAGA_TASK_OPTIONS)
-    def saga_step_done(self: Any, outcome: dict[str, Any], saga_id: str, position: int) -> dict[str, Any]:
+    def saga_step_done(self: Any, outcome: OutcomePayload, saga_id: str, position: int) -> dict[str, Any]:
         """The successor of every saga step's batch: advance the saga, or start its rollback."""
         fanin = FanIn.of(self.app)
         sid = uuid.UUID(saga_id)
@@ -185,7 +186,7 @@ def register(app: Celery) -> None:
         }
 
     @app.task(name=COMPENSATION_DONE_TASK, **_SAGA_TASK_OPTIONS)
-    def compensation_done(self: Any, outcome: dict[str, Any]) -> dict[str, Any]:
+    def compensation_done(self: Any, outcome: OutcomePayload) -> dict[str, Any]:
         """The successor of every compensation batch: move each saga waiting on it to its next stage."""
         fanin = FanIn.of(self.app)
         with fanin.engine.connect() as conn:

@@ -21,6 +21,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import redact, retry
 from .exceptions import FanInDatabaseError, FanInNotConfigured, summarise
+from .protocol import OnLost
 from .store import migrate
 from .store.pooler import transaction_pooled
 from .store.reports import ReportConnection, connect_options
@@ -111,7 +112,7 @@ class Settings:
     start_write_interval: float = 0.25
     # Default per-batch child timeout in seconds (None or 0: children may run forever) and what happens past it.
     child_timeout: float | None = 6 * 3600.0
-    on_lost: str = "fail"
+    on_lost: str = OnLost.FAIL
     max_redrives: int = 3
     # Seconds a successor may stay sent (or retrying past its due time) without starting before it is published
     # again.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 HEADER_BATCH = "fanin_batch"
 HEADER_INDEX = "fanin_index"
@@ -360,6 +360,54 @@ class CompensationState(State):
     FAILED = "failed"
     MANUAL_ACTION_REQUIRED = "manual_action_required"
     ACKNOWLEDGED = "acknowledged"
+
+
+class OutcomePayload(TypedDict):
+    """What a successor gets as its first argument (a chord's body: the results instead), built when it is
+    published (`store.outcomes.build_outcome`) and read back by `BatchOutcome.from_message`: plain JSON."""
+
+    batch_id: str
+    step: str
+    # complete | partial (deadline passed with on_deadline="proceed", or cancelled --proceed) | failed_threshold |
+    # expired | cancelled
+    state: str
+    partial: bool
+    planned: int
+    succeeded: int
+    failed: int
+    abandoned: int
+    unfinished: int
+    # The failed children in child order (index, task_id, task_name, state, exc_type, exc_message, attempts, and
+    # their arguments when JSON), cut at fanin_outcome_failures_limit entries and fanin_outcome_max_bytes.
+    failures: list[dict[str, Any]]
+    failures_truncated: bool
+    failures_truncated_by: str | None  # "count" or "bytes": which budget cut the list short
+    # 1, or the number of a retry round (`celery -A proj fanin retry-failed`) and the batch of round 1
+    round: int
+    retry_of: str | None
+
+
+class SuccessorKind(State):
+    """Which stored signature a successor runs: `then`, or instead of it `on_expire` (a deadline abandoned the
+    batch) or `on_failure` (failures passed `max_failures`)."""
+
+    THEN = "then"
+    ON_EXPIRE = "on_expire"
+    ON_FAILURE = "on_failure"
+
+
+class OnLost(State):
+    """What happens to a child past its `child_timeout`: counted `lost`, or published again (`max_redrives`)."""
+
+    FAIL = "fail"
+    REDRIVE = "redrive"
+
+
+class OnDeadline(State):
+    """What a passed deadline does: run the successor with what arrived, or end the batch `expired`."""
+
+    PROCEED = "proceed"
+    ABANDON = "abandon"
 
 
 # A child not yet terminal: published (or about to be), or started by a worker.

@@ -35,6 +35,8 @@ from ..protocol import (
     RUN_CANVAS_TASK,
     RUN_GROUP_TASK,
     THEN_CANVAS_TASK,
+    OnDeadline,
+    OnLost,
     request_header,
 )
 from ..relay.outbox import publish_outbox
@@ -217,15 +219,19 @@ class _Arguments:
             self.signature(then, what, self.OUTCOME)
 
 
+_ON_LOST = frozenset(OnLost)
+_ON_DEADLINE = frozenset(OnDeadline)
+
+
 @dataclass(frozen=True)
 class Policy:
     """A batch's recovery settings, validated: what happens to lost children, at the deadline, on failures."""
 
     child_timeout: timedelta | None = None
-    on_lost: str = "fail"
+    on_lost: str = OnLost.FAIL
     max_redrives: int = 3
     deadline: timedelta | datetime | None = None
-    on_deadline: str = "proceed"
+    on_deadline: str = OnDeadline.PROCEED
     on_expire: Signature | None = None
     max_failures: int | float | None = None
     on_failure: Signature | None = None
@@ -235,7 +241,7 @@ class Policy:
             not isinstance(self.child_timeout, timedelta) or self.child_timeout <= timedelta(0)
         ):
             raise InvalidFanIn("child_timeout must be a positive timedelta or number of seconds (0 or None: none)")
-        if self.on_lost not in ("fail", "redrive"):
+        if self.on_lost not in _ON_LOST:
             raise InvalidFanIn(f"on_lost must be 'fail' or 'redrive', not {self.on_lost!r}")
         if (
             not isinstance(self.max_redrives, int)
@@ -261,11 +267,11 @@ class Policy:
                 raise InvalidFanIn(
                     f"deadline must be a timedelta, a number of seconds or a datetime, not {self.deadline!r}"
                 )
-        if self.on_deadline not in ("proceed", "abandon"):
+        if self.on_deadline not in _ON_DEADLINE:
             raise InvalidFanIn(f"on_deadline must be 'proceed' or 'abandon', not {self.on_deadline!r}")
         if self.on_expire is not None:
             _check_plain_signature(self.on_expire, "on_expire")
-            if self.deadline is None or self.on_deadline != "abandon":
+            if self.deadline is None or self.on_deadline != OnDeadline.ABANDON:
                 raise InvalidFanIn(
                     "on_expire runs when a deadline abandons the batch: it needs deadline= and on_deadline='abandon'"
                 )
@@ -388,7 +394,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         on_lost: str | None = None,
         max_redrives: int | None = None,
         deadline: timedelta | datetime | float | None = None,
-        on_deadline: str = "proceed",
+        on_deadline: str = OnDeadline.PROCEED,
         on_expire: Signature | None = None,
         max_failures: int | float | None = None,
         on_failure: Signature | None = None,

@@ -28,6 +28,7 @@ from ..protocol import (
     RUN_GROUP_TASK,
     SUCCESSOR_FINAL,
     THEN_CANVAS_TASK,
+    SuccessorKind,
     SuccessorState,
 )
 from ..relay import maintenance, reruns
@@ -321,7 +322,7 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
             row = queries.batch(conn, parse_batch_id(self.batch_id))
         if row is None or row.successor_message is None:
             return False
-        return bool(decode_signature(self.app, row.message_for("then")).options.get(CHORD_OPTION))
+        return bool(decode_signature(self.app, row.message_for(SuccessorKind.THEN)).options.get(CHORD_OPTION))
 
     def wait(  # type: ignore[override]
         self, timeout: float | None = None, propagate: bool = True, interval: float = 0.1, **kwargs: Any

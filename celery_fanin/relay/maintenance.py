@@ -15,6 +15,7 @@ from ..broker.control import revoke_children
 from ..codec import decode_signature
 from ..context import FanIn
 from ..exceptions import BatchNotFound, BatchNotOpen
+from ..protocol import OnDeadline, OnLost
 from ..store import batches, recovery, successors
 from .outbox import BROKER_ERRORS, rejection
 
@@ -35,7 +36,7 @@ def handle_lost_children(fanin: FanIn, limit: int = 500) -> LostReport:
         conn.commit()
     for child in overdue:
         extra = {"batch_id": str(child.batch_id), "child_index": child.idx, "task_id": child.task_id}
-        if child.on_lost == "redrive" and child.redrives < child.max_redrives:
+        if child.on_lost == OnLost.REDRIVE and child.redrives < child.max_redrives:
             with fanin.engine.begin() as conn:
                 claimed = recovery.claim_redrive(conn, child)
             if claimed:
@@ -188,7 +189,7 @@ def apply_deadlines(fanin: FanIn, limit: int = 100) -> list[recovery.Expiry]:
         logger.warning(
             "deadline passed for batch_id=%s: %s, %d children abandoned",
             batch_id,
-            "successor runs with a partial outcome" if expiry.on_deadline == "proceed" else "expired",
+            "successor runs with a partial outcome" if expiry.on_deadline == OnDeadline.PROCEED else "expired",
             len(expiry.abandoned),
             extra={"batch_id": str(batch_id)},
         )

@@ -23,7 +23,15 @@ from ..broker.confirms import BrokerRefused
 from ..broker.control import revoke_children
 from ..codec import decode_result, decode_signature, serialize
 from ..context import FanIn
-from ..protocol import CHORD_OPTION, HEADER_TASK, UNPUBLISHABLE_TASK, BatchState, ChildState
+from ..protocol import (
+    CHORD_OPTION,
+    HEADER_TASK,
+    UNPUBLISHABLE_TASK,
+    BatchState,
+    ChildState,
+    OutcomePayload,
+    SuccessorKind,
+)
 from ..store import batches, outbox, queries, recovery
 from ..store.outcomes import build_outcome
 
@@ -211,11 +219,11 @@ def _send_successor(
     if batch is None:  # cascade-deleted rows cannot be claimed; this guards a hand-edited database
         raise LookupError(f"batch {row.batch_id} of outbox row {row.id} is gone")
     task_id = succ.task_id if succ is not None else batch.successor_task_id
-    kind = succ.kind if succ is not None else "then"
+    kind = succ.kind if succ is not None else SuccessorKind.THEN
     sig = decode_signature(fanin.app, batch.message_for(kind))
     limit, max_bytes = fanin.settings.outcome_failures_limit, fanin.settings.outcome_max_bytes
     outcome = build_outcome(conn, batch, limit, max_bytes=max_bytes)
-    if sig.options.pop(CHORD_OPTION, None) and kind == "then":
+    if sig.options.pop(CHORD_OPTION, None) and kind == SuccessorKind.THEN:
         first, why = _chord_results(fanin, batch, outcome)
         if why is None and not _encodable(fanin, sig, first):
             first, why = outcome, "unencodable"
@@ -229,7 +237,7 @@ def _send_successor(
     return recovery.abandon_after_threshold(conn, batch.id)
 
 
-def _chord_results(fanin: FanIn, batch: queries.BatchRow, outcome: dict[str, Any]) -> tuple[Any, str | None]:
+def _chord_results(fanin: FanIn, batch: queries.BatchRow, outcome: OutcomePayload) -> tuple[Any, str | None]:
     """What a chord's body is sent: the header's results in header order, read from PostgreSQL (across retry
     rounds), if every header task succeeded and they fit `fanin_chord_max_bytes`; else the outcome, with why the
     body must not run (its run guard then fails it with `ChordHeaderFailed`)."""

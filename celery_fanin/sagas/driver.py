@@ -32,6 +32,7 @@ from ..protocol import (
     SAGA_STEP_DONE_TASK,
     ChildState,
     CompensationState,
+    OnLost,
     SagaState,
     SagaStepState,
 )
@@ -357,7 +358,7 @@ def _create_compensation_batch(fanin: FanIn, row: store.SagaRow, todo: Sequence[
     unit = todo[0].unit or ""
     attempt = max(c.attempt for c in todo)
     sigs = [decode_signature(app, c.message) for c in todo if c.message is not None]
-    options: dict[str, Any] = {"on_lost": "redrive", "max_redrives": row.compensation_redrives}
+    options: dict[str, Any] = {"on_lost": OnLost.REDRIVE, "max_redrives": row.compensation_redrives}
     if row.compensation_timeout is not None:
         options["child_timeout"] = row.compensation_timeout
     key = compensation_key(unit, attempt)
@@ -554,7 +555,7 @@ def compensate_batch(app: Celery, batch_id: str | uuid.UUID) -> FanInResult:
         step="compensation",
         app=app,
         key=compensation_key(str(bid), 1),
-        on_lost="redrive",
+        on_lost=OnLost.REDRIVE,
     )
     with _detached():
         handle = group.apply_async()

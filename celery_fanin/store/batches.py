@@ -17,7 +17,7 @@ import psycopg
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from ..protocol import CHILD_OPEN, BatchState, ChildState
+from ..protocol import CHILD_OPEN, BatchState, ChildState, OnDeadline, OnLost, SuccessorKind
 from .statements import q
 
 # Terminal states a child can end in; `succeeded` counts as a success, every other one as a failure.
@@ -55,10 +55,10 @@ class NewBatch:
     successor_name: str
     successor_message: Encoded
     child_timeout: timedelta | None = None
-    on_lost: str = "fail"
+    on_lost: str = OnLost.FAIL
     max_redrives: int = 3
     deadline_at: datetime | None = None
-    on_deadline: str = "proceed"
+    on_deadline: str = OnDeadline.PROCEED
     max_failures: int | None = None
     on_expire: Encoded | None = None
     on_failure: Encoded | None = None
@@ -116,7 +116,7 @@ def create_batch(
             raise KeyTaken(batch.key or "")
         for start in range(0, n, chunk):
             insert_children(conn, batch.id, children[start : start + chunk], start)
-        return None if n else insert_successor(conn, batch.id, "then")
+        return None if n else insert_successor(conn, batch.id, SuccessorKind.THEN)
     if not insert_batch(conn, batch, state=BatchState.RUNNING, planned=n, remaining=leaves):
         raise KeyTaken(batch.key or "")
     leaf_ids = [uuid.uuid4() for _ in range(leaves)]

@@ -7,13 +7,13 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from ..protocol import BATCH_PARTIAL, CHILD_OPEN, BatchState, ChildState
+from ..protocol import BATCH_PARTIAL, CHILD_OPEN, BatchState, ChildState, OutcomePayload
 from . import queries
 
 
 def build_outcome(
     conn: Connection | None, batch: queries.BatchRow, failures_limit: int, *, max_bytes: int | None = None
-) -> dict[str, Any]:
+) -> OutcomePayload:
     """The JSON-serialisable mapping a successor gets as its first argument.
 
     Built when the successor is published, after the transaction that saw zero committed, so every child's
@@ -42,8 +42,6 @@ def build_outcome(
     return {
         "batch_id": str(batch.id),
         "step": batch.step,
-        # complete | partial (deadline passed, on_deadline="proceed", or cancelled --proceed) | failed_threshold
-        # | expired | cancelled
         "state": batch.state,
         "partial": batch.state in BATCH_PARTIAL,
         "planned": batch.planned,
@@ -53,9 +51,7 @@ def build_outcome(
         "unfinished": sum(counts.get(state, 0) for state in CHILD_OPEN),
         "failures": listed,
         "failures_truncated": truncated_by is not None,
-        # why the list stops short: "count" (fanin_outcome_failures_limit) or "bytes" (fanin_outcome_max_bytes)
         "failures_truncated_by": truncated_by,
-        # 1, or the number of a retry round (`celery -A proj fanin retry-failed`) and the batch of round 1
         "round": batch.round,
         "retry_of": str(batch.retry_of) if batch.retry_of else None,
     }

@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from ..protocol import SuccessorKind
 from .batches import Encoded
 from .statements import q
 
@@ -39,11 +40,12 @@ class BatchRow:
 
     def message_for(self, kind: str) -> Encoded:
         """The stored signature a successor of `kind` runs: `then`, or `on_expire` / `on_failure` instead of it."""
-        found = {
-            "then": self.successor_message,
-            "on_expire": self.on_expire_message,
-            "on_failure": self.on_failure_message,
-        }.get(kind)
+        messages: dict[str, Encoded | None] = {
+            SuccessorKind.THEN: self.successor_message,
+            SuccessorKind.ON_EXPIRE: self.on_expire_message,
+            SuccessorKind.ON_FAILURE: self.on_failure_message,
+        }
+        found = messages.get(kind)
         if found is None:
             raise LookupError(f"batch {self.id} has no {kind} signature")
         return found
@@ -59,7 +61,7 @@ class SuccessorRow:
     exc_message: str | None
     started_at: datetime | None
     finished_at: datetime | None
-    kind: str = "then"
+    kind: str = SuccessorKind.THEN
     traceback: str | None = None  # a failed run's (the `successor` statement reads it; the outbox's do not)
 
 

@@ -73,7 +73,7 @@ def chord_failure(fanin: FanIn, batch_id: str, why: str) -> ChordHeaderFailed:
         if batch is None:
             return {"batch_id": batch_id, "failures": []}
         limit, max_bytes = fanin.settings.outcome_failures_limit, fanin.settings.outcome_max_bytes
-        return outcomes.build_outcome(conn, batch, limit, max_bytes=max_bytes)
+        return dict(outcomes.build_outcome(conn, batch, limit, max_bytes=max_bytes))
 
     return ChordHeaderFailed.from_outcome(_store(fanin, f"the outcome of chord {batch_id}", read), why)
 
