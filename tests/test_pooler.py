@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,10 @@ from celery_fanin import FanIn
 from celery_fanin.exceptions import FanInNotConfigured
 from celery_fanin.relay import Relay
 from celery_fanin.store.pooler import transaction_pooled
+from tests.cluster import free_port
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pgbouncer(database_url: str, mode: str) -> Iterator[str]:
@@ -40,7 +34,7 @@ def _pgbouncer(database_url: str, mode: str) -> Iterator[str]:
             pytest.fail("pgbouncer is not installed (.ci/run installs Debian's package)", pytrace=False)
         pytest.skip("pgbouncer is not installed: apt-get install pgbouncer")
     url = make_url(database_url)
-    port = _free_port()
+    port = free_port()
     # PgBouncer will not run as root: it switches to the postgres user, which must reach and write this folder
     # (pytest's own tmp_path is private to root).
     tmp_path = Path(tempfile.mkdtemp(prefix="fanin-pgbouncer-"))

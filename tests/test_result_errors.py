@@ -5,7 +5,7 @@ else, or an ambiguous name, as a stand-in of that name."""
 from __future__ import annotations
 
 from celery_fanin import ChordHeaderFailed
-from celery_fanin.producer.result import _exception
+from celery_fanin.producer.result import rebuilt_exception
 
 
 class PaymentDeclined(Exception):
@@ -18,21 +18,21 @@ class NeedsTwoArguments(Exception):
 
 
 def test_an_error_is_rebuilt_as_the_class_the_caller_can_catch() -> None:
-    assert type(_exception("ValueError", "bad")) is ValueError
-    declined = _exception("PaymentDeclined", "card 4242")
+    assert type(rebuilt_exception("ValueError", "bad")) is ValueError
+    declined = rebuilt_exception("PaymentDeclined", "card 4242")
     assert type(declined) is PaymentDeclined and declined.args == ("card 4242",)
-    chord = _exception("ChordHeaderFailed", "chord x: 1 of 2 header tasks succeeded")
+    chord = rebuilt_exception("ChordHeaderFailed", "chord x: 1 of 2 header tasks succeeded")
     assert isinstance(chord, ChordHeaderFailed)
-    unknown = _exception("NotLoadedAnywhere", "?")
+    unknown = rebuilt_exception("NotLoadedAnywhere", "?")
     assert type(unknown).__name__ == "NotLoadedAnywhere" and type(unknown).__module__ == "celery_fanin.remote"
-    odd = _exception("NeedsTwoArguments", "3: no")  # its constructor wants more than the text: a stand-in
+    odd = rebuilt_exception("NeedsTwoArguments", "3: no")  # its constructor wants more than the text: a stand-in
     assert type(odd).__name__ == "NeedsTwoArguments" and type(odd) is not NeedsTwoArguments
 
 
 def test_an_ambiguous_name_gets_a_stand_in() -> None:
     first = type("Twice", (Exception,), {})
     second = type("Twice", (Exception,), {})
-    got = _exception("Twice", "which one?")
+    got = rebuilt_exception("Twice", "which one?")
     assert type(got) not in (first, second) and type(got).__name__ == "Twice"
 
 

@@ -4,7 +4,6 @@ including a driver error that quotes the connection string back (psycopg's "inva
 from __future__ import annotations
 
 import logging
-import socket
 import urllib.error
 import urllib.request
 import uuid
@@ -23,6 +22,7 @@ from celery_fanin import FanIn, FanInDatabaseError, FanInNotConfigured, fan_in_g
 from celery_fanin.cli import fanin as fanin_cli
 from celery_fanin.redact import MASK, redact, remember
 from celery_fanin.worker import hooks
+from tests.cluster import free_port
 from tests.workers import CeleryProcess, wait_for
 
 SECRET = "Sup3rS3cretPw"
@@ -187,21 +187,14 @@ def test_the_dashboard_keeps_the_password_out(broken_app: Celery) -> None:
         web.state.engine.dispose()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.timeout(120)
 def test_the_relay_and_dashboard_processes_keep_the_password_out(clean_redis: str, tmp_path: Path) -> None:
     """A real `celery fanin relay` (with its metrics endpoint) and `celery fanin dashboard` whose database URL has a
     password and nothing listening at its address: their logs, the dashboard's 503 page and the metrics (labels
     included) say the database cannot be reached, and never the password."""
-    url = f"postgresql+psycopg://fanin:{SECRET}@127.0.0.1:{_free_port()}/fanin"
+    url = f"postgresql+psycopg://fanin:{SECRET}@127.0.0.1:{free_port()}/fanin"
     env = {"FANIN_DATABASE_URL": url, "FANIN_TEST_BROKER": clean_redis, "FANIN_DASHBOARD_TOKEN": ""}
-    metrics, web = _free_port(), _free_port()
+    metrics, web = free_port(), free_port()
     relay = CeleryProcess(
         ["fanin", "relay", "--poll-interval", "0.2", "--metrics-port", str(metrics), "-l", "DEBUG"],
         env,

@@ -212,7 +212,7 @@ from tests.chord_tasks import (
     tsum,
     write_to_file_and_return_int,
 )
-from tests.e2e.sql import rows
+from tests.sql import rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e]

@@ -13,24 +13,18 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
-from celery_fanin import FanIn, FanInResult, builtin_tasks, fan_in_group, protocol
+from celery_fanin import FanInResult, builtin_tasks, fan_in_group, protocol
 from tests import app as tasks
 from tests.e2e import clock
 from tests.e2e.test_cli import celery, fanin
+from tests.sql import rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
 NOBODY = "cli-ops-nobody"  # a queue no worker consumes: its children stay pending
-
-
-def _sql(app: Any, sql: str, **params: Any) -> list[Any]:
-    with FanIn.of(app).engine.begin() as conn:
-        result = conn.execute(text(sql), params)
-        return list(result) if result.returns_rows else []
 
 
 def _json(app: Any, *args: str) -> Any:
@@ -41,7 +35,7 @@ def _json(app: Any, *args: str) -> Any:
 
 def _backdate(app: Any, batch_id: str, days: float) -> None:
     """Move a batch (and its leaves) back in time, as if it had been created and finished `days` ago."""
-    _sql(
+    rows(
         app,
         "UPDATE fanin_batches SET created_at = created_at - make_interval(days => :d), completed_at = "
         "completed_at - make_interval(days => :d) WHERE id = :b OR parent_id = :b",
@@ -174,7 +168,7 @@ def test_ls_filters_by_state_stuck_age_and_step(e2e_env: dict[str, str], produce
     ).apply_async()
     wait_for(lambda: moving.batch_status().succeeded == 1, 30, message="the first child of ls-moving")
     _backdate(producer, moving.batch_id, days=1)
-    _sql(
+    rows(
         producer,
         "UPDATE fanin_children SET finished_at = now() - interval '1 hour' WHERE batch_id = :b AND state = 'succeeded'",
         b=moving.batch_id,
@@ -296,10 +290,10 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
     assert first.get(timeout=30) == second.get(timeout=5) == {"label": "rounds", "succeeded": 2, "failed": 0}
     assert len(successor_runs(first.batch_id)) == 1  # round 1's successor did not run again
     old_ids = {
-        r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=first.batch_id)
+        r.task_id for r in rows(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=first.batch_id)
     }
     new_ids = {
-        r.task_id for r in _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=second.batch_id)
+        r.task_id for r in rows(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=second.batch_id)
     }
     assert len(new_ids) == 2 and not old_ids & new_ids
     assert second.batch_status().successor_task_id != first.batch_status().successor_task_id
@@ -318,7 +312,7 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
     again = celery(e2e_env, "retry-failed", first.batch_id)  # round 2 left nothing to retry
     assert again.returncode == 0, again.stderr
     assert f"nothing to retry: batch {second.batch_id} (round 2) has no failed children" in again.stdout
-    rounds = _sql(producer, "SELECT count(*) AS n FROM fanin_batches WHERE retry_of = :b", b=first.batch_id)
+    rounds = rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE retry_of = :b", b=first.batch_id)
     assert rounds[0].n == 1
 
 
@@ -331,7 +325,7 @@ def test_retry_failed_is_refused_while_the_batch_runs(e2e_env: dict[str, str], p
     refused = fanin(producer, "retry-failed", handle.batch_id)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert f"batch {handle.batch_id} is still running (1 of 2 children unfinished)" in refused.stderr
-    assert _sql(producer, "SELECT count(*) AS n FROM fanin_batches WHERE retry_of = :b", b=handle.batch_id)[0].n == 0
+    assert rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE retry_of = :b", b=handle.batch_id)[0].n == 0
 
 
 # --- prune --------------------------------------------------------------------------------------------------------
@@ -355,8 +349,8 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
     _backdate(producer, recent.batch_id, days=2)
     old_ids = [old.batch_id, old_tree.batch_id]
 
-    def rows(ids: list[str]) -> tuple[int, int, int, int]:
-        counts = _sql(
+    def counts_of(ids: list[str]) -> tuple[int, int, int, int]:
+        counts = rows(
             producer,
             """
             SELECT (SELECT count(*) FROM fanin_batches WHERE id = ANY(CAST(:ids AS uuid[]))
@@ -370,26 +364,26 @@ def test_prune_deletes_old_finished_batches_only(e2e_env: dict[str, str], produc
         )[0]
         return counts.batches, counts.children, counts.successors, counts.outbox
 
-    assert rows(old_ids) == (5, 7, 2, 2)  # two roots and three leaves; 2 + 5 children
+    assert counts_of(old_ids) == (5, 7, 2, 2)  # two roots and three leaves; 2 + 5 children
     dry = _json(producer, "prune", "--older-than", "30d", "--dry-run")
     assert (dry["batches"], dry["children"], dry["dry_run"]) == (2, 7, True)
-    assert rows(old_ids) == (5, 7, 2, 2)
+    assert counts_of(old_ids) == (5, 7, 2, 2)
     shown = celery(e2e_env, "prune", "--older-than", "30d", "--dry-run")
     assert "would delete 2 batches (7 children) and 0 sagas finished more than 30d ago" in shown.stdout
 
     report = _json(producer, "prune", "--older-than", "30d", "--chunk", "1", "--max-children", "2")
     assert (report["batches"], report["leaves"], report["children"], report["complete"]) == (2, 3, 7, True)
     assert report["transactions"] >= 4  # at most 2 children per transaction: the tree went leaf by leaf
-    assert rows(old_ids) == (0, 0, 0, 0)
+    assert counts_of(old_ids) == (0, 0, 0, 0)
     assert old_running.batch_status().state == "running"
-    assert rows([recent.batch_id]) == (1, 1, 1, 1) and rows([old_running.batch_id])[:2] == (1, 1)
+    assert counts_of([recent.batch_id]) == (1, 1, 1, 1) and counts_of([old_running.batch_id])[:2] == (1, 1)
     assert _json(producer, "prune", "--older-than", "30d")["batches"] == 0
 
     # The periodic task (`celery_fanin.prune`, for celery beat), run in this process.
     builtin_tasks.register(producer)
     done = producer.tasks[protocol.PRUNE_TASK].apply(kwargs={"older_than": "1d"}).get()
     assert (done["batches"], done["children"]) == (1, 1)
-    assert rows([recent.batch_id]) == (0, 0, 0, 0) and rows([old_running.batch_id])[:2] == (1, 1)
+    assert counts_of([recent.batch_id]) == (0, 0, 0, 0) and counts_of([old_running.batch_id])[:2] == (1, 1)
     shown = fanin(producer, "prune", "--older-than", "1d")
     assert shown.returncode == 0 and "deleted 0 batches" in shown.stdout
 

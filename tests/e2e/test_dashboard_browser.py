@@ -23,6 +23,7 @@ from sqlalchemy import text
 
 from celery_fanin import FanIn, compensated, fan_in_group, manual, saga
 from tests import app as tasks
+from tests.sql import rows
 from tests.workers import CeleryProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -30,11 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT = 60  # seconds any one thing a person would see may take to show, under load
-
-
-def _sql(app: Any, statement: str, **params: Any) -> None:
-    with FanIn.of(app).engine.begin() as conn:
-        conn.execute(text(statement), params)
 
 
 @pytest.fixture
@@ -150,7 +146,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
 
     processes.worker(concurrency=3)  # the two gated children hold two processes; the third runs everything else
     processes.relay()
-    _sql(producer, tasks.ATTEMPTS_DDL)
+    rows(producer, tasks.ATTEMPTS_DDL)
     with FanIn.of(producer).engine.begin() as conn:
         conn.execute(text(tasks.SAGA_TABLES_DDL))
     # A few batches that finish at once, so that the batches page shows more than one state.
@@ -205,7 +201,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     browser.execute_script("window.fanInMarker = 'not reloaded'")
     updated = _until(browser, "the live stamp", lambda d: d.find_element(By.ID, "live").get_attribute("data-updated"))
 
-    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[0]}:open")
+    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[0]}:open")
     _until(browser, "the bar at 4 of 5", lambda d: _done(d, "svg.bar.big") == (4, 5))
     assert browser.execute_script("return window.fanInMarker") == "not reloaded", "updated in place"
     _until(
@@ -216,7 +212,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     _until(browser, "a starts chart", lambda d: d.find_elements(By.CSS_SELECTOR, "svg.chart rect.chart-bar"))
     _shot(browser, tmp_path, "dashboard-batch")
 
-    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[1]}:open")
+    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[1]}:open")
     _until(browser, "the bar full", lambda d: _done(d, "svg.bar.big") == (5, 5))
 
     def successor_ran(d: Any) -> str | None:
@@ -271,7 +267,7 @@ def test_a_person_cancels_a_batch_and_reruns_a_successor_from_its_page(
 
     processes.worker(concurrency=2)
     processes.relay()
-    _sql(producer, tasks.ATTEMPTS_DDL)
+    rows(producer, tasks.ATTEMPTS_DDL)
     gate = f"act-{uuid.uuid4().hex[:8]}"
     held = fan_in_group([tasks.gated.s(gate), tasks.ok.s(1)], then=tasks.record_run.s("never")).apply_async()
     failing = fan_in_group([tasks.ok.s(1)], then=tasks.failing_successor.s("rerun-me")).apply_async()
@@ -283,7 +279,7 @@ def test_a_person_cancels_a_batch_and_reruns_a_successor_from_its_page(
     log = _until(browser, "the action recorded", lambda d: d.find_element(By.CSS_SELECTOR, "table.actions-log").text)
     assert "cancel" in log and "done" in log and "anonymous (127.0.0.1)" in log, log
     assert held.wait_batch(timeout=30).state == "cancelled"
-    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
+    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
 
     with pytest.raises(RuntimeError):
         failing.get(timeout=60)

@@ -17,7 +17,7 @@ import pytest
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import clock
-from tests.e2e.sql import attempts, child, rows
+from tests.sql import attempts, child, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

@@ -10,23 +10,17 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
 from tests.e2e import clock
+from tests.sql import rows
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
-
-
-def _sql(app: Any, sql: str, **params: Any) -> Any:
-    with FanIn.of(app).engine.begin() as conn:
-        result = conn.execute(text(sql), params)
-        return result.all() if result.returns_rows else None
 
 
 def test_duplicate_delivery_while_successor_runs_is_refused(
@@ -38,7 +32,7 @@ def test_duplicate_delivery_while_successor_runs_is_refused(
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
     wait_for(lambda: handle.batch_status().successor_state == "running", 20, message="the successor running")
     # A second copy while the first runs (a broker redelivery, a relay that died before marking it sent).
-    _sql(producer, "UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b", b=handle.batch_id)
+    rows(producer, "UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b", b=handle.batch_id)
     assert relay.run_once() == 1
     status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
@@ -64,7 +58,7 @@ def test_child_starts_are_recorded(producer: Any, processes: Any) -> None:
     processes.worker()
     handle = fan_in_group([tasks.sleepy.s(3)], then=tasks.record_run.s("started")).apply_async()
     row = wait_for(
-        lambda: _sql(
+        lambda: rows(
             producer,
             "SELECT state, attempt, starts, worker FROM fanin_children WHERE batch_id = :b AND state = 'started'",
             b=handle.batch_id,
@@ -91,7 +85,7 @@ def test_child_never_delivered_is_counted_lost_and_its_late_report_is_not(
     # The message turns up after all: a worker for that queue runs it, and its report is recorded as late.
     processes.worker(extra=["-Q", "nobody-consumes-this"])
     late = wait_for(
-        lambda: _sql(
+        lambda: rows(
             producer,
             "SELECT state, late_state, late_reports FROM fanin_children WHERE batch_id = :b "
             "AND idx = 1 AND late_reports > 0",
@@ -118,7 +112,7 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
         children, then=tasks.record_run.s("redriven"), child_timeout=clock.LONG, on_lost="redrive"
     ).apply_async()
     wait_for(
-        lambda: _sql(
+        lambda: rows(
             producer,
             "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND state = 'started'",
             b=handle.batch_id,
@@ -131,7 +125,7 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
     # Past the timeout for the run that died with its worker; the redrive starts a new hour: exactly one redrive.
     clock.expire_child_timeout(producer, handle.batch_id)
     wait_for(
-        lambda: _sql(
+        lambda: rows(
             producer, "SELECT 1 FROM fanin_children WHERE batch_id = :b AND idx = 0 AND redrives = 1", b=handle.batch_id
         ),
         30,
@@ -140,7 +134,7 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
     processes.worker()
     status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed) == (2, 0)
-    row = _sql(
+    row = rows(
         producer, "SELECT redrives, starts FROM fanin_children WHERE batch_id = :b AND idx = 0", b=handle.batch_id
     )[0]
     # The redriven run ends sooner than starts are written: its terminal report carries its start.
@@ -205,7 +199,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
     # published it itself would abandon and revoke `gated` too before taking it: tests/e2e/test_successor_publish.py).
     processes.worker(RELAY_PUBLISHES, concurrency=1)
     processes.relay()
-    _sql(producer, tasks.ATTEMPTS_DDL)
+    rows(producer, tasks.ATTEMPTS_DDL)
     gate = f"threshold-{uuid.uuid4().hex[:8]}"
     # One pool process: the two failures run first, then `gated` holds it until the worker has the revokes, so
     # exactly the seven children behind it are still queued when they arrive.
@@ -215,15 +209,15 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
     ).apply_async()
     # Not handle.wait(): the successor waits for the one pool process, which `gated` holds until the gate opens.
     wait_for(lambda: handle.batch_status().state == "failed_threshold", 60, message="the threshold")
-    rows = _sql(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b AND idx >= 3", b=handle.batch_id)
-    queued = {r.task_id for r in rows}  # behind `gated`
+    found = rows(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b AND idx >= 3", b=handle.batch_id)
+    queued = {r.task_id for r in found}  # behind `gated`
 
     def revoked_by_the_worker() -> bool:
         replies = producer.control.inspect(timeout=2).revoked() or {}
         return queued <= {task_id for ids in replies.values() for task_id in ids}
 
     wait_for(revoked_by_the_worker, 30, interval=0.5, message="the worker to receive the revokes")
-    _sql(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
+    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
     status = handle.wait_batch(timeout=60)
     assert status.state == "failed_threshold"
     runs = successor_runs(handle.batch_id)
@@ -237,7 +231,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
     sql = "SELECT state, late_state, count(*) AS n FROM fanin_children WHERE batch_id = :b GROUP BY state, late_state"
     expected = {("failed", None): 2, ("abandoned", "succeeded"): 1, ("abandoned", "revoked"): 7}
     wait_for(
-        lambda: {(r.state, r.late_state): r.n for r in _sql(producer, sql, b=handle.batch_id)} == expected,
+        lambda: {(r.state, r.late_state): r.n for r in rows(producer, sql, b=handle.batch_id)} == expected,
         60,
         message=f"children {expected}",
     )
@@ -258,20 +252,20 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
         wait_for(lambda h=h: h.batch_status().state == "complete", 30, message="complete")
     # Drift: counters edited by hand on a finished batch are left alone (only open batches are recomputed) ...
     # ... so make both open again: one with wrong counts, one whose last decrement was "lost".
-    _sql(
+    rows(
         producer,
         "UPDATE fanin_batches SET state = 'running', remaining = 3, succeeded = 0 WHERE id = :b",
         b=drifted.batch_id,
     )
-    _sql(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=stuck.batch_id)
-    _sql(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=stuck.batch_id)
-    _sql(
+    rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=stuck.batch_id)
+    rows(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=stuck.batch_id)
+    rows(
         producer,
         "UPDATE fanin_batches SET state = 'running', remaining = 1, succeeded = 2 WHERE id = :b",
         b=stuck.batch_id,
     )
-    _sql(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=drifted.batch_id)
-    _sql(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=drifted.batch_id)
+    rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=drifted.batch_id)
+    rows(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=drifted.batch_id)
     repairs = {str(r.batch_id): r for r in maintenance.reconcile(fanin)}
     assert set(repairs) == {drifted.batch_id, stuck.batch_id}
     assert maintenance.reconcile(fanin) == []  # a second run finds nothing
@@ -314,7 +308,7 @@ def test_reconcile_reports_deleted_child_rows(producer: Any, processes: Any) -> 
     from celery_fanin.relay import maintenance
 
     handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("gone")).apply_async()
-    _sql(producer, "DELETE FROM fanin_children WHERE batch_id = :b AND idx = 1", b=handle.batch_id)
+    rows(producer, "DELETE FROM fanin_children WHERE batch_id = :b AND idx = 1", b=handle.batch_id)
     repairs = maintenance.reconcile(FanIn.of(producer))
     assert len(repairs) == 1 and "planned 3 children but 2 rows exist" in repairs[0].problems[0]
     assert handle.batch_status().state == "running"  # reported, never guessed at

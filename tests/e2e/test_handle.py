@@ -15,7 +15,7 @@ from celery.exceptions import TaskRevokedError
 
 from celery_fanin import FanInResult, fan_in_group
 from tests import app as tasks
-from tests.e2e.sql import attempts, rows
+from tests.sql import attempts, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

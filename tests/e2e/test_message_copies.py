@@ -22,7 +22,7 @@ from celery_fanin import fan_in_group
 from celery_fanin.protocol import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, HEADER_TASK
 from tests import app as tasks
 from tests.e2e.brokers import broker_env  # noqa: F401 - the fixture, on Redis: RabbitMQ drops an expired copy unseen
-from tests.e2e.sql import attempts, rows
+from tests.sql import attempts, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

@@ -16,23 +16,17 @@ from typing import Any
 import pytest
 from celery.canvas import Signature
 from celery.exceptions import TaskRevokedError
-from sqlalchemy import text
 
-from celery_fanin import BatchNotOpen, FanIn, FanInResult, fan_in_group
+from celery_fanin import BatchNotOpen, FanInResult, fan_in_group
 from tests import app as tasks
 from tests.e2e.test_cli import celery, fanin
+from tests.sql import rows
 from tests.workers import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
 NOWHERE = "fanin-no-worker-consumes-this"  # children sent here never run: their batch waits for its deadline
-
-
-def _rows(app: Any, sql: str, **params: Any) -> list[Any]:
-    with FanIn.of(app).engine.begin() as conn:
-        result = conn.execute(text(sql), params)
-        return result.all() if result.returns_rows else []
 
 
 class StreamProducer:
@@ -111,9 +105,9 @@ def test_producer_killed_mid_stream_is_sealed_after_the_grace(
     wait_for(lambda: handle.batch_status().succeeded == 10, 30, message="the ten children written so far to finish")
     # While the producer lives (paused in its generator, its lock held), the relay keeps renewing its lease: the
     # batch stays open well past the grace since its last chunk.
-    last_chunk = _rows(producer, "SELECT producer_seen_at FROM fanin_batches WHERE id = :b", b=batch_id)[0][0]
+    last_chunk = rows(producer, "SELECT producer_seen_at FROM fanin_batches WHERE id = :b", b=batch_id)[0][0]
     wait_for(
-        lambda: _rows(
+        lambda: rows(
             producer,
             "SELECT 1 FROM fanin_batches WHERE id = :b AND state = 'open' "
             "AND producer_seen_at > :t + make_interval(secs => :g)",
@@ -131,7 +125,7 @@ def test_producer_killed_mid_stream_is_sealed_after_the_grace(
     assert final.successor_state == "succeeded"
     # Sealed no sooner than the grace after the producer was last seen alive (the lease is not renewed once the
     # batch is sealed, so it still says when that was).
-    [(seen, completed)] = _rows(
+    [(seen, completed)] = rows(
         producer, "SELECT producer_seen_at, completed_at FROM fanin_batches WHERE id = :b", b=batch_id
     )
     assert (completed - seen).total_seconds() >= grace
@@ -157,7 +151,7 @@ def test_generator_that_raises_without_a_key_cancels_its_batch(
         _stream(
             _raising(7), deadline=timedelta(hours=1), on_deadline="abandon", on_expire=tasks.record_run.s("cleanup")
         )
-    [(batch_id,)] = _rows(producer, "SELECT id FROM fanin_batches WHERE parent_id IS NULL")
+    [(batch_id,)] = rows(producer, "SELECT id FROM fanin_batches WHERE parent_id IS NULL")
     status = FanInResult(producer, str(batch_id)).wait_batch(timeout=30)
     # The first chunk (5 children) was written and sent; the two pulled for the second were lost with the error.
     assert (status.state, status.planned, status.remaining) == ("cancelled", 5, 0)
@@ -174,7 +168,7 @@ def test_generator_that_raises_with_a_key_stays_open_for_a_rerun(
     processes.relay()
     with pytest.raises(RuntimeError):
         _stream(_raising(7), key="flaky-source")
-    [(batch_id, state, planned)] = _rows(producer, "SELECT id, state, planned FROM fanin_batches")
+    [(batch_id, state, planned)] = rows(producer, "SELECT id, state, planned FROM fanin_batches")
     assert (state, planned) == ("open", 5)
     handle = _stream((tasks.ok.s(i) for i in range(12)), key="flaky-source")
     assert handle.batch_id == str(batch_id)
@@ -310,11 +304,11 @@ def test_reconcile_repairs_an_open_batch_and_leaves_it_open(
     batch_id = streaming.wait_paused()
     handle = FanInResult(producer, batch_id)
     wait_for(lambda: handle.batch_status().succeeded == 10, 30, message="the children to finish")
-    _rows(producer, "UPDATE fanin_batches SET remaining = 50, succeeded = 3 WHERE id = :b", b=batch_id)
+    rows(producer, "UPDATE fanin_batches SET remaining = 50, succeeded = 3 WHERE id = :b", b=batch_id)
     repaired = celery(e2e_env, "reconcile", "--json")
     assert repaired.returncode == 0, repaired.stderr
     assert batch_id in repaired.stdout and "counters recomputed from child rows" in repaired.stdout
-    [(state, remaining, succeeded)] = _rows(
+    [(state, remaining, succeeded)] = rows(
         producer, "SELECT state, remaining, succeeded FROM fanin_batches WHERE id = :b", b=batch_id
     )
     assert (state, remaining, succeeded) == ("open", 1, 10)  # every child counted, the live producer's token kept

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
@@ -21,6 +20,7 @@ from celery_fanin import fan_in_group
 from celery_fanin.protocol import HEADER_INDEX
 from tests import app as tasks
 from tests.e2e.brokers import BROKERS, broker_env, worker_on
+from tests.sql import env_rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -32,18 +32,13 @@ __all__ = ["broker_env"]  # the `e2e_env` fixture, on the broker each test is pa
 _worker = worker_on
 
 
-def _sql(env: dict[str, str], query: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        return conn.execute(query, params).fetchall()
-
-
 def _attempts(env: dict[str, str], key: str) -> int:
-    rows = _sql(env, "SELECT n FROM e2e_attempts WHERE key = %s", key)
+    rows = env_rows(env, "SELECT n FROM e2e_attempts WHERE key = %s", key)
     return int(rows[0][0]) if rows else 0
 
 
 def _child(env: dict[str, str], batch_id: str, index: int) -> dict[str, Any]:
-    rows = _sql(
+    rows = env_rows(
         env,
         "SELECT state, late_state, late_reports, exc_type, exc_message FROM fanin_children "
         "WHERE batch_id = %s AND idx = %s",
@@ -219,7 +214,9 @@ def test_revoke_terminate_of_a_started_child_counts_it_revoked_terminated(
     children = [tasks.mark_then_sleep.s(key, 60), tasks.ok.s(1)]
     handle = fan_in_group(children, then=tasks.record_run.s("terminated")).apply_async()
     wait_for(lambda: _attempts(e2e_env, key) == 1, 30, message="the child's body to begin")
-    task_id = _sql(e2e_env, "SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", handle.batch_id)[0][0]
+    task_id = env_rows(e2e_env, "SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", handle.batch_id)[
+        0
+    ][0]
     producer.control.revoke(task_id, terminate=True)  # SIGTERM to the pool process running it
     outcome = _finish(handle, successor_runs)
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (2, 1, 1)

@@ -32,7 +32,7 @@ from celery_fanin.store.batches import Encoded
 from tests import app as tasks
 from tests.e2e import holds
 from tests.e2e.brokers import on_broker
-from tests.e2e.sql import attempts, child, counters, rows
+from tests.sql import attempts, child, counters, rows
 from tests.workers import CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

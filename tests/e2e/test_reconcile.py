@@ -19,8 +19,8 @@ import pytest
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import clock, holds
-from tests.e2e.sql import counters, rows
 from tests.e2e.test_cli import celery, fanin
+from tests.sql import counters, rows
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

@@ -5,7 +5,6 @@ process publishing a real worker's batch's successor."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,16 +15,11 @@ import pytest
 from celery_fanin import fan_in_group
 from celery_fanin.producer import group as group_module
 from tests import app as tasks
-from tests.e2e.sql import rows
+from tests.cluster import free_port
+from tests.sql import rows
 from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -45,7 +39,7 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
 def test_relay_with_a_json_logfile_metrics_and_probes(
     e2e_env: dict[str, str], producer: Any, processes: Any, tmp_path: Path
 ) -> None:
-    logfile, port = tmp_path / "relay.jsonl", _free_port()
+    logfile, port = tmp_path / "relay.jsonl", free_port()
     relay = CeleryProcess(
         [
             "fanin",

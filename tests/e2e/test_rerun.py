@@ -17,8 +17,8 @@ from celery_fanin.exceptions import SuccessorNotRerunnable
 from celery_fanin.protocol import HEADER_STEP, HEADER_SUCCESSOR
 from celery_fanin.web import create_app
 from tests import app as tasks
-from tests.e2e.sql import attempts, rows
 from tests.e2e.test_cli import celery, fanin
+from tests.sql import attempts, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

@@ -22,11 +22,11 @@ import psycopg
 import pytest
 import redis
 from click.testing import CliRunner, Result
-from sqlalchemy import text
 
-from celery_fanin import FanIn, FanInResult, compensated, fan_in_group, manual, saga
+from celery_fanin import FanInResult, compensated, fan_in_group, manual, saga
 from celery_fanin.cli.saga import saga as saga_cli
 from tests import app as tasks
+from tests.sql import rows
 from tests.workers import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -57,11 +57,6 @@ def _cli(app: Any, *args: str) -> Result:
     return CliRunner().invoke(saga_cli, list(args), obj=SimpleNamespace(app=app))
 
 
-def _rows(app: Any, sql: str, **params: Any) -> list[Any]:
-    with FanIn.of(app).engine.begin() as conn:
-        return list(conn.execute(text(sql), params))
-
-
 def test_steps_run_in_order_and_the_saga_succeeds(producer: Any, processes: Any, saga_db: Any) -> None:
     processes.worker()
     processes.relay()
@@ -79,7 +74,7 @@ def test_steps_run_in_order_and_the_saga_succeeds(producer: Any, processes: Any,
     assert [s.state for s in status.steps] == ["succeeded"] * 3
     assert status.compensations == []
     assert [a for a, _ in _effects(saga_db, "ok")] == ["reserve", "ship"]
-    step_batches = _rows(producer, "SELECT key FROM fanin_batches WHERE key LIKE :k", k=f"saga:{handle.saga_id}:%")
+    step_batches = rows(producer, "SELECT key FROM fanin_batches WHERE key LIKE :k", k=f"saga:{handle.saga_id}:%")
     assert len(step_batches) == 3
 
 
@@ -128,7 +123,7 @@ def test_compensation_worker_killed_midway_still_undoes_once(producer: Any, proc
     assert status.state == "compensated", status
     assert _calls(saga_db, "undo:charge", "o2") >= 2  # it ran again after the kill ...
     assert [a for a, _ in _effects(saga_db, "o2")] == ["reserve", "charge", "undo:charge", "undo:reserve"]  # ... once
-    redriven = _rows(
+    redriven = rows(
         producer, "SELECT redrives FROM fanin_children WHERE task_id = :t", t=status.compensations[0].task_id
     )
     assert redriven[0].redrives >= 1
@@ -163,10 +158,10 @@ def test_fan_in_step_rejected_by_its_successor_compensates_only_succeeded_childr
     # The saga waited for the very batch outcome.compensate() had started: one compensation batch for the group.
     stage0 = [c for c in status.compensations if c.stage == 0]
     assert len(stage0) == 4 and {c.batch_id for c in stage0} == {stage0[0].batch_id}
-    [group_batch] = _rows(producer, "SELECT id FROM fanin_batches WHERE successor_name = 'tests.app.saga_merge'")
+    [group_batch] = rows(producer, "SELECT id FROM fanin_batches WHERE successor_name = 'tests.app.saga_merge'")
     merged = FanInResult(producer, str(group_batch.id)).get(timeout=5)
     assert merged["rejected"] is True and merged["compensation_batch"] == stage0[0].batch_id
-    assert len(_rows(producer, "SELECT 1 FROM fanin_batches WHERE key = :k", k=f"compensate:{group_batch.id}:1")) == 1
+    assert len(rows(producer, "SELECT 1 FROM fanin_batches WHERE key = :k", k=f"compensate:{group_batch.id}:1")) == 1
 
 
 def test_group_undo_runs_before_its_childrens_nested_groups_included(
@@ -190,7 +185,7 @@ def test_group_undo_runs_before_its_childrens_nested_groups_included(
     undone = undone.fetchall()
     assert undone[0][:2] == ("undo:merge", "g")  # the group's own undo first, then its children's
     assert sorted(label for _, label, _ in undone[1:]) == ["g0", "g10", "g11"]
-    [merge] = _rows(
+    [merge] = rows(
         producer, "SELECT successor_task_id FROM fanin_batches WHERE successor_name = :n", n="tests.app.saga_merge"
     )
     assert undone[0][2] == merge.successor_task_id  # keyed by the identity of the successor it undoes

@@ -14,21 +14,16 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.store import batches
 from tests import app as tasks
+from tests.sql import rows
 from tests.workers import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
-
-
-def _rows(app: Any, sql: str, **params: Any) -> list[Any]:
-    with FanIn.of(app).engine.begin() as conn:
-        return list(conn.execute(text(sql), params))
 
 
 def test_generator_of_20k_children_streams_into_a_tree_and_counts_exactly(producer: Any, clean_redis: str) -> None:
@@ -41,7 +36,7 @@ def test_generator_of_20k_children_streams_into_a_tree_and_counts_exactly(produc
     handle = fan_in_group(source, then=tasks.record_run.s("20k"), max_width=1000).apply_async()
     status = handle.batch_status()
     assert (status.planned, status.published, status.state) == (n, n, "running")
-    shape = _rows(
+    shape = rows(
         producer,
         "SELECT count(*) AS leaves, coalesce(max(planned), 0) AS widest FROM fanin_batches WHERE parent_id = :b",
         b=handle.batch_id,
@@ -50,7 +45,7 @@ def test_generator_of_20k_children_streams_into_a_tree_and_counts_exactly(produc
     assert redis.Redis.from_url(clean_redis).llen("scale-test-nobody") == n
     task_ids = [
         r.task_id
-        for r in _rows(
+        for r in rows(
             producer,
             "SELECT task_id FROM fanin_children WHERE batch_id IN (SELECT id FROM fanin_batches "
             "WHERE id = :b OR parent_id = :b)",
@@ -118,7 +113,7 @@ def test_producer_killed_mid_stream_resumes_with_the_same_key(
     assert handle.batch_id == batch_id
     final = handle.wait_batch(timeout=180)
     assert (final.planned, final.succeeded, final.failed) == (3000, 3000, 0)
-    idx = _rows(
+    idx = rows(
         producer,
         "SELECT count(*) AS n, count(DISTINCT idx) AS d, min(idx) AS lo, max(idx) AS hi FROM fanin_children "
         "WHERE batch_id IN (SELECT id FROM fanin_batches WHERE id = :b OR parent_id = :b)",  # a tree's too
@@ -143,8 +138,8 @@ def test_concurrent_creation_with_the_same_key_returns_one_batch(producer: Any, 
     for t in threads:
         t.join(60)
     assert len(ids) == 8 and len(set(ids)) == 1
-    assert _rows(producer, "SELECT count(*) AS n FROM fanin_batches")[0].n == 1
-    assert _rows(producer, "SELECT count(*) AS n FROM fanin_children")[0].n == 50
+    assert rows(producer, "SELECT count(*) AS n FROM fanin_batches")[0].n == 1
+    assert rows(producer, "SELECT count(*) AS n FROM fanin_children")[0].n == 50
     assert redis.Redis.from_url(clean_redis).llen("celery") == 50  # published once
     from celery_fanin import InvalidFanIn
 
@@ -160,7 +155,7 @@ def test_tree_batch_with_leaves_completing_concurrently(producer: Any, processes
     processes.relay()
     children = [tasks.fail.s(i) if i % 10 == 0 else tasks.ok.s(i) for i in range(600)]
     handle = fan_in_group(children, then=tasks.record_run.s("tree", with_values=True), max_width=50).apply_async()
-    leaves = _rows(
+    leaves = rows(
         producer,
         "SELECT count(*) AS n, max(planned) AS widest FROM fanin_batches WHERE parent_id = :b",
         b=handle.batch_id,
@@ -187,19 +182,19 @@ def test_depth_bound_raises_at_the_right_level(e2e_env: dict[str, str], producer
     fan_in_group([tasks.recurse.s(1)], then=tasks.record_run.s("level-0")).apply_async()
 
     def deepest_failed() -> Any:
-        rows = _rows(
+        found = rows(
             producer,
             "SELECT b.depth, c.state, c.exc_type, c.exc_message FROM fanin_children c "
             "JOIN fanin_batches b ON b.id = c.batch_id WHERE c.state = 'failed'",
         )
-        return rows[0] if rows else None
+        return found[0] if found else None
 
     failed = wait_for(deepest_failed, 60, 0.2, "the child past the depth bound to fail")
     assert failed.depth == 2 and failed.exc_type == "FanInDepthExceeded"
     assert "past fanin_max_depth=2" in failed.exc_message
-    depths = sorted(r.depth for r in _rows(producer, "SELECT depth FROM fanin_batches"))
+    depths = sorted(r.depth for r in rows(producer, "SELECT depth FROM fanin_batches"))
     assert depths == [0, 1, 2]  # nothing was written for depth 3
-    lineage = _rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE depth > 0 AND lineage IS NOT NULL")
+    lineage = rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE depth > 0 AND lineage IS NOT NULL")
     assert lineage[0].n == 2
 
 
@@ -215,7 +210,7 @@ def test_three_stage_pipeline_final_result_from_the_first_handle(producer: Any, 
     )
     first = pipeline.apply_async()
     assert first.final(timeout=90) == 30
-    chain = _rows(producer, "SELECT depth, lineage IS NOT NULL AS has_parent FROM fanin_batches ORDER BY depth")
+    chain = rows(producer, "SELECT depth, lineage IS NOT NULL AS has_parent FROM fanin_batches ORDER BY depth")
     assert [(r.depth, r.has_parent) for r in chain] == [(0, False), (1, True), (2, True)]
 
 
@@ -235,5 +230,5 @@ def test_fan_in_whose_children_are_fan_ins(producer: Any, processes: Any, succes
     assert run[0]["values"] == [60, 70]
     failure = run[0]["outcome"]["failures"][0]
     assert failure["index"] == 1 and failure["exc_type"] == "RuntimeError"
-    nested = _rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE parent_task_id IS NOT NULL")[0].n
+    nested = rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE parent_task_id IS NOT NULL")[0].n
     assert nested == 2

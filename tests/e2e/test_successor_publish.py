@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import pytest
 
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e.brokers import BROKERS, broker_env, worker_on
+from tests.sql import env_rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -29,18 +29,13 @@ Runs = Callable[[str], list[dict[str, Any]]]
 __all__ = ["broker_env"]  # the `e2e_env` fixture, on the broker each test is parametrized with
 
 
-def _sql(env: dict[str, str], query: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        return conn.execute(query, params).fetchall()
-
-
 def _outbox(env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
     """The batch's outbox rows: (sent, attempts)."""
-    return _sql(env, "SELECT sent_at IS NOT NULL, attempts FROM fanin_outbox WHERE batch_id = %s", batch_id)
+    return env_rows(env, "SELECT sent_at IS NOT NULL, attempts FROM fanin_outbox WHERE batch_id = %s", batch_id)
 
 
 def _successor(env: dict[str, str], batch_id: str) -> tuple[Any, ...] | None:
-    rows = _sql(env, "SELECT state, runs, kind FROM fanin_successors WHERE batch_id = %s", batch_id)
+    rows = env_rows(env, "SELECT state, runs, kind FROM fanin_successors WHERE batch_id = %s", batch_id)
     return rows[0] if rows else None
 
 
@@ -85,9 +80,9 @@ def test_without_a_relay_the_worker_publishes_every_kind_of_successor(
     assert threshold.batch_status().state == "failed_threshold"
     assert _successor(e2e_env, threshold.batch_id) == ("succeeded", 1, "on_failure")
     # The child still running when the threshold passed was abandoned by the worker's publish, as the relay does.
-    assert _sql(e2e_env, "SELECT state FROM fanin_children WHERE batch_id = %s AND idx = 1", threshold.batch_id) == [
-        ("abandoned",)
-    ]
+    assert env_rows(
+        e2e_env, "SELECT state FROM fanin_children WHERE batch_id = %s AND idx = 1", threshold.batch_id
+    ) == [("abandoned",)]
     published = _published_by(worker)
     assert sorted(published) == sorted(h.batch_id for h in (plain, tree, failures, threshold))
 

@@ -15,7 +15,7 @@ import pytest
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import holds
-from tests.e2e.sql import counters, rows
+from tests.sql import counters, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]

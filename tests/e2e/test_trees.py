@@ -8,22 +8,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
 from celery_fanin import BatchOutcome, FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
+from tests.sql import rows
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
-
-
-def _sql(app: Any, sql: str, **params: Any) -> Any:
-    with FanIn.of(app).engine.begin() as conn:
-        result = conn.execute(text(sql), params)
-        return result.all() if result.returns_rows else None
 
 
 def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_children_are_revoked(
@@ -41,7 +35,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
         on_failure=tasks.record_run.s("too-many"),
         max_width=3,
     ).apply_async()
-    leaves = _sql(producer, "SELECT id FROM fanin_batches WHERE parent_id = :b", b=handle.batch_id)
+    leaves = rows(producer, "SELECT id FROM fanin_batches WHERE parent_id = :b", b=handle.batch_id)
     assert len(leaves) == 4
 
     status = handle.wait_batch(timeout=60)
@@ -55,7 +49,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
     # The relay stopped the whole tree: every unfinished child of every leaf abandoned, the counters final.
     final = handle.batch_status()
     assert (final.remaining, final.succeeded + final.failed) == (0, 12)
-    abandoned = _sql(
+    abandoned = rows(
         producer,
         "SELECT c.task_id, c.batch_id FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id"
         " WHERE b.parent_id = :b AND c.state = 'abandoned'",
@@ -65,7 +59,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
     # The revoke reached the worker: queued copies were discarded, reported as revoked, recorded late, not counted.
     wait_for(
         lambda: (
-            _sql(
+            rows(
                 producer,
                 "SELECT count(*) AS n FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id"
                 " WHERE b.parent_id = :b AND c.state = 'abandoned' AND c.late_state = 'revoked'",
@@ -76,7 +70,7 @@ def test_a_tree_passes_max_failures_on_two_leaves_and_every_other_leaf_s_childre
         60,
         message="the abandoned children's revoked reports",
     )
-    ran = _sql(
+    ran = rows(
         producer,
         "SELECT count(*) AS n FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id"
         " WHERE b.parent_id = :b AND c.state = 'succeeded'",
@@ -139,7 +133,7 @@ def test_a_streamed_tree_passing_its_threshold_before_it_is_sealed_stops_its_pro
         for i in range(100):
             if i == 8:  # two chunks written and published: wait until the workers' failures stopped the batch
                 wait_for(
-                    lambda: _sql(producer, "SELECT 1 FROM fanin_batches WHERE state = 'failed_threshold'"),
+                    lambda: rows(producer, "SELECT 1 FROM fanin_batches WHERE state = 'failed_threshold'"),
                     60,
                     message="the open batch to pass its threshold",
                 )
@@ -161,7 +155,7 @@ def test_a_streamed_tree_passing_its_threshold_before_it_is_sealed_stops_its_pro
     assert runs[0]["outcome"]["failed"] == 3
     final = handle.batch_status()
     assert (final.remaining, final.succeeded + final.failed) == (0, 8)
-    abandoned = _sql(
+    abandoned = rows(
         producer,
         "SELECT count(*) AS n FROM fanin_children WHERE state = 'abandoned'"
         " AND batch_id IN (SELECT id FROM fanin_batches WHERE id = :b OR parent_id = :b)",

@@ -20,6 +20,7 @@ from celery_fanin.cli.saga import saga as saga_cli
 from celery_fanin.sagas import driver as saga_driver
 from celery_fanin.store import batches
 from celery_fanin.store import sagas as store
+from tests.sql import rows
 
 
 @pytest.fixture(autouse=True)
@@ -33,20 +34,15 @@ def _sig(app: Celery, name: str, *args: Any) -> Signature:
     return app.signature(name, args=args)
 
 
-def _rows(app: Celery, sql: str, **params: Any) -> list[Any]:
-    with FanIn.of(app).engine.begin() as conn:
-        return list(conn.execute(text(sql), params))
-
-
 def _finish_children(app: Celery, batch_id: str, states: dict[int, str]) -> list[str]:
     """Record the terminal outcome of the batch's children (by index) as the worker hooks would."""
-    rows = _rows(app, "SELECT task_id, idx FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=batch_id)
+    found = rows(app, "SELECT task_id, idx FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=batch_id)
     with FanIn.of(app).engine.begin() as conn:
-        for r in rows:
+        for r in found:
             if r.idx in states:
                 exc = None if states[r.idx] == "succeeded" else "RuntimeError"
                 batches.record_terminal(conn, r.task_id, states[r.idx], exc_type=exc, exc_message=exc and "boom")
-    return [r.task_id for r in rows]
+    return [r.task_id for r in found]
 
 
 def _step_done(app: Celery, saga_id: str, position: int) -> None:
@@ -77,7 +73,7 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
         1,
         ["running", "pending", "pending"],
     )
-    [step1] = _rows(app, "SELECT id, key FROM fanin_batches WHERE key = :k", k=f"saga:{sid}:step:1")
+    [step1] = rows(app, "SELECT id, key FROM fanin_batches WHERE key = :k", k=f"saga:{sid}:step:1")
     assert status.step(1).batch_id == str(step1.id)
 
     reserve_id = _finish_children(app, status.step(1).batch_id, {0: "succeeded"})[0]  # type: ignore[arg-type]
@@ -95,7 +91,7 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
         (0, 2, charge_id, saga_driver.compensation_task_id(charge_id, 1)),
         (1, 1, reserve_id, saga_driver.compensation_task_id(reserve_id, 1)),
     ]
-    step_batches = _rows(app, "SELECT key FROM fanin_batches WHERE key LIKE :k", k=f"saga:{sid}:%")
+    step_batches = rows(app, "SELECT key FROM fanin_batches WHERE key LIKE :k", k=f"saga:{sid}:%")
     assert len(step_batches) == 3  # each step's batch once, whatever ran twice
 
     # Generating the same compensations again creates nothing (the key is the original's identity).
@@ -106,7 +102,7 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
 
     # Stage 0, the refund: its compensation batch carries the original's identity; it fails for good.
     refund = status.compensations[0]
-    [child] = _rows(
+    [child] = rows(
         app,
         "SELECT c.message, b.key FROM fanin_children c JOIN fanin_batches b ON b.id = c.batch_id WHERE c.task_id = :t",
         t=refund.task_id,
@@ -127,7 +123,7 @@ def test_rollback_is_generated_once_stops_on_a_failed_compensation_and_resumes(a
     refund2 = status.compensations[0]
     assert (status.state, status.resumes, refund2.attempt) == ("compensating", 1, 2)
     assert refund2.task_id == saga_driver.compensation_task_id(charge_id, 2) != refund.task_id
-    [key] = _rows(app, "SELECT key FROM fanin_batches WHERE id = :b", b=refund2.batch_id)
+    [key] = rows(app, "SELECT key FROM fanin_batches WHERE id = :b", b=refund2.batch_id)
     assert key.key == f"compensate:{status.step(2).batch_id}:2"
     _finish_children(app, refund2.batch_id, {0: "succeeded"})  # type: ignore[arg-type]
     _stage_done(app, sid, 0)
@@ -180,20 +176,20 @@ def test_outcome_compensate_undoes_succeeded_children_once(app: Celery) -> None:
     )
     first = outcome.compensate()
     assert outcome.compensate().batch_id == first.batch_id  # once, however often it is called
-    undos = _rows(app, "SELECT task_id, message FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=first.batch_id)
+    undos = rows(app, "SELECT task_id, message FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=first.batch_id)
     assert [u.task_id for u in undos] == [saga_driver.compensation_task_id(ids[i], 1) for i in (2, 0)]  # latest first
     assert [json.loads(bytes(u.message))["args"] for u in undos] == [[2], [0]]
-    assert _rows(app, "SELECT count(*) AS n FROM fanin_batches WHERE key LIKE 'compensate:%'")[0].n == 1
+    assert rows(app, "SELECT count(*) AS n FROM fanin_batches WHERE key LIKE 'compensate:%'")[0].n == 1
 
 
 def test_outcome_compensate_finds_children_in_the_leaves_of_a_wide_batch(app: Celery) -> None:
     children = [compensated(_sig(app, "t.piece", i), _sig(app, "t.unpiece", i)) for i in range(7)]
     handle = fan_in_group(children, then=_sig(app, "t.merge"), max_width=3).apply_async()
-    leaves = _rows(app, "SELECT id FROM fanin_batches WHERE parent_id = :b", b=handle.batch_id)
+    leaves = rows(app, "SELECT id FROM fanin_batches WHERE parent_id = :b", b=handle.batch_id)
     assert len(leaves) >= 2
     succeeded = {0, 3, 4, 6}
     with FanIn.of(app).engine.begin() as conn:
-        for r in _rows(
+        for r in rows(
             app,
             "SELECT task_id, idx FROM fanin_children WHERE batch_id = ANY(CAST(:l AS uuid[]))",
             l=[leaf.id for leaf in leaves],
@@ -202,7 +198,7 @@ def test_outcome_compensate_finds_children_in_the_leaves_of_a_wide_batch(app: Ce
     outcome = BatchOutcome.from_message(
         {"batch_id": handle.batch_id, "step": "t.merge", "planned": 7, "succeeded": 4, "failed": 3}, app=app
     )
-    undos = _rows(
+    undos = rows(
         app, "SELECT message FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=outcome.compensate().batch_id
     )
     assert [json.loads(bytes(u.message))["args"] for u in undos] == [[6], [4], [3], [0]]
@@ -212,7 +208,7 @@ def test_saga_key_returns_the_same_saga(app: Celery) -> None:
     steps = (_sig(app, "t.a"), _sig(app, "t.b"))
     first = saga(*steps, key="order-1").apply_async()
     assert saga(*steps, key="order-1").apply_async().saga_id == first.saga_id
-    assert _rows(app, "SELECT count(*) AS n FROM fanin_sagas WHERE key = 'order-1'")[0].n == 1
+    assert rows(app, "SELECT count(*) AS n FROM fanin_sagas WHERE key = 'order-1'")[0].n == 1
     with pytest.raises(sagas.InvalidSaga, match="taken by saga"):
         saga(_sig(app, "t.a"), key="order-1").apply_async()
 
@@ -233,7 +229,7 @@ def test_invalid_sagas_are_refused_before_anything_is_written(app: Celery) -> No
         compensated(a, compensated(b, a))
     with pytest.raises(sagas.InvalidSaga, match="a list of children"):
         saga(fan_in_group((x for x in [a]), then=b)).apply_async()
-    assert _rows(app, "SELECT count(*) AS n FROM fanin_sagas")[0].n == 0
+    assert rows(app, "SELECT count(*) AS n FROM fanin_sagas")[0].n == 0
 
 
 def test_cli_unknown_ids_and_unreachable_database_exit_non_zero(app: Celery, closed_port: int) -> None:

@@ -1,9 +1,11 @@
-"""Reading and editing the test database from a test, through the producer app's engine."""
+"""Reading and editing the test database from a test: through an app's engine (`rows`), or a connection of its own
+(`env_rows`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from sqlalchemy import text
 
 from celery_fanin import FanIn
@@ -14,6 +16,13 @@ def rows(app: Any, sql: str, **params: Any) -> list[Any]:
     with FanIn.of(app).engine.begin() as conn:
         result = conn.execute(text(sql), params)
         return list(result) if result.returns_rows else []
+
+
+def env_rows(env: dict[str, str], query: str, *params: Any) -> list[tuple[Any, ...]]:
+    """`query` (psycopg placeholders) on a connection of its own to the test database `env` names, committed."""
+    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description is not None else []
 
 
 def counters(app: Any, batch_id: str) -> tuple[str, int, int, int]:
