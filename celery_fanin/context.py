@@ -449,10 +449,10 @@ class FanIn:
                 "(set fanin_check_pooler = False to skip this check)."
             )
 
-    def check_settings(self) -> None:
-        """Raise `FanInNotConfigured` if a checked setting has a bad value: every setting read at once, when a worker
-        or relay starts, rather than at its first read mid-round."""
-        Settings.from_conf(self.app.conf)
+    def check_settings(self) -> Settings:
+        """Every setting read and checked at once (`FanInNotConfigured` for a bad value), as a frozen `Settings`:
+        when a worker or relay starts and when a producer writes a batch, rather than at a first read mid-round."""
+        return Settings.from_conf(self.app.conf)
 
     def check_schema(self) -> None:
         """Raise `FanInNotConfigured` if the database lacks a migration this installation needs (none applied, or

@@ -219,8 +219,9 @@ class _Arguments:
             self.signature(then, what, self.OUTCOME)
 
 
-_ON_LOST = frozenset(OnLost)
-_ON_DEADLINE = frozenset(OnDeadline)
+# Tuples, not sets: a value given is compared, never hashed (an unhashable one is refused as any other).
+_ON_LOST = tuple(OnLost)
+_ON_DEADLINE = tuple(OnDeadline)
 
 
 @dataclass(frozen=True)
@@ -728,7 +729,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         return app.signature(RUN_GROUP_TASK, args=(self.to_spec(what),))
 
     def _policy(self, fanin: FanIn) -> Policy:
-        settings = fanin.settings
+        settings = fanin.check_settings()  # all of them checked before anything is written
         opts = self.policy_options
         timeout = opts.get("child_timeout", settings.child_timeout)
         policy = Policy(

@@ -662,8 +662,7 @@ class WorkerHooks:
         )
 
     def worker_init(self, sender: Any = None, **_: Any) -> None:
-        """Refuse a bad setting, a pooled database URL or an unmigrated schema; guard the app's tasks; count
-        undecodable messages."""
+        """Refuse bad settings, a pooled URL or an old schema; guard the app's tasks; count undecodable messages."""
         app = getattr(sender, "app", None)
         fanin = _fanin_for(app)
         if fanin is not None:
