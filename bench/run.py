@@ -427,7 +427,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     from celery_fanin import FanIn
     from celery_fanin.protocol import Marker
     from celery_fanin.store.batches import Claim
-    from celery_fanin.worker import hooks
+    from celery_fanin.worker import runtime
 
     claims: dict[str, Claim] = {}
     if kind in ("fanin", "fanin_one_conn", "fanin_sql"):  # what each child's message says, read before the clock
@@ -452,7 +452,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         go.wait()
         start = time.time()
         for i, (task_id, marker) in enumerate(zip(ids, markers, strict=True)):
-            hooks.worker_hooks.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
+            runtime.current.reporter.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
     elif kind == "raw_engine":
         from sqlalchemy import create_engine, text
 

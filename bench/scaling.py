@@ -5,7 +5,7 @@ Two curves, each measured in one run with its series alternated:
 - terminal events/s against concurrent reporters (1, 2, 4, ... 64 processes) on one batch of `--children`
   children: flat (`max_width` = the batch), trees of `--leaves` leaf counters (`max_width` = children / leaves),
   the batch with the library's default settings (no `max_width` given), and the raw one-row `UPDATE` beside them.
-  The reporters are bench/run.py's: the worker's own terminal-report path (`WorkerHooks.record_child`) and the
+  The reporters are bench/run.py's: the worker's own terminal-report path (`Reporter.record_child`) and the
   raw `UPDATE ... RETURNING` in autocommit. Each round sweeps the reporter counts (ascending, then descending the
   next round) and, at each count, runs the series in an order rotated per count and round; every phase reports
   `--events` children not reported before (batches are refilled when used up), and each figure is the median of

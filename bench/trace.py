@@ -75,9 +75,9 @@ def install() -> None:
     relay_outbox.publish_outbox = publish_outbox
     # The worker's publish of the successor its report created (from issue 23's third round on: a completed
     # batch's is handed to it and read without a claim, then marked sent on its report connection).
-    from celery_fanin.worker.hooks import worker_hooks
+    from celery_fanin.worker import runtime as worker_runtime
 
-    original_created = worker_hooks.publish_successor
+    original_created = worker_runtime.current.reporter.publish_successor
     if original_created is not None:
 
         def publish_created(fanin: Any, batch_id: Any, handed_off: Any) -> Any:
@@ -92,7 +92,7 @@ def install() -> None:
                 note(key, "pub.committed")
                 _local.batch = None
 
-        worker_hooks.publish_successor = publish_created
+        worker_runtime.current.use_publisher(publish_created)
         _around(reports.ReportConnection, "handed_off", current, None, "pub.claimed")
         _around(reports.ReportConnection, "mark_sent", current, "pub.flushed", "pub.marked")
     _around(outbox, "claim", current, None, "pub.claimed")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from . import builtin_tasks, context
 from .producer import eager
 from .relay import outbox
-from .worker import hooks
+from .worker import hooks, runtime
 
 
 class FanIn(context.FanIn):
@@ -21,6 +21,6 @@ class FanIn(context.FanIn):
 
     def _wire(self) -> None:
         hooks.install(self.app)
-        hooks.worker_hooks.publish_successor = outbox.publish_created_successor
+        runtime.current.use_publisher(outbox.publish_created_successor)
         builtin_tasks.register(self.app)
         eager.install()  # task_always_eager: children and successors run inline are counted as on a worker

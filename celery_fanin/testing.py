@@ -31,7 +31,7 @@ from .producer.result import EagerFanInResult
 from .relay.loop import Relay
 from .store.reports import libpq_conninfo
 from .store.urls import sqlalchemy_url
-from .worker import hooks
+from .worker import guards
 
 CONTRIB_PLUGIN = "celery.contrib.pytest"
 
@@ -272,7 +272,7 @@ def fanin_worker(request: pytest.FixtureRequest, fanin_celery_app: Celery) -> It
     class FanInTestWorker(TestWorkController):
         def reload(self, modules: Any = None, reload: bool = False, reloader: Any = None) -> None:
             # Tasks defined after the worker started get the successor run guard a worker gives its tasks at start.
-            hooks.guard_tasks(self.app)
+            guards.guard_tasks(self.app)
             super().reload(modules, reload=reload, reloader=reloader)
 
     # No ping task: it needs a result backend, which fan-ins do not (their results are in PostgreSQL).

@@ -85,12 +85,12 @@ FanIn(app)
 if os.environ.get("FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH"):
     # A pool process killed (SIGKILL) after the commit of the report that created a successor and before it
     # publishes it: the hook the wiring set is where the worker would publish (tests/e2e/test_successor_publish.py).
-    from celery_fanin.worker.hooks import worker_hooks
+    from celery_fanin.worker import runtime as worker_runtime
 
     def _die_before_publishing(*_: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    worker_hooks.publish_successor = _die_before_publishing
+    worker_runtime.current.use_publisher(_die_before_publishing)
 
 if os.environ.get("FANIN_TEST_SLOW_SUCCESSOR_PUBLISH"):
     # A worker stopped between reading the successor handed to it and publishing it, for this many seconds (longer
@@ -464,10 +464,10 @@ def saga_merge(outcome: dict[str, Any]) -> dict[str, Any]:
 @inspect_command()
 def fanin_received_markers(state: Any) -> dict[str, int]:
     """How many received fan-in messages the worker's main process still keeps a marker for (asked by the tests)."""
-    from celery_fanin.worker import hooks
+    from celery_fanin.worker import runtime
 
     gc.collect()  # a request released in a reference cycle goes with the next collection
-    return {"markers": len(hooks.worker_hooks.received)}
+    return {"markers": len(runtime.current.received)}
 
 
 # --- outcome rows (tests/e2e/test_outcome_rows.py) ------------------------------------------------------------------

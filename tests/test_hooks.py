@@ -7,7 +7,8 @@ import gc
 
 from celery_fanin.protocol import HEADER_CHAIN, HEADER_PART, HEADER_PART_OF, HEADER_STEP, HEADER_TASK, Marker, claim
 from celery_fanin.store.batches import Claim
-from celery_fanin.worker.hooks import ReceivedMarkers, claim_of
+from celery_fanin.worker.received import ReceivedMarkers
+from celery_fanin.worker.reporter import claim_of
 
 
 class _Request:
@@ -134,15 +135,23 @@ def test_a_replacements_other_tasks_report_for_what_it_replaced() -> None:
 
 
 def test_each_signal_is_one_documented_method_connected_once() -> None:
+    """The middleware has one no-op method per signal it names; the adapter overrides each of them, and `install`
+    connects each once, however often a `FanIn(app)` calls it."""
+    import inspect
+
     from celery import signals
 
-    from celery_fanin.worker import hooks
+    from celery_fanin.worker import hooks, middleware
 
-    hooks.worker_hooks.install()
-    hooks.worker_hooks.install()  # a second FanIn(app) in the same process connects nothing more
-    for name, uid in hooks._SIGNALS:
-        method = getattr(hooks.WorkerHooks, name)
-        doc = (method.__doc__ or "").strip()
-        assert doc and "\n" not in doc, f"WorkerHooks.{name} needs a one-line docstring"
+    hooks.install()
+    hooks.install()  # a second FanIn(app) in the same process connects nothing more
+    defined = {n for n, m in inspect.getmembers(middleware.Middleware, inspect.isfunction) if not n.startswith("_")}
+    assert defined == {name for name, _ in middleware.SIGNALS}
+    for name, uid in middleware.SIGNALS:
+        for cls in (middleware.Middleware, hooks.WorkerHooks):
+            doc = (getattr(cls, name).__doc__ or "").strip()
+            assert doc and "\n" not in doc, f"{cls.__name__}.{name} needs a one-line docstring"
+        assert getattr(hooks.WorkerHooks, name) is not getattr(middleware.Middleware, name), f"{name} not adapted"
+        assert getattr(middleware.Middleware(), name)() is None
         connected = [r for key, r in getattr(signals, name).receivers if key[0] == f"celery_fanin.{uid}"]
         assert len(connected) == 1, f"{name}: {len(connected)} receivers"

@@ -25,7 +25,7 @@ from celery_fanin import FanIn, fan_in_group, protocol, retry
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection
-from celery_fanin.worker import hooks, report, successor_runs
+from celery_fanin.worker import hooks, report, runtime, successor_runs
 from tests.faults import TcpProxy, proxy_for, release_producer_app
 from tests.store.helpers import create, make_engine
 from tests.workers import wait_for
@@ -101,7 +101,9 @@ def report_attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _report(app: Celery, task_id: str, batch_id: uuid.UUID, index: int) -> Any:
     marker = protocol.Marker(str(batch_id), index, None)
-    return hooks.worker_hooks.record_child(FanIn.of(app), task_id, marker, "succeeded", value=index, has_value=True)
+    return runtime.current.reporter.record_child(
+        FanIn.of(app), task_id, marker, "succeeded", value=index, has_value=True
+    )
 
 
 def _states(engine: Engine, batch_id: uuid.UUID) -> list[str]:

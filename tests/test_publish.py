@@ -244,7 +244,7 @@ OPTION_SETS: list[tuple[str, dict[str, Any]]] = [
 def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any], stored: bool) -> None:
     """The fast path's message is Celery's, given the ``ignore_result=True`` the library adds to a child (unless
     the child sets ignore_result, or ``fanin_store_child_results_in_backend`` is on)."""
-    hooks.worker_hooks.install()  # Celery's path gets its claim from the hooks (the fast path builds it in)
+    hooks.install()  # Celery's path gets its claim from the hooks (the fast path builds it in)
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(
         task_default_queue="default-q",
@@ -291,7 +291,7 @@ def test_messages_match_what_celery_publishes(name: str, options: dict[str, Any]
 @pytest.mark.parametrize(("name", "options"), OPTION_SETS[:4], ids=[f"{n}-{sorted(o)}" for n, o in OPTION_SETS[:4]])
 def test_successor_message_matches_what_celery_publishes(name: str, options: dict[str, Any]) -> None:
     """The relay builds a successor's message like a child's: the outcome first, the successor headers."""
-    hooks.worker_hooks.install()
+    hooks.install()
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(task_default_queue="default-q", task_routes={publish_tasks.ROUTED: {"queue": "routed-q"}})
     publish_tasks.register(app)
@@ -328,7 +328,7 @@ def test_celery_path_and_chain_children_ignore_results_unless_asked(stored: bool
     """Celery's own path (a child the fast path does not build, a chain child) gives the child
     ``ignore_result=True`` as the fast path does: every task of a chain carries it (each publishes the next
     with its own options), except one that sets ignore_result itself, or all of them if the chain sets it."""
-    hooks.worker_hooks.install()
+    hooks.install()
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(task_default_queue="default-q", fanin_store_child_results_in_backend=stored)
     publish_tasks.register(app)
@@ -619,7 +619,7 @@ def test_a_chain_is_published_as_celerys_chain_publishes_it(
     producer: the same first message, the rest of the chain (ids, options, links) in its ``chain`` field."""
     import contextlib
 
-    hooks.worker_hooks.install()
+    hooks.install()
     app = Celery("tests.app", broker="memory://", set_as_current=False)
     app.conf.update(task_default_queue="default-q")
     publish_tasks.register(app)

@@ -36,7 +36,7 @@ from celery_fanin.ops import inspection, retention
 from celery_fanin.producer import group as group_module
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
-from celery_fanin.worker import hooks, successor_runs
+from celery_fanin.worker import runtime, successor_runs
 from tests.conftest import ADMIN_URL
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "how-to"
@@ -172,7 +172,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         for index, task_id in enumerate(plain_ids):
             marker = protocol.Marker(plain.batch_id, index, None)
             state = "failed" if index == 2 else "succeeded"
-            rec = hooks.worker_hooks.record_child(
+            rec = runtime.current.reporter.record_child(
                 fanin_w,
                 task_id,
                 marker,
@@ -183,13 +183,13 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
             )
             assert rec is not None and rec.counted, f"the worker role could not record {task_id}"
         for index, task_id in enumerate(tree_ids):
-            rec = hooks.worker_hooks.record_child(
+            rec = runtime.current.reporter.record_child(
                 fanin_w, task_id, protocol.Marker(tree.batch_id, index, None), "succeeded", value=index, has_value=True
             )
             assert rec is not None and rec.counted
         assert tree.batch_status().state == "complete", "the leaves settled their root as the worker role"
         marker = protocol.Marker(threshold.batch_id, 0, None)
-        rec = hooks.worker_hooks.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
+        rec = runtime.current.reporter.record_child(fanin_w, threshold_ids[0], marker, "failed", exc=ValueError("no"))
         assert rec is not None and rec.successor_created, "a leaf's failure passed its root's threshold"
         # Each successor those reports created was published by the worker itself, as the worker role: its outbox
         # row claimed and marked sent, and the rest of the tree past its threshold abandoned.
@@ -257,7 +257,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         assert live is not None
         outcome = BatchOutcome(plain.batch_id, status.step, 3, 2, 1, app=worker)
         assert list(outcome.values()) == [0, 10]
-        assert hooks.worker_hooks.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
+        assert runtime.current.reporter.record_successor(fanin_w, succ_marker, "succeeded", value=2, live=live)
         assert plain.batch_status().successor_state == "succeeded"
 
         # --- retention ----------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         marker = protocol.Marker(empty.batch_id, None, status.step)
         live = successor_runs.admit(fanin_w, empty.batch_id, status.step, status.successor_task_id, 0)
         assert live is not None
-        assert hooks.worker_hooks.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
+        assert runtime.current.reporter.record_successor(fanin_w, marker, "succeeded", value=0, live=live)
         maintenance = _app(cluster, "maintenance")
         apps = (*apps, maintenance)
         assert retention.prune(FanIn.of(maintenance), 0).batches == 1
@@ -325,7 +325,7 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
             with psycopg.connect(cluster.url("worker")) as conn:
                 row = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 0", (batch_id,))
                 (task_id,) = row.fetchone() or ("",)
-            rec = hooks.worker_hooks.record_child(
+            rec = runtime.current.reporter.record_child(
                 fanin_w,
                 task_id,
                 protocol.Marker(batch_id, 0, None),
@@ -724,7 +724,7 @@ def test_the_dashboard_serves_every_page_as_a_select_only_role(cluster: Cluster)
         ).apply_async()
         fanin_w = FanIn.of(worker)
         for index, state in ((0, "succeeded"), (1, "failed")):
-            rec = hooks.worker_hooks.record_child(
+            rec = runtime.current.reporter.record_child(
                 fanin_w,
                 ids[index],
                 protocol.Marker(flat.batch_id, index, None),

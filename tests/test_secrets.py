@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from celery_fanin import FanIn, FanInDatabaseError, FanInNotConfigured, fan_in_group, protocol
 from celery_fanin.cli import fanin as fanin_cli
 from celery_fanin.redact import MASK, redact, remember
-from celery_fanin.worker import hooks
+from celery_fanin.worker import runtime
 from tests.cluster import free_port
 from tests.workers import CeleryProcess, wait_for
 
@@ -68,7 +68,9 @@ def test_a_driver_error_quoting_the_password_is_redacted_everywhere(
     fanin = FanIn.of(broken_app)
     # The worker's report path: the error is logged (with its traceback), never the password.
     with caplog.at_level(logging.DEBUG):
-        rec = hooks.worker_hooks.record_child(fanin, "t-1", protocol.Marker(str(uuid.uuid4()), 0, None), "succeeded")
+        rec = runtime.current.reporter.record_child(
+            fanin, "t-1", protocol.Marker(str(uuid.uuid4()), 0, None), "succeeded"
+        )
     assert rec is None
     assert caplog.records, "the failed report was logged"
     logged = "\n".join(

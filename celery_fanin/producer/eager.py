@@ -29,7 +29,8 @@ from ..protocol import (
 )
 from ..relay.outbox import Due, publish_outbox
 from ..store import batches, outbox, queries
-from ..worker.hooks import guard_tasks, worker_hooks
+from ..worker import runtime
+from ..worker.guards import guard_tasks
 from .result import EagerFanInResult
 
 logger = logging.getLogger("celery_fanin.eager")
@@ -94,7 +95,7 @@ def _on_prerun(sender: Any = None, task_id: str | None = None, task: Any = None,
         # What the run guard does on a worker: start a run and move the successor to `running`. An eager run
         # cannot be refused from here; a refusal (it ran already) is logged.
         fanin = FanIn.of(task.app)
-        if worker_hooks.admit_successor(fanin, task.request, task_id, marker) is None:
+        if runtime.current.reporter.admit_successor(fanin, task.request, task_id, marker) is None:
             logger.warning(
                 "eager successor batch_id=%s step=%s task_id=%s ran already; running it again",
                 marker.batch_id,
@@ -118,7 +119,7 @@ def _on_postrun(
     if found is None or task_id is None:
         return
     view, marker = found
-    worker_hooks.task_postrun(sender=view, task_id=task_id, task=view, retval=retval, state=state)
+    runtime.current.reporter.postrun(view, task_id, retval, state)
     if marker.is_successor and state in ("SUCCESS", "FAILURE"):
         with _install_lock:
             _successor_results[task_id] = EagerResult(task_id, retval, state, name=task.name)
@@ -170,7 +171,7 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
         if row.state == ChildState.STARTED:
             # It started and never ended: its exception propagated (task_eager_propagates) into the producer,
             # which logged it. On a worker it would have been recorded as failed.
-            worker_hooks.record_child(
+            runtime.current.reporter.record_child(
                 fanin,
                 row.task_id,
                 marker,
@@ -181,7 +182,9 @@ def _finish_children(fanin: FanIn, batch_id: uuid.UUID) -> None:
             )
             continue
         if row.task_name not in app.tasks:
-            worker_hooks.record_child(fanin, row.task_id, marker, ChildState.UNKNOWN, exc=NotRegistered(row.task_name))
+            runtime.current.reporter.record_child(
+                fanin, row.task_id, marker, ChildState.UNKNOWN, exc=NotRegistered(row.task_name)
+            )
             continue
         sig = decode_signature(app, batches.Encoded(row.content_type, row.content_encoding, bytes(row.message)))
         if publish.is_chain(sig):

@@ -1,6 +1,7 @@
 """A worker's successor runs: admitted by the store's run guard, kept alive by a heartbeat, handed over or finished.
 
-The Celery side (which signal or task method calls what) is in `hooks`; the statements are in `store.successors`.
+The Celery side (which signal or task method calls what) is in `hooks`, `guards` and `reporter`; the statements
+are in `store.successors`.
 A run belongs to one execution of the task (it hangs off that execution's request context), never to a task id or
 a process: with thread-based pools (threads, gevent, eventlet) a duplicate delivery of the same task id runs in
 the same process as the live run, and must neither see nor release it.
@@ -15,7 +16,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import psycopg
@@ -202,6 +203,13 @@ def count_refused(fanin: FanIn, batch_id: str, step: str) -> None:
         return  # names no batch: nothing to count it on
     with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         successors.count_duplicate(conn, bid, step)
+
+
+def due_at(eta: datetime | None, countdown: float | None) -> datetime:
+    """When a handed-over run's next delivery is due: Celery's `eta` (UTC if naive), else `countdown` from now."""
+    if eta is not None:
+        return eta if eta.tzinfo is not None else eta.replace(tzinfo=timezone.utc)
+    return datetime.now(timezone.utc) + timedelta(seconds=float(countdown or 0))
 
 
 def hand_over(live: LiveRun, state: str, due_at: datetime | None = None, carrier: str | None = None) -> bool:

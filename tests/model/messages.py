@@ -54,7 +54,7 @@ from celery_fanin.relay import maintenance
 from celery_fanin.relay import outbox as relay_outbox
 from celery_fanin.store import successors
 from celery_fanin.worker import report, starts, successor_runs
-from celery_fanin.worker.hooks import guard_tasks
+from celery_fanin.worker.guards import guard_tasks
 
 from .machine import engine_for
 

@@ -94,9 +94,9 @@ def _starts_dropped_and_sweep_without_their_time(monkeypatch: pytest.MonkeyPatch
 def _parts_report_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     # Before the fix a replacement's tasks other than its carrier carried no fan-in headers: their end was nothing
     # to the fan-in (issue 40, gap 1: a chain body failing in the middle left its successor `replaced`).
-    from celery_fanin.worker.hooks import WorkerHooks
+    from celery_fanin.worker.reporter import Reporter
 
-    monkeypatch.setattr(WorkerHooks, "end_replacement", lambda self, fanin, marker, state, exc: False)
+    monkeypatch.setattr(Reporter, "end_replacement", lambda self, fanin, marker, state, exc: False)
 
 
 # hole -> its fix undone: the model must find each.

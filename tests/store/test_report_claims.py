@@ -127,41 +127,47 @@ def test_the_worker_hook_logs_a_refused_report(
     store_engine: Engine, app: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     from celery_fanin import FanIn
-    from celery_fanin.worker import hooks
+    from celery_fanin.worker import runtime
 
     fanin = FanIn.of(app)  # type: ignore[arg-type]
     batch, children, _ = create(store_engine, 1)
     forged = protocol.Marker(str(batch.id), 0, None, task_name="t.forged")
     before = _refused_metric()
     with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
-        rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True)
+        rec = runtime.current.reporter.record_child(
+            fanin, children[0].task_id, forged, "succeeded", value=1, has_value=True
+        )
     assert rec is not None and rec.refused and not rec.counted
     assert "report refused" in caplog.text and children[0].task_id in caplog.text
     assert _refused_metric() == before + 1
     genuine = protocol.Marker(str(batch.id), 0, None, task_name="t.child")
-    rec = hooks.worker_hooks.record_child(fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True)
+    rec = runtime.current.reporter.record_child(
+        fanin, children[0].task_id, genuine, "succeeded", value=1, has_value=True
+    )
     assert rec is not None and rec.counted and rec.successor_created
 
 
 def test_a_message_refused_by_its_claim_is_counted_on_the_child_and_moves_nothing(
     store_engine: Engine, app: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The worker's own refusal (`WorkerHooks.refuse`: the headers disagree with the claim in the signed body) goes
+    """The worker's own refusal (`Reporter.refuse`: the headers disagree with the claim in the signed body) goes
     through the store's report statement with a claim no child matches: counted where a refused report is."""
     from celery_fanin import FanIn
-    from celery_fanin.worker import hooks
+    from celery_fanin.worker import runtime
 
     fanin = FanIn.of(app)  # type: ignore[arg-type]
     batch, children, _ = create(store_engine, 2)
     before, metric = snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"})), _refused_metric()
     genuine = protocol.Marker(str(batch.id), 1, None, task_name="t.child")
     with caplog.at_level("WARNING", logger="celery_fanin.hooks"):
-        hooks.worker_hooks.refuse(fanin, children[1].task_id, genuine, "its headers differ")
+        runtime.current.reporter.refuse(fanin, children[1].task_id, genuine, "its headers differ")
     assert "report refused" in caplog.text and "its headers differ" in caplog.text
     assert snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"})) == before
     assert (_refused(store_engine, batch.id), _refused_metric()) == (1, metric + 1)
     # The child's genuine report still counts.
-    rec = hooks.worker_hooks.record_child(fanin, children[1].task_id, genuine, "succeeded", value=1, has_value=True)
+    rec = runtime.current.reporter.record_child(
+        fanin, children[1].task_id, genuine, "succeeded", value=1, has_value=True
+    )
     assert rec is not None and rec.counted
 
 
@@ -169,7 +175,7 @@ def test_claim_refusal_compares_the_body_with_the_headers(app: object) -> None:
     from celery import Celery
 
     from celery_fanin import FanIn
-    from celery_fanin.worker.hooks import claim_refusal
+    from celery_fanin.worker.reporter import claim_refusal
 
     assert isinstance(app, Celery)
     fanin = FanIn.of(app)

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.store.batches import Start
 from celery_fanin.web import create_app
-from celery_fanin.worker import hooks, successor_runs
+from celery_fanin.worker import runtime, successor_runs
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Store:
         fanin = FanIn.of(batch.app)
         exc = None if state == "succeeded" else ValueError(message or f"child {index} failed on purpose")
         start = Start(batch.task_ids[index], 0, "web@test", datetime.now(timezone.utc))  # carried by the report
-        rec = hooks.worker_hooks.record_child(
+        rec = runtime.current.reporter.record_child(
             fanin,
             batch.task_ids[index],
             protocol.Marker(batch.id, index, None),
@@ -67,7 +67,7 @@ class Store:
         status = fanin_status(batch)
         live = successor_runs.admit(fanin, batch.id, status.step, status.successor_task_id, 0)
         assert live is not None
-        assert hooks.worker_hooks.record_successor(
+        assert runtime.current.reporter.record_successor(
             fanin, protocol.Marker(batch.id, None, status.step), "succeeded", value=1, live=live
         )
 

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from celery_fanin import FanIn, protocol
 from celery_fanin.web import create_app
-from celery_fanin.worker import hooks, successor_runs
+from celery_fanin.worker import runtime, successor_runs
 
 from .conftest import Store, fanin_status
 
@@ -49,7 +49,7 @@ def _fail_successor(store: Store, batch: Any) -> None:
     live = successor_runs.admit(fanin, batch.id, status.step, status.successor_task_id, 0)
     assert live is not None
     marker = protocol.Marker(batch.id, None, status.step)
-    assert hooks.worker_hooks.record_successor(fanin, marker, "failed", exc=RuntimeError("a bug"), live=live)
+    assert runtime.current.reporter.record_successor(fanin, marker, "failed", exc=RuntimeError("a bug"), live=live)
 
 
 def test_cancel_is_a_csrf_checked_post_recorded_with_who_and_when(acting: TestClient, store: Store) -> None:

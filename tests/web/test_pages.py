@@ -253,10 +253,10 @@ def _saga_done(app: Celery, batch_id: str | None, state: str) -> None:
         task_id, idx = conn.execute(
             sql("SELECT task_id, idx FROM fanin_children WHERE batch_id = :b ORDER BY idx LIMIT 1"), {"b": batch_id}
         ).one()
-    from celery_fanin.worker import hooks
+    from celery_fanin.worker import runtime
 
     exc = RuntimeError("the carrier is down") if state == "failed" else None
-    rec = hooks.worker_hooks.record_child(
+    rec = runtime.current.reporter.record_child(
         fanin, task_id, protocol.Marker(batch_id, idx, None), state, value=1, has_value=state == "succeeded", exc=exc
     )
     assert rec is not None and rec.counted
