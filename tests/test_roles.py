@@ -33,7 +33,7 @@ from celery_fanin import (
     sagas,
 )
 from celery_fanin.ops import inspection, retention
-from celery_fanin.producer import group as group_module
+from celery_fanin.producer import encoder
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.worker import runtime, successor_runs
@@ -147,7 +147,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         # the check, or one that does not know the task): the producer cannot publish it, and the relay, which
         # cannot either, publishes a rejection in its place (with no right to count an outcome itself).
         with monkeypatch.context() as unchecked:
-            unchecked.setattr(group_module._Arguments, "signature", lambda *_: None)
+            unchecked.setattr(encoder.Arguments, "signature", lambda *_: None)
             misfit = fan_in_group([child.clone(args=(0, 1))], then=then, app=producer).apply_async()
         threshold_ids = [f"threshold-{cluster.suffix}-{i}" for i in range(4)]
         threshold = fan_in_group(

@@ -23,7 +23,8 @@ from celery.canvas import group as _group
 
 from ..exceptions import InvalidFanIn
 from ..protocol import FAN_IN_CHORD_TYPE
-from .group import PLAN_KEY, FanInGroup
+from .group import FanInGroup
+from .plan import PLAN_KEY
 from .result import FanInResult
 
 

@@ -1,4 +1,6 @@
-"""`fan_in_group`: the plan of a fan-in, validated, and `apply_async`, which writes it and publishes its children.
+"""`fan_in_group`: the fan-in as a Celery signature, and `apply_async`, which writes it and publishes its children.
+
+Its plan's values are checked in `plan`, its children encoded in `encoder`.
 
 ``fan_in_group(children, then=successor).apply_async()`` validates and encodes everything first, then writes the
 batch, its planned count and every child in one transaction, and only then publishes the children itself (the
@@ -8,12 +10,10 @@ fast path). A producer that dies after the commit loses nothing: the relay publi
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections.abc import Iterable, Mapping
 from copy import deepcopy
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -21,12 +21,10 @@ from celery import Celery, current_app, current_task
 from celery.canvas import Signature, _chain, maybe_signature
 from celery.canvas import group as _group
 from celery.utils import uuid as new_task_id
-from kombu.exceptions import EncodeError
 
 from ..broker import publish
-from ..codec import encode_signature
 from ..context import FanIn, eagerly, is_eager
-from ..exceptions import FanInDepthExceeded, InvalidArguments, InvalidFanIn
+from ..exceptions import FanInDepthExceeded, InvalidFanIn
 from ..protocol import (
     CHORD_OPTION,
     FAN_IN_GROUP_TYPE,
@@ -36,343 +34,32 @@ from ..protocol import (
     RUN_GROUP_TASK,
     THEN_CANVAS_TASK,
     OnDeadline,
-    OnLost,
     request_header,
 )
 from ..relay.outbox import publish_outbox
 from ..store import batches, queries
 from . import eager, write
+from .encoder import Arguments, ChildEncoder, encode
+from .plan import (
+    BATCH_ID_OPTION,
+    CALL_OPTIONS,
+    MAX_STEP_LENGTH,
+    PLAN_KEY,
+    PLAN_NAMES,
+    SUCCESSOR_OPTIONS,
+    Policy,
+    as_timedelta,
+    check_plain_signature,
+    check_text,
+    policy_value,
+    relative_seconds,
+)
 from .result import FanInResult, parse_batch_id
-from .task_ids import random_ids
 from .transaction import adopt
 
 logger = logging.getLogger("celery_fanin.canvas")
 
-MAX_STEP_LENGTH = 200
-
-
-def _check_plain_signature(value: object, what: str) -> Signature:
-    """Only plain task signatures: a group, chain, chord, chunks or map publishes other task ids than the one
-    the batch records, so its outcome would never be counted."""
-    if not isinstance(value, Signature):
-        raise InvalidFanIn(f"{what} is not a task signature (got {type(value).__name__}); use task.s(...)")
-    if type(value) is not Signature:  # group, chain, chord, chunks, xmap, xstarmap are all subclasses
-        kind = value.get("subtask_type") or type(value).__name__.lstrip("_")
-        raise InvalidFanIn(f"{what} is a {kind}; fan_in_group takes plain task signatures (task.s(...))")
-    return value
-
-
-class _MessageTimes:
-    """A child message's `expires` and `countdown`/`eta` as absolute times, for its row (see `NewChild`).
-
-    Why: RabbitMQ drops a message whose `expires` passed unconsumed, and no worker reports it; the relay counts
-    such a child from `expires_at`. A relative `expires` or `countdown` is taken from now (the batch's creation).
-    """
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-        self.task_expires: dict[str, Any] = {}  # the task's own default `expires`, per task name
-        self.now: datetime | None = None
-
-    def __call__(self, name: str, options: dict[str, Any], what: str) -> tuple[datetime | None, datetime | None]:
-        expires = options.get("expires")
-        if expires is None:
-            if name not in self.task_expires:
-                task = self.app.tasks.get(name)
-                self.task_expires[name] = getattr(task, "expires", None) if task is not None else None
-            expires = self.task_expires[name]
-        countdown, eta = options.get("countdown"), options.get("eta")
-        if expires is None and countdown is None and eta is None:
-            return None, None
-        return self._absolute(expires, f"{what}: expires"), self._absolute(eta or countdown, f"{what}: countdown/eta")
-
-    def _absolute(self, value: Any, what: str) -> datetime | None:
-        if value is None:
-            return None
-        if self.now is None:
-            self.now = datetime.now(timezone.utc)
-        if isinstance(value, datetime):
-            return _aware(value)
-        if isinstance(value, str):
-            try:
-                return _aware(datetime.fromisoformat(value))
-            except ValueError:
-                raise InvalidFanIn(f"{what} {value!r} is not an ISO 8601 date and time") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidFanIn(f"{what} must be a number of seconds or a datetime, not {value!r}")
-        return self.now + timedelta(seconds=value)
-
-
-def _check_chain(value: Signature, what: str) -> Signature:
-    """A chain child holds task signatures only (nested chains are flattened; a nested fan-in at its end is one
-    already, `_nested_tail`); returns its last task.
-
-    Why: the child is counted when the chain's last task ends; a group or chord inside the chain publishes task
-    ids the chain's headers do not reach, and a chain ending in a Celery group or chord has no single last task."""
-    tasks = publish.chain_tasks(value)
-    if not tasks:
-        raise InvalidFanIn(f"{what} is an empty chain")
-    for i, task in enumerate(tasks):
-        if isinstance(task, Signature) and type(task) is not Signature:
-            kind = task.get("subtask_type") or type(task).__name__.lstrip("_")
-            raise InvalidFanIn(
-                f"{what}: task {i} of the chain is a {kind}; a chain child may hold only task signatures "
-                "(task.s(...)), and end with a nested fan-in (a celery_fanin.chord or fan_in_group)"
-            )
-        _check_plain_signature(task, f"{what}: task {i} of the chain")
-    return tasks[-1]
-
-
-def _check_nested(nested: FanInGroup, what: str) -> None:
-    """A nested fan-in stands for a child, counted when its successor ends, with its value: a chord whose body is
-    a chord would be counted when the inner chord was written, with its id for a value, so it is refused."""
-    if nested.is_chord and isinstance(nested.then, FanInGroup):
-        raise InvalidFanIn(
-            f"{what}: a chord whose body is a chord cannot be a fan-in's child: it would be counted when its inner "
-            "chord is written (with that chord's id for its value), not when the inner chord's body ends"
-        )
-
-
-def _nested_tail(app: Celery, chained: Signature, what: str, arguments: _Arguments) -> Signature:
-    """A chain child whose last task is a nested fan-in (`a | chord(...)`), with that fan-in as its message,
-    `celery_fanin.run_group(spec)`: as a chain's last task it takes the child's task id, and its batch, written
-    when it runs, stands for the child (counted when its successor ends), as a nested fan-in child's does. The
-    task before it passes its value on, to each of the fan-in's children first, as a chord in a chain gets it.
-    Any other chain is returned as it is."""
-    tasks = publish.chain_tasks(chained)
-    last = maybe_signature(tasks[-1], app=app) if tasks else None
-    if not isinstance(last, FanInGroup):
-        return chained
-    _check_nested(last, f"{what}: the fan-in that ends the chain")
-    before = (arguments.OUTCOME,) if len(tasks) > 1 and not last.immutable else ()
-    arguments.group(last, f"{what}: the fan-in that ends the chain", *before)
-    nested = last.as_signature(app, f"{what}: the fan-in that ends the chain")
-    rebuilt = _chain(*tasks[:-1], nested, app=app)
-    rebuilt.options.update(chained.options)
-    return rebuilt
-
-
-class _Arguments:
-    """Checks that each child's and successor's arguments fit its task, as `Task.apply_async` would at publish
-    time, so that a misfit is refused (`InvalidArguments`) before anything is written or published.
-
-    As Celery: only tasks registered in the producer's app are checked (a signature by name of a task the producer
-    does not import is published by name, as `send_task` does), a task with `typing=False` is not, and a chain is
-    checked by its first task (the message published now). A successor gets the outcome as its first argument
-    (unless immutable), as when it is published; a chain or group `then=` passes it to its first tasks. Each task's
-    check is looked up once per call (`publish.ArgumentCheck`): cheap for 10,000 children of one task.
-    """
-
-    OUTCOME = object()  # stands for the outcome a successor receives first
-
-    def __init__(self, app: Celery) -> None:
-        self.check = publish.ArgumentCheck(app)
-        self.app = app
-
-    def signature(self, sig: Signature, what: str, *before: Any) -> None:
-        try:
-            self.check(sig, *before)
-        except TypeError as exc:
-            if publish.is_chain(sig):
-                what = f"{what} (task 0 of the chain, {self._first(sig).task})"
-            else:
-                what = f"{what} ({sig.task})"
-            raise InvalidArguments(f"{what}: its arguments do not fit the task: {exc}") from None
-
-    def _first(self, chained: Signature) -> Any:
-        tasks = publish.chain_tasks(chained)
-        return maybe_signature(tasks[0], app=self.app) if tasks else None
-
-    def child(self, child: Any, what: str, *before: Any) -> None:
-        """A child as given (after the partial arguments `before` it will be given): a plain signature, a chain, or
-        a nested fan-in (its children and successors)."""
-        if isinstance(child, FanInGroup):
-            _check_nested(child, what)
-            self.group(child, what)
-        elif isinstance(child, Signature):
-            self.signature(child, what, *before)
-
-    def group(self, group: FanInGroup, what: str, *before: Any) -> None:
-        """A nested fan-in or a pipeline's next stage, whose batch a worker writes later: checked now, as its own
-        `apply_async` would check it there (its children must be a list to travel in a message), its children
-        given `before` first (a chord's body that is a chord: the header's results)."""
-        children = group._partial_children(tuple(group.args), group.kwargs)
-        if isinstance(children, (list, tuple)):
-            for i, child in enumerate(children):
-                self.child(child, f"{what}, child {i}", *before)
-        self.successor(group.then, f"{what}, then")
-        policy = group.policy_options
-        for name in ("on_failure", "on_expire"):
-            if isinstance(policy.get(name), Signature):
-                self.successor(policy[name], f"{what}, {name}")
-
-    def successor(self, then: Any, what: str, of_chord: bool = False) -> None:
-        """`then=` (or on_failure, on_expire) as given, with the outcome first (a chord's: its results)."""
-        if isinstance(then, FanInGroup):
-            # A pipeline's next stage: run by run_group, the outcome not its children's; a chord's body that is a
-            # chord: the results are each of its header tasks' first argument.
-            self.group(then, what, *((self.OUTCOME,) if of_chord else ()))
-        elif isinstance(then, _group):  # then_canvas passes the outcome to every member
-            for i, member in enumerate(then.tasks):
-                self.successor(maybe_signature(member, app=self.app), f"{what}, member {i} of the group")
-        elif isinstance(then, Signature):
-            self.signature(then, what, self.OUTCOME)
-
-
-# Tuples, not sets: a value given is compared, never hashed (an unhashable one is refused as any other).
-_ON_LOST = tuple(OnLost)
-_ON_DEADLINE = tuple(OnDeadline)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A batch's recovery settings, validated: what happens to lost children, at the deadline, on failures."""
-
-    child_timeout: timedelta | None = None
-    on_lost: str = OnLost.FAIL
-    max_redrives: int = 3
-    deadline: timedelta | datetime | None = None
-    on_deadline: str = OnDeadline.PROCEED
-    on_expire: Signature | None = None
-    max_failures: int | float | None = None
-    on_failure: Signature | None = None
-
-    def validate(self) -> None:
-        if self.child_timeout is not None and (
-            not isinstance(self.child_timeout, timedelta) or self.child_timeout <= timedelta(0)
-        ):
-            raise InvalidFanIn("child_timeout must be a positive timedelta or number of seconds (0 or None: none)")
-        if self.on_lost not in _ON_LOST:
-            raise InvalidFanIn(f"on_lost must be 'fail' or 'redrive', not {self.on_lost!r}")
-        if (
-            not isinstance(self.max_redrives, int)
-            or isinstance(self.max_redrives, bool)
-            or not 0 <= self.max_redrives <= _MAX_INT
-        ):
-            raise InvalidFanIn(
-                f"max_redrives must be a whole number >= 0 (at most {_MAX_INT}), not {self.max_redrives!r}"
-            )
-        if self.child_timeout is not None and self.child_timeout.total_seconds() > _MAX_SECONDS:
-            raise InvalidFanIn(f"child_timeout must be at most {_MAX_SECONDS:.0f} seconds")
-        if self.deadline is not None:
-            if isinstance(self.deadline, timedelta):
-                if self.deadline <= timedelta(0) or self.deadline.total_seconds() > _MAX_SECONDS:
-                    raise InvalidFanIn(
-                        f"deadline must be a positive timedelta of at most {_MAX_SECONDS:.0f} seconds, or a datetime"
-                        " in the future"
-                    )
-            elif isinstance(self.deadline, datetime):
-                if _aware(self.deadline) <= datetime.now(timezone.utc):
-                    raise InvalidFanIn(f"deadline {self.deadline.isoformat()} is in the past")
-            else:
-                raise InvalidFanIn(
-                    f"deadline must be a timedelta, a number of seconds or a datetime, not {self.deadline!r}"
-                )
-        if self.on_deadline not in _ON_DEADLINE:
-            raise InvalidFanIn(f"on_deadline must be 'proceed' or 'abandon', not {self.on_deadline!r}")
-        if self.on_expire is not None:
-            _check_plain_signature(self.on_expire, "on_expire")
-            if self.deadline is None or self.on_deadline != OnDeadline.ABANDON:
-                raise InvalidFanIn(
-                    "on_expire runs when a deadline abandons the batch: it needs deadline= and on_deadline='abandon'"
-                )
-        mf = self.max_failures
-        if mf is not None:
-            if isinstance(mf, bool) or not isinstance(mf, (int, float)):
-                raise InvalidFanIn(f"max_failures must be a count (int >= 0) or a ratio (0 < float < 1), not {mf!r}")
-            if isinstance(mf, int) and not 0 <= mf <= _MAX_INT:
-                raise InvalidFanIn(f"max_failures must be >= 0 and at most {_MAX_INT}, not {mf}")
-            if isinstance(mf, float) and not 0 < mf < 1:
-                raise InvalidFanIn(f"a max_failures ratio must be between 0 and 1 (exclusive), not {mf}")
-        if self.on_failure is not None:
-            _check_plain_signature(self.on_failure, "on_failure")
-            if mf is None:
-                raise InvalidFanIn("on_failure runs when failures pass max_failures: it needs max_failures=")
-
-    def deadline_at(self) -> datetime | None:
-        if self.deadline is None:
-            return None
-        if isinstance(self.deadline, timedelta):
-            return datetime.now(timezone.utc) + self.deadline
-        return _aware(self.deadline)
-
-
-def _aware(value: datetime) -> datetime:
-    """Naive datetimes are taken as UTC, as Celery's own eta and expires are by default."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
-
-
-def _as_timedelta(value: timedelta | float | int | None, what: str) -> timedelta | None:
-    if value is None or isinstance(value, timedelta):
-        return value if value else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidFanIn(f"{what} must be a timedelta or a number of seconds, not {value!r}")
-    if value < 0:
-        raise InvalidFanIn(f"{what} must not be negative")
-    if not math.isfinite(value) or value > _MAX_SECONDS:
-        raise InvalidFanIn(f"{what} must be a finite number of seconds, at most {_MAX_SECONDS:.0f}, not {value!r}")
-    return timedelta(seconds=value) if value else None
-
-
-def _relative_seconds(value: Any) -> Any:
-    """`deadline=` given in seconds from now (as `child_timeout=` and Celery's `countdown` take them), as a
-    timedelta; anything else is left for `Policy.validate` to accept or refuse."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return value
-    if not math.isfinite(value) or not 0 < value <= _MAX_SECONDS:
-        raise InvalidFanIn(f"deadline must be a positive number of seconds, at most {_MAX_SECONDS:.0f}, not {value!r}")
-    return timedelta(seconds=value)
-
-
-# What the store's columns hold: counts are PostgreSQL integers, durations and times must stay representable.
-_MAX_INT = 2**31 - 1
-_MAX_SECONDS = 100 * 365 * 24 * 3600.0  # a century: beyond it a timeout or deadline is a mistake
-
-
-def _check_text(value: str, what: str) -> None:
-    if "\x00" in value:
-        raise InvalidFanIn(f"{what} must not contain NUL characters")
-
-
 _DEFAULT = object()
-
-# The key of a FanInGroup's dict that holds its plan (children, successor, policy); the signature's other keys mean
-# what they mean for any Celery signature (`args` and `kwargs` are partial arguments for every child, as a chord
-# passes its own to its header).
-PLAN_KEY = "fan_in"
-# The execution option that fixes the batch id (`freeze` sets it), so a re-delivered message makes one batch.
-BATCH_ID_OPTION = "fanin_batch_id"
-# Options that place the fan-in in a canvas (a chain's next tasks, callbacks, a group or chord it belongs to): they
-# go to its successor, which takes the fan-in's place there, as a chord's body takes the chord's.
-_SUCCESSOR_OPTIONS = frozenset(
-    {"chain", "link", "link_error", "group_id", "group_index", "chord", "root_id", "parent_id", "reply_to"}
-)
-# Options of the call itself, which no message carries.
-_CALL_OPTIONS = frozenset(
-    {
-        "producer",
-        "publisher",
-        "connection",
-        "router",
-        "result_cls",
-        "add_to_parent",
-        "retry",
-        "retry_policy",
-        "task_id",
-        BATCH_ID_OPTION,
-        "transaction",
-    }
-)
-# The plan's names: read-only attributes (`evolve` makes a changed copy).
-_PLAN_NAMES = frozenset(
-    {"children", "then", "step", "key", "max_width", "parent_task_id", "round", "retry_of", "policy_options"}
-)
-
-
-def _policy_value(value: Any) -> Any:
-    """A policy option as the plan keeps it: JSON-able, so the plan can travel in a message (positive durations
-    in seconds). Anything else is kept as given, for `Policy.validate` to refuse with its own message."""
-    return value.total_seconds() if isinstance(value, timedelta) and value > timedelta(0) else value
 
 
 @Signature.register_type(name=FAN_IN_GROUP_TYPE)
@@ -409,14 +96,14 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         policy: dict[str, Any] = {
             "on_lost": on_lost,
             "max_redrives": max_redrives,
-            "deadline": _policy_value(deadline),
+            "deadline": policy_value(deadline),
             "on_deadline": on_deadline,
             "on_expire": on_expire,
             "max_failures": max_failures,
             "on_failure": on_failure,
         }
         if child_timeout is not _DEFAULT:  # absent: the app's fanin_child_timeout
-            policy["child_timeout"] = _policy_value(child_timeout)
+            policy["child_timeout"] = policy_value(child_timeout)
         listed = isinstance(children, (list, tuple))
         plan = {
             "children": list(children) if listed else None,
@@ -443,7 +130,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         object.__setattr__(self, "_from_message", False)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _PLAN_NAMES:
+        if name in PLAN_NAMES:
             raise AttributeError(f"a FanInGroup is immutable once built: use .evolve({name}=...) for a changed copy")
         object.__setattr__(self, name, value)
 
@@ -733,10 +420,10 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         opts = self.policy_options
         timeout = opts.get("child_timeout", settings.child_timeout)
         policy = Policy(
-            child_timeout=_as_timedelta(timeout, "child_timeout"),
+            child_timeout=as_timedelta(timeout, "child_timeout"),
             on_lost=opts["on_lost"] if opts["on_lost"] is not None else settings.on_lost,
             max_redrives=opts["max_redrives"] if opts["max_redrives"] is not None else settings.max_redrives,
-            deadline=_relative_seconds(opts["deadline"]),
+            deadline=relative_seconds(opts["deadline"]),
             on_deadline=opts["on_deadline"],
             on_expire=opts["on_expire"],
             max_failures=opts["max_failures"],
@@ -778,7 +465,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
                 raise InvalidFanIn("then= is an empty group")
             wrapped = app.signature(THEN_CANVAS_TASK, kwargs={"canvas": dict(then)})
             return wrapped, self.step or kind
-        sig = _check_plain_signature(then, "then")
+        sig = check_plain_signature(then, "then")
         return sig, sig.task if self.step is None else self.step
 
     @property
@@ -816,14 +503,14 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
             raise InvalidFanIn("step must be a non-empty string")
         if len(step) > MAX_STEP_LENGTH:
             raise InvalidFanIn(f"step is {len(step)} characters long; at most {MAX_STEP_LENGTH} are allowed")
-        _check_text(step, "step")
+        check_text(step, "step")
         children = self.children
         if isinstance(children, (Signature, str, bytes)) or not isinstance(children, Iterable):
             raise InvalidFanIn("children must be an iterable of task signatures")
         if self.key is not None and (not isinstance(self.key, str) or not self.key or len(self.key) > 500):
             raise InvalidFanIn("key must be a non-empty string of at most 500 characters")
         if self.key is not None:
-            _check_text(self.key, "key")
+            check_text(self.key, "key")
         if self.max_width is not None and (
             not isinstance(self.max_width, int) or isinstance(self.max_width, bool) or self.max_width < 1
         ):
@@ -887,7 +574,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         dict.__setitem__(canvas, "kwargs", kwargs)
         dict.__setitem__(canvas, "immutable", True)  # its arguments are merged already
         dict.__setitem__(
-            canvas, "options", {k: v for k, v in options.items() if k not in _CALL_OPTIONS or k in _KEPT_IDS}
+            canvas, "options", {k: v for k, v in options.items() if k not in CALL_OPTIONS or k in _KEPT_IDS}
         )
         app.send_task(
             RUN_CANVAS_TASK,
@@ -912,7 +599,7 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
                 raise InvalidFanIn("transaction= cannot be used with task_always_eager: the children would run first")
             tx = adopt(fanin, transaction)
         policy = self._policy(fanin)
-        arguments = _Arguments(app)
+        arguments = Arguments(app)
         arguments.successor(self.then, "then", of_chord=self.is_chord)
         for name in ("on_failure", "on_expire"):
             if getattr(policy, name) is not None:
@@ -928,8 +615,8 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
         key = self.key
         if key is None and frozen:
             key = f"frozen:{batch_id}"  # a second call with the frozen id (a re-delivery) finds the first batch
-        message = {k: v for k, v in options.items() if k not in _CALL_OPTIONS and k not in _SUCCESSOR_OPTIONS}
-        placed = {k: v for k, v in options.items() if k in _SUCCESSOR_OPTIONS}
+        message = {k: v for k, v in options.items() if k not in CALL_OPTIONS and k not in SUCCESSOR_OPTIONS}
+        placed = {k: v for k, v in options.items() if k in SUCCESSOR_OPTIONS}
         successor_id = options.get("task_id") or then.options.get("task_id") or new_task_id()
         if message or placed:
             then = then.clone()
@@ -939,15 +626,15 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
             step=step,
             successor_task_id=str(successor_id),
             successor_name=then.task,
-            successor_message=_encode(app, then, "then"),
+            successor_message=encode(app, then, "then"),
             child_timeout=policy.child_timeout,
             on_lost=policy.on_lost,
             max_redrives=policy.max_redrives,
             deadline_at=policy.deadline_at(),
             on_deadline=policy.on_deadline,
             max_failures=policy.max_failures if isinstance(policy.max_failures, int) else None,
-            on_expire=_encode(app, policy.on_expire, "on_expire") if policy.on_expire is not None else None,
-            on_failure=_encode(app, policy.on_failure, "on_failure") if policy.on_failure is not None else None,
+            on_expire=encode(app, policy.on_expire, "on_expire") if policy.on_expire is not None else None,
+            on_failure=encode(app, policy.on_failure, "on_failure") if policy.on_failure is not None else None,
             app_name=app.main or "",
             key=key,
             depth=depth,
@@ -957,50 +644,12 @@ class FanInGroup(Signature):  # type: ignore[misc]  # Celery's Signature is an u
             retry_of=self.retry_of,
         )
 
-        serializer = app.conf.task_serializer  # read once: the configuration's lookup costs a child's JSON
-        ids = random_ids()
-        message_times = _MessageTimes(app)
-
-        def with_message_options(sig: Signature) -> Signature:
-            if not message:
-                return sig
-            sig = sig.clone()
-            sig.options.update({**message, **sig.options})
-            return sig
-
-        def encode(index: int, item: Any) -> tuple[batches.NewChild, Signature]:
-            if isinstance(item, FanInGroup):  # a nested fan-in: counted when its own successor finishes
-                _check_nested(item, f"child {index}")
-                sig = with_message_options(item.as_signature(app, f"child {index}"))
-                arguments.group(item, f"child {index}")
-            elif publish.is_chain(item):  # counted when its last task ends (or any task fails)
-                item = _nested_tail(app, item, f"child {index}", arguments)
-                tail = _check_chain(item, f"child {index}")
-                arguments.signature(item, f"child {index}")
-                item = with_message_options(item)
-                task_id = item.options.get("task_id") or tail.options.get("task_id") or next(ids)
-                first = publish.chain_tasks(item)[0]  # its message is the one published now, with the chain's options
-                expires_at, eta_at = message_times(first.task, {**first.options, **item.options}, f"child {index}")
-                encoded = _encode(app, item, f"child {index}", serializer)
-                return batches.NewChild(task_id, tail.task, encoded, expires_at, eta_at), item
-            else:
-                sig = with_message_options(_check_plain_signature(item, f"child {index}"))
-                arguments.signature(sig, f"child {index}")
-            expires_at, eta_at = message_times(sig.task, sig.options, f"child {index}")
-            child = batches.NewChild(
-                sig.options.get("task_id") or next(ids),
-                sig.task,
-                _encode(app, sig, f"child {index}", serializer),
-                expires_at,
-                eta_at,
-            )
-            return child, sig
-
+        encode_child = ChildEncoder(app, message, arguments)
         ratio = policy.max_failures if isinstance(policy.max_failures, float) else None
         width = self.max_width or fanin.settings.max_width
         children = self._partial_children(args, kwargs)
         # With the caller's transaction, published after its commit (by this process or the relay).
-        written = write.write(fanin, root, children, encode, ratio=ratio, max_width=width, tx=tx)
+        written = write.write(fanin, root, children, encode_child, ratio=ratio, max_width=width, tx=tx)
         if is_eager(app):  # the children ran inline as they were published; now the successor
             return eager.run_eagerly(fanin, written.batch_id)
         if written.successor_outbox_id is not None:  # an empty group: send its successor now rather than on NOTIFY
@@ -1044,13 +693,6 @@ def lineage_of_current_task(fanin: FanIn) -> tuple[int, uuid.UUID | None]:
     with fanin.engine.connect() as conn:
         depth = queries.depth(conn, parent_id)
     return (0 if depth is None else depth + 1), parent_id
-
-
-def _encode(app: Celery, sig: Signature, what: str, serializer: str | None = None) -> batches.Encoded:
-    try:
-        return encode_signature(app, sig, serializer)
-    except EncodeError as exc:
-        raise InvalidFanIn(f"{what}: its arguments cannot be encoded with the app's serializer: {exc}") from exc
 
 
 def fan_in_group(

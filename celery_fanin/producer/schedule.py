@@ -23,7 +23,8 @@ from kombu.utils.json import dumps
 
 from ..exceptions import InvalidFanIn
 from ..protocol import RUN_CANVAS_TASK, SLOT_SENT_AT
-from .group import BATCH_ID_OPTION, FanInGroup
+from .group import FanInGroup
+from .plan import BATCH_ID_OPTION
 
 
 def fan_in_schedule(name: str, fan_in: FanInGroup, schedule: Any, **entry: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from celery_fanin import fan_in_group
-from celery_fanin.producer import group as group_module
+from celery_fanin.producer import encoder
 from tests import app as tasks
 from tests.cluster import free_port
 from tests.sql import rows
@@ -105,7 +105,7 @@ def test_a_child_the_relay_cannot_publish_is_counted_rejected_by_a_worker_and_it
     which publishes children 0 and 2 and a rejection in child 1's place; a real worker runs the two and rejects the
     third, and the successor runs once with the two values and the rejected child among the failures."""
     with monkeypatch.context() as unchecked:
-        unchecked.setattr(group_module._Arguments, "signature", lambda *_: None)
+        unchecked.setattr(encoder.Arguments, "signature", lambda *_: None)
         handle = fan_in_group(
             [tasks.ok.s(1), tasks.ok.s(1, 2, 3), tasks.ok.s(3)], then=tasks.record_run.s("misfit", with_values=True)
         ).apply_async()
