@@ -49,7 +49,7 @@ def install() -> None:
     from celery import signals
 
     from celery_fanin.broker import publish
-    from celery_fanin.relay import outbox as relay_outbox
+    from celery_fanin.dispatch import successors as successor_dispatch
     from celery_fanin.store import outbox, reports, successors
     from celery_fanin.worker import successor_runs
 
@@ -57,7 +57,7 @@ def install() -> None:
     def current(_args: Any, _kwargs: Any) -> str | None:
         return getattr(_local, "batch", None)
 
-    original_publish = relay_outbox.publish_outbox
+    original_publish = successor_dispatch.publish_outbox
 
     @functools.wraps(original_publish)
     def publish_outbox(fanin: Any, *args: Any, batch_id: Any = None, **kwargs: Any) -> Any:
@@ -72,7 +72,7 @@ def install() -> None:
             note(key, "pub.committed")
             _local.batch = None
 
-    relay_outbox.publish_outbox = publish_outbox
+    successor_dispatch.publish_outbox = publish_outbox
     # The worker's publish of the successor its report created (from issue 23's third round on: a completed
     # batch's is handed to it and read without a claim, then marked sent on its report connection).
     from celery_fanin.worker import runtime as worker_runtime
@@ -96,7 +96,7 @@ def install() -> None:
         _around(reports.ReportConnection, "handed_off", current, None, "pub.claimed")
         _around(reports.ReportConnection, "mark_sent", current, "pub.flushed", "pub.marked")
     _around(outbox, "claim", current, None, "pub.claimed")
-    _around(relay_outbox, "build_outcome", current, None, "pub.outcome")
+    _around(successor_dispatch, "build_outcome", current, None, "pub.outcome")
     _around(publish, "publish_successor", current, "pub.send", "pub.sent")
     _around(outbox, "mark_sent", current, "pub.flushed", "pub.marked")
 

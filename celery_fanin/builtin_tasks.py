@@ -202,7 +202,7 @@ def register(app: Celery) -> None:
 
     @app.task(name=UNPUBLISHABLE_TASK, shared=False, ignore_result=True)
     def unpublishable(reason: str) -> None:
-        """Stand in for a child the relay could not publish (`relay.outbox`): rejected, with why, so that the
+        """Stand in for a child the relay could not publish (`dispatch.children`): rejected, with why, so that the
         worker hooks count that child `rejected` through the worker's own checked report."""
         raise Reject(reason, requeue=False)
 

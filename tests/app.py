@@ -95,15 +95,15 @@ if os.environ.get("FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH"):
 if os.environ.get("FANIN_TEST_SLOW_SUCCESSOR_PUBLISH"):
     # A worker stopped between reading the successor handed to it and publishing it, for this many seconds (longer
     # than its handoff, so the relay publishes it too: tests/e2e/test_successor_publish.py).
-    from celery_fanin.relay import outbox as _relay_outbox
+    from celery_fanin.dispatch import successors as successor_dispatch
 
-    _publish_handed_off = _relay_outbox._publish_handed_off
+    _publish_handed_off = successor_dispatch._publish_handed_off
 
     def _slow_publish(*args: Any) -> int:
         time.sleep(float(os.environ["FANIN_TEST_SLOW_SUCCESSOR_PUBLISH"]))
         return _publish_handed_off(*args)
 
-    _relay_outbox._publish_handed_off = _slow_publish
+    successor_dispatch._publish_handed_off = _slow_publish
 
 RUNS_TABLE_DDL = """
 CREATE TABLE IF NOT EXISTS e2e_successor_runs (

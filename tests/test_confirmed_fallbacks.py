@@ -22,8 +22,8 @@ from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.broker.confirms import BrokerRefused, ConfirmChannel
+from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.relay import Relay
-from celery_fanin.relay import outbox as outbox_relay
 from celery_fanin.store import outbox
 from tests import publish_tasks
 
@@ -141,7 +141,7 @@ def test_a_chain_childs_first_message_is_recorded_only_once_confirmed(
     assert handle.batch_status().published == 0, "a chain child refused by the broker, yet recorded as published"
     fanin = FanIn.of(app)
     with pytest.raises(BrokerRefused):  # the relay republishes an orphaned chain child the same way
-        outbox_relay.publish_orphaned_children(fanin)
+        child_dispatch.publish_orphaned_children(fanin)
     assert handle.batch_status().published == 0, "republished by the relay, refused, yet recorded as published"
     monkeypatch.undo()
     assert Relay(fanin).run_once() == 2

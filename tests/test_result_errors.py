@@ -40,7 +40,7 @@ def test_chord_results_the_bodys_serializer_cannot_carry_fail_the_body_with_why(
     from celery import Celery
 
     from celery_fanin import FanIn
-    from celery_fanin.relay.outbox import _encodable
+    from celery_fanin.dispatch.successors import _encodable
 
     app = Celery("encodable", set_as_current=False)
     app.conf.fanin_database_url = "postgresql://nobody@127.0.0.1:1/none"  # never connected to

@@ -27,6 +27,7 @@ from kombu import Exchange, Producer
 from kombu.common import Broadcast
 from kombu.compression import compress
 from kombu.entity import maybe_delivery_mode
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.serialization import dumps, loads
 
 from ..codec import serialize
@@ -49,6 +50,9 @@ from .amqp_frames import FrameBuffer
 from .confirms import ConfirmChannel, Unconfirmed, confirm_channel
 
 logger = logging.getLogger("celery_fanin.publish")
+
+# Errors that mean "the broker cannot be reached" rather than "this message is bad".
+BROKER_ERRORS = (KombuOperationalError, ConnectionError, OSError)
 
 # The library's own tasks that only write or run a user's canvas (`run_canvas` writes the fan-in a chain reached,
 # `then_canvas` replaces itself with a successor's chain or group): what they publish is their parent's child, as
@@ -773,7 +777,7 @@ def check_arguments(app: Celery, sig: Signature) -> None:
     published by name, unchecked, as Celery's `send_task` does.
 
     Why: the relay publishes children whose producer is gone, a chunk at a time, and must know which child of a
-    chunk cannot be published before it publishes the others (`relay.outbox.publish_remaining_children`).
+    chunk cannot be published before it publishes the others (`dispatch.children.publish_remaining_children`).
     """
     ArgumentCheck(app)(sig)
 

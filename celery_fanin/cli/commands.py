@@ -32,6 +32,7 @@ from ..ops.inspection import MAX_COUNT, describe, list_batches, parse_duration
 from ..ops.inspection import failures as read_failures
 from ..ops.retention import prune as run_prune
 from ..ops.rounds import retry_failed as start_round
+from ..producer import actions
 from ..producer.result import BatchStatus, parse_batch_id, read_status
 from ..protocol import BatchState, SuccessorState
 from ..relay import maintenance
@@ -651,7 +652,7 @@ def seal(ctx: click.Context, batch_id: str, as_json: bool) -> None:
     writing it fails on its next chunk. Exits 1 if the batch is not open.
     """
     fanin_ext = _fanin(ctx)
-    sealed = maintenance.seal_batch(fanin_ext, parse_batch_id(batch_id))
+    sealed = actions.seal_batch(fanin_ext, parse_batch_id(batch_id))
     if as_json:
         click.echo(
             json.dumps(
@@ -690,7 +691,7 @@ def cancel(ctx: click.Context, batch_id: str, proceed: bool, as_json: bool) -> N
     if the batch has already ended.
     """
     fanin_ext = _fanin(ctx)
-    expiry = maintenance.cancel_batch(fanin_ext, parse_batch_id(batch_id), proceed=proceed)
+    expiry = actions.cancel_batch(fanin_ext, parse_batch_id(batch_id), proceed=proceed)
     if as_json:
         click.echo(
             json.dumps(

@@ -6,7 +6,7 @@ the body: the batch and its count are in PostgreSQL, each header task is counted
 body is published by the outbox and run once by its run guard. What a chord adds to the fan-in:
 
 - the relay sends the body the list of results read from PostgreSQL (no result backend), instead of the outcome
-  (`relay.outbox`, `CHORD_OPTION`), bounded by `fanin_chord_max_header` tasks and `fanin_chord_max_bytes`;
+  (`dispatch.successors`, `CHORD_OPTION`), bounded by `fanin_chord_max_header` tasks and `fanin_chord_max_bytes`;
 - if a header task did not succeed, the body's message carries `HEADER_CHORD` and its run guard fails it with
   `ChordHeaderFailed` (a `celery.exceptions.ChordError`) instead of running it, so Celery calls the body's
   `link_error` callbacks once and the handle's `get()` raises it, as a Celery chord fails its body.

@@ -17,6 +17,7 @@ from celery.result import EagerResult
 from ..broker import publish
 from ..codec import decode_signature
 from ..context import FanIn
+from ..dispatch.successors import Due, publish_outbox
 from ..protocol import (
     HEADER_BATCH,
     HEADER_CHORD,
@@ -27,7 +28,6 @@ from ..protocol import (
     Marker,
     request_header,
 )
-from ..relay.outbox import Due, publish_outbox
 from ..store import batches, outbox, queries
 from ..worker import runtime
 from ..worker.guards import guard_tasks

@@ -24,6 +24,7 @@ from celery.utils import uuid as new_task_id
 
 from ..broker import publish
 from ..context import FanIn, eagerly, is_eager
+from ..dispatch.successors import publish_outbox
 from ..exceptions import FanInDepthExceeded, InvalidFanIn
 from ..protocol import (
     CHORD_OPTION,
@@ -36,7 +37,6 @@ from ..protocol import (
     OnDeadline,
     request_header,
 )
-from ..relay.outbox import publish_outbox
 from ..store import batches, queries
 from . import eager, write
 from .encoder import Arguments, ChildEncoder, encode

@@ -31,9 +31,10 @@ from ..protocol import (
     SuccessorKind,
     SuccessorState,
 )
-from ..relay import maintenance, reruns
+from ..relay import reruns
 from ..store import admin, batches, queries
 from ..store.outcomes import failure_entry
+from . import actions
 
 
 @dataclass(frozen=True)
@@ -447,7 +448,7 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
         """End the batch now, as `celery -A proj fanin cancel` does: unfinished children are abandoned and revoked;
         the batch ends `cancelled` (only `on_expire` runs) or, with `proceed`, `partial` with its successor run.
         Raises `BatchNotOpen` if it has already ended."""
-        maintenance.cancel_batch(FanIn.of(self.app), parse_batch_id(self.batch_id), proceed=proceed)
+        actions.cancel_batch(FanIn.of(self.app), parse_batch_id(self.batch_id), proceed=proceed)
         return self.batch_status()
 
     def rerun(self, step: str | None = None, requested_by: str | None = None) -> reruns.Rerun:
@@ -459,7 +460,7 @@ class FanInResult(AsyncResult):  # type: ignore[misc]  # Celery's AsyncResult is
     def seal(self) -> BatchStatus:
         """Seal an open (streaming) batch now, as `celery -A proj fanin seal` does: it takes no more children and
         finishes when the ones it has do. Raises `BatchNotOpen` if it is not open."""
-        maintenance.seal_batch(FanIn.of(self.app), parse_batch_id(self.batch_id))
+        actions.seal_batch(FanIn.of(self.app), parse_batch_id(self.batch_id))
         return self.batch_status()
 
     def next_stage(self) -> FanInResult | None:

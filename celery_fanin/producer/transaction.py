@@ -23,8 +23,9 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
 from ..context import FanIn
+from ..dispatch.children import publish_remaining_children
+from ..dispatch.successors import publish_outbox
 from ..exceptions import InvalidFanIn
-from ..relay.outbox import publish_outbox, publish_remaining_children
 from ..store import batches
 from ..store.statements import q
 

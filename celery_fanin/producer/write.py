@@ -23,9 +23,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from ..broker import publish
 from ..broker.control import revoke_children
 from ..context import FanIn
+from ..dispatch.children import publish_remaining_children
+from ..dispatch.successors import publish_outbox
 from ..exceptions import BatchClosed, FanInDatabaseError, InvalidFanIn, summarise
 from ..protocol import BatchState
-from ..relay.outbox import publish_outbox, publish_remaining_children
 from ..store import batches, outbox, recovery
 from .transaction import CallerTransaction, publish_committed, wake_relay
 

@@ -25,10 +25,11 @@ from psycopg.conninfo import make_conninfo
 
 from .. import retry
 from ..context import FanIn
+from ..dispatch import children as child_dispatch
+from ..dispatch import successors as successor_dispatch
 from ..store.reports import connect_options, libpq_conninfo
 from ..store.statements import q
 from . import maintenance as maintenance_duties
-from . import outbox
 
 logger = logging.getLogger("celery_fanin.relay")
 
@@ -140,12 +141,12 @@ class Relay:
         published = 0
         while not self._stop.is_set():
             self.beat()
-            n = outbox.publish_outbox(self.fanin)
+            n = successor_dispatch.publish_outbox(self.fanin)
             published += n
             self.stats.successors_published += n
             if n < settings.relay_batch_size:
                 break
-        children = outbox.publish_orphaned_children(self.fanin)
+        children = child_dispatch.publish_orphaned_children(self.fanin)
         self.stats.children_published += children
         self.stats.rounds += 1
         return published + children

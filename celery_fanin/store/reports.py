@@ -156,7 +156,7 @@ class ReportConnection:
         finished past its failure threshold, the handoff is off or passed, or the row went out already).
 
         The report that created it returns the same (`TerminalRecord.handed_off`); this reads it again. A read,
-        not a claim: nothing is locked while the worker publishes (`relay.outbox.publish_created_successor`).
+        not a claim: nothing is locked while the worker publishes (`dispatch.successors.publish_created_successor`).
         """
         return handed_off_rows(self._run(HANDED_OFF, {"batch": batch_id})[0])
 

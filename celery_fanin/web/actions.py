@@ -27,9 +27,10 @@ from starlette.requests import Request
 from ..context import FanIn
 from ..exceptions import FanInError, summarise
 from ..ops.rounds import retry_failed
+from ..producer.actions import cancel_batch, seal_batch
 from ..protocol import BATCH_ACTIVE, SUCCESSOR_FINAL, BatchState, SuccessorState
 from ..redact import redact
-from ..relay import maintenance, reruns
+from ..relay import reruns
 from ..store import admin
 
 CSRF_COOKIE = "fanin_csrf"
@@ -106,11 +107,11 @@ class Actions:
         return f"round {done.round}: {done.children} failed children published again (batch {done.batch_id})"
 
     def _cancel(self, batch_id: uuid.UUID) -> str:
-        expiry = maintenance.cancel_batch(self.fanin, batch_id)
+        expiry = cancel_batch(self.fanin, batch_id)
         return f"cancelled: {len(expiry.abandoned)} unfinished children abandoned and revoked"
 
     def _seal(self, batch_id: uuid.UUID) -> str:
-        sealed = maintenance.seal_batch(self.fanin, batch_id)
+        sealed = seal_batch(self.fanin, batch_id)
         return f"sealed with {sealed.planned} children"
 
     def _rerun(self, batch_id: uuid.UUID, actor: str) -> str:

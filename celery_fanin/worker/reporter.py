@@ -112,7 +112,7 @@ def unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None)
 
 
 class Reporter:
-    """A worker process's reports. `publish_successor` (`relay.outbox.publish_created_successor`, given by the
+    """A worker process's reports. `publish_successor` (`dispatch.successors.publish_created_successor`, given by the
     wiring: this layer does not import the relay's) publishes a successor a report of this process created; without
     one the relay publishes it."""
 

@@ -3,7 +3,7 @@
 Every rule is one of the transactions the library runs, made of the library's own store calls
 (`celery_fanin.store.*`: the SQL functions `fanin_report_terminal`, `fanin_settle`, `fanin_seal`, ... and the
 statements in `batches`, `recovery`, `successors`, `outbox`, `admin`), in the composition its callers use
-(the producer's chunk in `producer/write.py:_fill`, the relay's claim in `relay/outbox.py:publish_outbox`, the
+(the producer's chunk in `producer/write.py:_fill`, the relay's claim in `dispatch/successors.py:publish_outbox`, the
 reaper's duties in `relay/maintenance.py`, prune's transaction in `ops/retention.py`). Nothing here re-implements
 a counter in Python: the model only remembers what it created and what the calls returned, and the invariants
 are read from the database after every step.
@@ -623,7 +623,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(pick=PICK, hold=HOLD)
     @_when(has_idle)
     def worker_publish(self, pick: int, hold: bool) -> None:
-        """A worker's publish of a successor handed to it (`relay/outbox.py:publish_created_successor`): the
+        """A worker's publish of a successor handed to it (`dispatch/successors.py:publish_created_successor`): the
         batch's handed-off rows as its report returned them or its worker reads them (`fanin_handed_off`, no
         lock), then marked sent (`mark_sent_async`)."""
 

@@ -49,9 +49,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
+from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.protocol import Marker
 from celery_fanin.relay import maintenance
-from celery_fanin.relay import outbox as relay_outbox
 from celery_fanin.store import successors
 from celery_fanin.worker import report, starts, successor_runs
 from celery_fanin.worker.guards import guard_tasks
@@ -559,14 +559,14 @@ class MessageMachine(RuleBasedStateMachine):
     def stall_scan(self) -> None:
         """The relay's stall scan republishes what waits, and its outbox round publishes it."""
         maintenance.restart_stalled_successors(self.fanin)
-        relay_outbox.publish_outbox(self.fanin)
+        successor_dispatch.publish_outbox(self.fanin)
         self._drain("stall scan")
 
     @precondition(lambda self: "relay" in self.features)
     @rule()
     def relay_round(self) -> None:
         """The relay's outbox round: a successor handed to its worker is the relay's once the handoff passed."""
-        relay_outbox.publish_outbox(self.fanin)
+        successor_dispatch.publish_outbox(self.fanin)
         self._drain("relay")
 
     @precondition(lambda self: "events" in self.features)

@@ -13,7 +13,7 @@ from celery import Celery
 from sqlalchemy import Engine, text
 
 from celery_fanin import BatchNotFound, BatchNotOpen, FanIn
-from celery_fanin.relay import maintenance
+from celery_fanin.producer import actions
 from celery_fanin.store import batches, recovery
 
 from .helpers import fetch_all, fetch_one, json_encoded, new_batch
@@ -251,12 +251,12 @@ def test_seal_and_cancel_explain_why_they_did_nothing(app: Celery, store_engine:
     fanin = FanIn.of(app)
     batch, _, leaf_ids = _open(store_engine, 2, leaves=1)
     with pytest.raises(BatchNotOpen, match=f"is a leaf counter of batch {batch.id}: seal {batch.id} instead$"):
-        maintenance.seal_batch(fanin, leaf_ids[0])
-    assert maintenance.seal_batch(fanin, batch.id).planned == 2
+        actions.seal_batch(fanin, leaf_ids[0])
+    assert actions.seal_batch(fanin, batch.id).planned == 2
     with pytest.raises(BatchNotOpen, match="is running: nothing to seal"):
-        maintenance.seal_batch(fanin, batch.id)
-    assert maintenance.cancel_batch(fanin, batch.id).state == "cancelled"
+        actions.seal_batch(fanin, batch.id)
+    assert actions.cancel_batch(fanin, batch.id).state == "cancelled"
     with pytest.raises(BatchNotOpen, match="is cancelled: nothing to cancel"):
-        maintenance.cancel_batch(fanin, batch.id)
+        actions.cancel_batch(fanin, batch.id)
     with pytest.raises(BatchNotFound):
-        maintenance.cancel_batch(fanin, uuid.uuid4())
+        actions.cancel_batch(fanin, uuid.uuid4())

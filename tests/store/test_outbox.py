@@ -18,7 +18,7 @@ from celery import Celery
 from sqlalchemy import Connection, Engine, text
 
 from celery_fanin import FanIn, codec
-from celery_fanin.relay import outbox as relay_outbox
+from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, outbox, queries
 
 from .helpers import QUEUE, Tasks, create, fetch_all, fetch_one, queued_messages
@@ -288,7 +288,7 @@ def test_publish_outbox_sends_the_successor_with_the_outcome_first(
     app.conf.fanin_outcome_failures_limit = limit
     batch, children = _completed_batch(app, tasks, store_engine)
 
-    assert relay_outbox.publish_outbox(FanIn.of(app)) == 1
+    assert successor_dispatch.publish_outbox(FanIn.of(app)) == 1
 
     [message] = queued_messages(broker)
     assert broker.llen(QUEUE) == 1
@@ -331,7 +331,7 @@ def test_publish_outbox_sends_the_successor_with_the_outcome_first(
     assert out["sent_at"] is not None and out["attempts"] == 1
     assert succ["state"] == "sent"
 
-    assert relay_outbox.publish_outbox(FanIn.of(app)) == 0  # sent rows are not published again
+    assert successor_dispatch.publish_outbox(FanIn.of(app)) == 0  # sent rows are not published again
     assert broker.llen(QUEUE) == 1
 
 
@@ -339,7 +339,7 @@ def test_publish_outbox_only_publishes_the_ids_asked_for(
     app: Celery, tasks: Tasks, store_engine: Engine, broker: redis.Redis, make_outbox_rows: MakeRows
 ) -> None:
     ids = make_outbox_rows(3)
-    assert relay_outbox.publish_outbox(FanIn.of(app), ids=[ids[1]]) == 1
+    assert successor_dispatch.publish_outbox(FanIn.of(app), ids=[ids[1]]) == 1
     with store_engine.connect() as conn:
         rows = fetch_all(conn, "SELECT id, sent_at IS NOT NULL AS sent FROM fanin_outbox ORDER BY id")
     assert rows == [{"id": ids[0], "sent": False}, {"id": ids[1], "sent": True}, {"id": ids[2], "sent": False}]
@@ -360,12 +360,12 @@ def test_publish_outbox_with_the_broker_down_raises_and_rolls_the_claim_back(
     kept = ("sent_at", "successor_state", "attempts", "last_error", "available_at")
     with store_engine.connect() as conn:
         before = _outbox(conn, outbox_id)
-    with pytest.raises(relay_outbox.BROKER_ERRORS):
-        relay_outbox.publish_outbox(FanIn.of(dead_broker_app))
+    with pytest.raises(successor_dispatch.BROKER_ERRORS):
+        successor_dispatch.publish_outbox(FanIn.of(dead_broker_app))
     with store_engine.connect() as conn:
         after = _outbox(conn, outbox_id)
     assert {k: after[k] for k in kept} == {k: before[k] for k in kept}
     assert before["sent_at"] is None and before["successor_state"] == "pending"
     assert broker.llen(QUEUE) == 0
-    assert relay_outbox.publish_outbox(FanIn.of(app)) == 1  # the same row, on the broker that is up
+    assert successor_dispatch.publish_outbox(FanIn.of(app)) == 1  # the same row, on the broker that is up
     assert broker.llen(QUEUE) == 1

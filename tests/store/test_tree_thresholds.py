@@ -23,7 +23,8 @@ from celery import Celery
 from sqlalchemy import Engine, text
 
 from celery_fanin import BatchOutcome, FanIn, FanInNotConfigured, InvalidFanIn, codec, fan_in_group
-from celery_fanin.relay import outbox as relay_outbox
+from celery_fanin.dispatch import children as child_dispatch
+from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, queries, recovery
 from celery_fanin.store.outcomes import build_outcome
 
@@ -373,10 +374,10 @@ def test_the_relay_publishes_only_orphaned_children_still_pending_and_marks_the_
             text("UPDATE fanin_children SET state = 'abandoned' WHERE task_id = :t"), {"t": children[8].task_id}
         )
 
-    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 3
+    assert child_dispatch.publish_orphaned_children(FanIn.of(app)) == 3
     assert [m.headers["id"] for m in queued_messages(broker)] == [children[i].task_id for i in (1, 2, 6)]
     assert _published_upto(store_engine, batch.id) == 10
-    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 0  # done with it: not scanned again
+    assert child_dispatch.publish_orphaned_children(FanIn.of(app)) == 0  # done with it: not scanned again
     assert broker.llen(QUEUE) == 3
 
 
@@ -390,7 +391,7 @@ def test_the_relay_moves_the_mark_past_a_batch_with_nothing_left_to_publish(
         batches.mark_published(conn, batch.id, 1)
     for child in children[1:]:
         _report(store_engine, child.task_id, "failed")
-    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 0
+    assert child_dispatch.publish_orphaned_children(FanIn.of(app)) == 0
     assert broker.llen(QUEUE) == 0
     assert _published_upto(store_engine, batch.id) == 5
 
@@ -414,7 +415,7 @@ def test_publishing_a_tree_s_threshold_successor_abandons_and_revokes_every_leaf
     _report(store_engine, children[4].task_id, "succeeded")
     assert _report(store_engine, children[2].task_id, "failed").successor_created
 
-    assert relay_outbox.publish_outbox(FanIn.of(app)) == 1
+    assert successor_dispatch.publish_outbox(FanIn.of(app)) == 1
     [message] = queued_messages(broker)
     outcome = message.args[0]
     # The outcome says what had happened when the threshold passed: the tree's successes as well.

@@ -17,8 +17,8 @@ from celery import Celery
 from sqlalchemy import Engine
 
 from celery_fanin import FanIn, codec, protocol
+from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.relay import maintenance
-from celery_fanin.relay import outbox as relay_outbox
 from celery_fanin.store import batches
 from tests.e2e import clock
 
@@ -96,7 +96,7 @@ def test_one_child_that_cannot_be_published_is_rejected_and_the_rest_of_the_roun
     bad = {first[1]: "TypeError", second[1]: "ContentDisallowed", second[2]: "SerializerNotInstalled"}
 
     with caplog.at_level(logging.ERROR, logger="celery_fanin.dispatch"):
-        assert relay_outbox.publish_orphaned_children(fanin) == len(good)
+        assert child_dispatch.publish_orphaned_children(fanin) == len(good)
     messages = {m.headers["id"]: m for m in queued_messages(broker)}
     assert sorted(messages) == sorted(good + list(bad))  # every child once: itself, or a rejection in its place
     assert {t for t, m in messages.items() if m.headers["task"] == "tests.store.add"} == set(good)
@@ -119,7 +119,7 @@ def test_one_child_that_cannot_be_published_is_rejected_and_the_rest_of_the_roun
     for task_id in first + second + third:
         batch = _batch_of(store_engine, task_id)
         assert batch["published_upto"] == batch["planned"]
-    assert relay_outbox.publish_orphaned_children(fanin) == 0
+    assert child_dispatch.publish_orphaned_children(fanin) == 0
     assert len(queued_messages(broker)) == len(good) + len(bad)
 
 
@@ -129,7 +129,7 @@ def test_a_producer_publishing_its_own_batch_still_raises(app: Celery, tasks: Ta
     ids = _batch(app, tasks, [codec.encode_signature(app, tasks.add.s(1, 2, 3))], leaves=0, engine=store_engine)
     batch_id = _batch_of(store_engine, ids[0])["id"]
     with FanIn.of(app).engine.connect() as conn, pytest.raises(TypeError, match="positional argument"):
-        relay_outbox.publish_remaining_children(FanIn.of(app), conn, batch_id)
+        child_dispatch.publish_remaining_children(FanIn.of(app), conn, batch_id)
     assert _batch_of(store_engine, ids[0])["published_upto"] == 0
 
 
@@ -148,7 +148,7 @@ def test_a_rejection_goes_where_its_child_would_have(
         leaves=0,
         engine=store_engine,
     )
-    assert relay_outbox.publish_orphaned_children(FanIn.of(app)) == 0  # no child itself, two rejections
+    assert child_dispatch.publish_orphaned_children(FanIn.of(app)) == 0  # no child itself, two rejections
     [own] = queued_messages(broker, "own")
     [routed] = queued_messages(broker, "routed")
     assert (own.headers["id"], routed.headers["id"]) == tuple(ids)
