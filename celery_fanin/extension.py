@@ -7,9 +7,8 @@ use `celery_fanin.context.FanIn.of(app)`, so nothing below depends on the wiring
 from __future__ import annotations
 
 from . import builtin_tasks, context
-from .dispatch import successors
 from .producer import eager
-from .worker import hooks, runtime
+from .worker import hooks
 
 
 class FanIn(context.FanIn):
@@ -21,6 +20,5 @@ class FanIn(context.FanIn):
 
     def _wire(self) -> None:
         hooks.install(self.app)
-        runtime.current.use_publisher(successors.publish_created_successor)
         builtin_tasks.register(self.app)
         eager.install()  # task_always_eager: children and successors run inline are counted as on a worker

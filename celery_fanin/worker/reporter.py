@@ -2,8 +2,8 @@
 
 `Reporter` is the one path from Celery's signals, the task guards and eager mode to the store: a child's terminal
 outcome is one statement on the process's report connection (`record_child`), a successor's end one update fenced
-to its run (`record_successor`). Each worker process has one (`runtime.reporter`), given the function that
-publishes a successor its report created.
+to its run (`record_successor`). Each worker process has one (`runtime.current.reporter`); a successor one of its
+reports created is published from here, after that report's commit (`dispatch.successors`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from prometheus_client import Counter
 
 from ..codec import encode_result
 from ..context import FanIn
+from ..dispatch.successors import publish_created_successor
 from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, claim
 from ..store import batches
 from ..store.outbox import OutboxRow
@@ -112,11 +113,10 @@ def unverified(fanin: FanIn, what: str, task_id: str, exc: BaseException | None)
 
 
 class Reporter:
-    """A worker process's reports. `publish_successor` (`dispatch.successors.publish_created_successor`, given by the
-    wiring: this layer does not import the relay's) publishes a successor a report of this process created; without
-    one the relay publishes it."""
+    """A worker process's reports. `publish_successor` publishes a successor a report of this process created, after
+    its commit (`dispatch.successors.publish_created_successor`; None: the relay publishes it)."""
 
-    def __init__(self, publish_successor: PublishSuccessor | None = None) -> None:
+    def __init__(self, publish_successor: PublishSuccessor | None = publish_created_successor) -> None:
         self.publish_successor = publish_successor
 
     def record_child(

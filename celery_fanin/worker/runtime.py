@@ -1,7 +1,8 @@
 """What celery-fanin holds in a worker process: its reporter and the markers of the messages its main process holds.
 
 One `WorkerRuntime` per process (`current`). The signal adapter (`hooks`), the task guards (`guards`) and eager mode
-reach the reporter through it; the wiring (`FanIn(app)`) gives it the successor publisher.
+reach the reporter through it; `use_publisher` replaces the publisher of the successors its reports create (the
+tests' fault injection, the benchmark's tracing).
 """
 
 from __future__ import annotations
