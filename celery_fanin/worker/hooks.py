@@ -246,23 +246,6 @@ class WorkerHooks(middleware.Middleware):
         Consumer.on_decode_error = on_decode_error  # type: ignore[method-assign]
 
 
-# The signals `WorkerHooks.install` connects, with the dispatch uid each had (`celery_fanin.<uid>`).
-_SIGNALS = (
-    ("task_prerun", "prerun"),
-    ("task_postrun", "postrun"),
-    ("task_received", "received"),
-    ("before_task_publish", "claim"),  # protocol.CLAIM_RECEIVER: the fast path tells it from other receivers
-    ("task_failure", "failure"),
-    ("task_revoked", "revoked"),
-    ("task_unknown", "unknown"),
-    ("task_rejected", "rejected"),
-    ("worker_init", "worker_init"),
-    ("worker_shutdown", "worker_shutdown"),
-    ("worker_process_shutdown", "worker_process_shutdown"),
-    ("worker_process_init", "worker_process_init"),
-)
-
-
 def _ran_in(request: Any) -> int | None:
     """The pool process a main-process request ran in (prefork's `worker_pid`; the main process itself for the
     thread pools and solo), or None if none took it."""
