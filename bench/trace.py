@@ -92,7 +92,7 @@ def install() -> None:
                 note(key, "pub.committed")
                 _local.batch = None
 
-        worker_runtime.current.use_publisher(publish_created)
+        worker_runtime.current.reporter.publish_successor = publish_created
         _around(reports.ReportConnection, "handed_off", current, None, "pub.claimed")
         _around(reports.ReportConnection, "mark_sent", current, "pub.flushed", "pub.marked")
     _around(outbox, "claim", current, None, "pub.claimed")

@@ -90,7 +90,7 @@ if os.environ.get("FANIN_TEST_DIE_BEFORE_SUCCESSOR_PUBLISH"):
     def _die_before_publishing(*_: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    worker_runtime.current.use_publisher(_die_before_publishing)
+    worker_runtime.current.reporter.publish_successor = _die_before_publishing
 
 if os.environ.get("FANIN_TEST_SLOW_SUCCESSOR_PUBLISH"):
     # A worker stopped between reading the successor handed to it and publishing it, for this many seconds (longer

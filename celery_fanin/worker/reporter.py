@@ -8,7 +8,6 @@ reports created is published from here, after that report's commit (`dispatch.su
 
 from __future__ import annotations
 
-import functools
 import logging
 import traceback
 import uuid
@@ -235,10 +234,10 @@ class Reporter:
             report.wake_relay(fanin, batch_id)
             return
         try:
-            job = functools.partial(publish, fanin, uuid.UUID(batch_id), handed_off)
+            batch = uuid.UUID(batch_id)
         except ValueError:  # not a batch id: the store counted nothing for it, so this is unreachable
             return
-        job()
+        publish(fanin, batch, handed_off)
 
     def refuse(self, fanin: FanIn, task_id: str, marker: Marker, why: str) -> None:
         """A message refused before it ran (`claim_refusal`): logged and counted like a report the store refused,
