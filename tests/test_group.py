@@ -88,3 +88,16 @@ def test_then_accepts_a_chain_or_a_group(plan: FanInGroup) -> None:
     for then in (chain(app.signature("t.a"), app.signature("t.b")), group(app.signature("t.a"))):
         successor, _ = plan.evolve(then=then)._successor(app)
         assert successor.task == "celery_fanin.then_canvas" and successor.kwargs["canvas"] == dict(then)
+
+
+def test_a_nested_fan_in_is_told_by_its_class_not_by_a_copy_of_its_type(plan: FanInGroup) -> None:
+    """The encoder's check (`plan.is_fan_in`) is `isinstance(value, FanInGroup)` without importing it: a fan-in,
+    a chord, and one rebuilt from its dict are; a plain `Signature` copy of one (none of the plan's attributes), a
+    bare dict and a task are not, as before the split."""
+    from celery_fanin import chord
+    from celery_fanin.producer.plan import is_fan_in
+
+    rebuilt = signature(json.loads(json.dumps(plan)), app=plan.app)
+    assert is_fan_in(plan) and is_fan_in(rebuilt)
+    assert is_fan_in(chord([plan.app.signature("t.child", args=(1,))], plan.app.signature("t.merge")))
+    assert not is_fan_in(Signature(plan)) and not is_fan_in(dict(plan)) and not is_fan_in(plan.app.signature("t.a"))

@@ -1,8 +1,8 @@
 """A fan-in's plan as values: its constants, its recovery policy, and the checks each value passes before anything
 is written or published (a child's signature, a chain child, a message's times, a duration, a text).
 
-Nothing here knows the `FanInGroup` class: a nested fan-in is told by its subtask type (`is_fan_in`), as Celery
-tells any signature's kind.
+Nothing here imports the `FanInGroup` class: a nested fan-in is told by the class Celery registered for its subtask
+type (`is_fan_in`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from celery.canvas import Signature
 
 from ..broker import publish
 from ..exceptions import InvalidFanIn
-from ..protocol import FAN_IN_CHORD_TYPE, FAN_IN_GROUP_TYPE, OnDeadline, OnLost
+from ..protocol import FAN_IN_GROUP_TYPE, OnDeadline, OnLost
 
 MAX_STEP_LENGTH = 200
 
@@ -61,8 +61,11 @@ def policy_value(value: Any) -> Any:
 
 
 def is_fan_in(value: Any) -> TypeGuard[Signature]:
-    """A `fan_in_group` or a `celery_fanin.chord` (a signature of either subtask type, as Celery rebuilds them)."""
-    return isinstance(value, Signature) and value.get("subtask_type") in (FAN_IN_GROUP_TYPE, FAN_IN_CHORD_TYPE)
+    """A `FanInGroup` (a `celery_fanin.chord` is one): an instance of the class Celery registered for the subtask
+    type, looked up rather than imported so that this module does not import `group`. A plain `Signature` copy of
+    one is not: it has none of the plan's attributes."""
+    fan_in = Signature.TYPES.get(FAN_IN_GROUP_TYPE)
+    return fan_in is not None and isinstance(value, fan_in)
 
 
 def check_plain_signature(value: object, what: str) -> Signature:
