@@ -427,6 +427,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     from celery_fanin import FanIn
     from celery_fanin.protocol import Marker
     from celery_fanin.store.batches import Claim
+    from celery_fanin.store.reports import record_starts
     from celery_fanin.worker import runtime
 
     claims: dict[str, Claim] = {}
@@ -443,7 +444,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         markers = [Marker(c.batch_id, c.index, None, task_name=c.task_name) for c in map(claims.get, ids) if c]
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
-        fanin.reports.record_starts([])
+        record_starts(fanin.reports, [])
         if kind == "fanin_one_conn":
             # The report path uses the report connection only: closing the engine's keeps one connection per
             # reporter, as a pool process reporting holds, so that 64 reporters fit a server's max_connections.

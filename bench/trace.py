@@ -93,19 +93,18 @@ def install() -> None:
                 _local.batch = None
 
         worker_runtime.current.reporter.publish_successor = publish_created
-        _around(reports.ReportConnection, "handed_off", current, None, "pub.claimed")
-        _around(reports.ReportConnection, "mark_sent", current, "pub.flushed", "pub.marked")
+        _around(reports, "mark_sent", current, "pub.flushed", "pub.marked")
     _around(outbox, "claim", current, None, "pub.claimed")
     _around(successor_dispatch, "build_outcome", current, None, "pub.outcome")
     _around(publish, "publish_successor", current, "pub.send", "pub.sent")
     _around(outbox, "mark_sent", current, "pub.flushed", "pub.marked")
 
     # The report that created it (its key is only known after it returns: noted then, with the start time kept).
-    original_send = reports.ReportConnection.record_terminal
+    original_send = reports.record_terminal
 
-    def record_terminal(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def record_terminal(*args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
-        rec = original_send(self, *args, **kwargs)
+        rec = original_send(*args, **kwargs)
         if rec.successor_created:
             claim = kwargs.get("claim")
             key = str(claim.batch_id) if claim is not None else "?"
@@ -113,7 +112,7 @@ def install() -> None:
             note(key, "report.done")
         return rec
 
-    reports.ReportConnection.record_terminal = record_terminal  # type: ignore[method-assign]
+    reports.record_terminal = record_terminal
 
     # The successor's delivery: received by the main process, then its guard in a pool process.
     @signals.task_received.connect(weak=False)
@@ -135,20 +134,8 @@ def install() -> None:
         return str(args[1])
 
     _around(successor_runs, "admit", admit_key, "guard.enter", "guard.done")
+    # The guard's statement (on the report connection: `successors.claim_run(runner, batch_id, ...)`).
     _around(successors, "claim_run", lambda a, k: str(a[1]), "guard.stmt", "guard.stmt_done")
-    # The guard's statement on the report connection (from issue 23's second round on).
-    original_claim = getattr(reports.ReportConnection, "claim_run", None)
-    if original_claim is not None:
-
-        def claim_run(self: Any, params: dict[str, Any]) -> Any:
-            key = str(params["id"])
-            note(key, "guard.stmt")
-            try:
-                return original_claim(self, params)
-            finally:
-                note(key, "guard.stmt_done")
-
-        reports.ReportConnection.claim_run = claim_run  # type: ignore[method-assign]
 
     # A chord's body is published from the last child's process, inside the result backend's chord hook.
     from bench.tasks import app

@@ -314,6 +314,7 @@ class FanIn:
     app: Celery
     _engine: Engine | None
     _reports: ReportConnection | None
+    _runs: ReportConnection | None
     _engine_pid: int | None
     _engine_lock: threading.Lock
 
@@ -328,6 +329,7 @@ class FanIn:
             self.app = app
             self._engine = None
             self._reports = None
+            self._runs = None
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
@@ -413,6 +415,24 @@ class FanIn:
         return reports
 
     @property
+    def runs(self) -> ReportConnection:
+        """The worker's connection for a successor run's statements after its admission (hand-over, take-back,
+        lease renewals, its end, a replacement part's end, a refused copy's count; see `worker.successor_runs`).
+
+        The same transport as `reports`, in a session of its own because `reports` says once per session that its
+        worker publishes the successors its reports create (`fanin.successor_publisher`, read by
+        `fanin_create_successor`). A successor's end may finish an outer batch (a nested batch's successor reports
+        its outer child), and that outer successor must go to the relay at once, not wait for a hand-off to a
+        worker that will not publish it."""
+        runs = self._runs
+        if runs is None:
+            with self._engine_lock:
+                if self._runs is None:
+                    self._runs = ReportConnection(self.database_url)
+                runs = self._runs
+        return runs
+
+    @property
     def worker_publishes_successors(self) -> bool:
         """Whether this process's worker hooks publish the successors their reports create (not in eager mode,
         which runs them inline)."""
@@ -422,10 +442,11 @@ class FanIn:
         with self._engine_lock:
             if self._engine is not None:
                 self._engine.dispose()
-            if self._reports is not None:
-                self._reports.reset()
+            for connection in (self._reports, self._runs):
+                if connection is not None:
+                    connection.reset()
             self._engine = None
-            self._reports = None
+            self._reports = self._runs = None
             self._engine_pid = None
 
     def check_session_pooling(self) -> None:

@@ -1,14 +1,16 @@
 """Reading and editing the test database from a test: through an app's engine (`rows`), or a connection of its own
-(`env_rows`)."""
+(`env_rows`); the store's runtime statements in a transaction the test holds (`Held`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from celery_fanin import FanIn
+from celery_fanin.store.statements import Statement
 
 
 def rows(app: Any, sql: str, **params: Any) -> list[Any]:
@@ -46,3 +48,19 @@ def attempts(app: Any, key: str) -> int:
     """How many times a task body counted itself under `key` in `e2e_attempts` (tests/app.py `_attempt`)."""
     found = rows(app, "SELECT n FROM e2e_attempts WHERE key = :k", k=key)
     return int(found[0].n) if found else 0
+
+
+class Held:
+    """A `store.statements.Runner` over a SQLAlchemy connection the test holds (its transaction, committed by the
+    test): runs the store's runtime functions (`store.reports.record_terminal`, `store.successors.claim_run`, ...)
+    with the statements the worker's `ReportConnection` sends, through psycopg as well, inside a transaction the
+    test (or the protocol model) decides when to commit."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
+        return tuple(self.conn.exec_driver_sql(statement.psycopg, dict(params)).one())
+
+    def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in self.conn.exec_driver_sql(statement.psycopg, dict(params))]

@@ -19,8 +19,10 @@ from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay, metrics
-from celery_fanin.store import batches, successors
+from celery_fanin.store import successors
+from celery_fanin.store.reports import record_terminal
 from celery_fanin.worker import successor_runs
+from tests.sql import Held
 from tests.workers import ROOT, wait_for
 
 # Far longer than the test takes: no batch turns stuck by itself while it runs, only when the test ages it.
@@ -55,7 +57,7 @@ def server(app: Celery, relay: Relay, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 def _finish(app: Celery, task_id: str, state: str) -> None:
     with FanIn.of(app).engine.begin() as conn:
-        assert batches.record_terminal(conn, task_id, state).counted
+        assert record_terminal(Held(conn), task_id, state).counted
 
 
 def test_metrics_follow_a_batch(app: Celery, server: metrics.MetricsServer, relay: Relay) -> None:
@@ -100,7 +102,14 @@ def test_metrics_follow_a_batch(app: Celery, server: metrics.MetricsServer, rela
     status = handle.batch_status()
     with FanIn.of(app).engine.begin() as conn:  # what a worker's run guard does when the successor starts
         run = successors.claim_run(
-            conn, uuid.UUID(handle.batch_id), status.step, status.successor_task_id, 0, lease=60, grace=60, owner="t"
+            Held(conn),
+            uuid.UUID(handle.batch_id),
+            status.step,
+            status.successor_task_id,
+            0,
+            lease=60,
+            grace=60,
+            owner="t",
         )
         assert isinstance(run, successors.Run)
     started = scrape(server)

@@ -23,10 +23,11 @@ from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, fan_in_group, protocol, retry
 from celery_fanin.relay import Relay
-from celery_fanin.store import batches
-from celery_fanin.store.reports import ReportConnection
+from celery_fanin.store import reports as store_reports
+from celery_fanin.store.reports import record_terminal
 from celery_fanin.worker import hooks, report, runtime, successor_runs
 from tests.faults import TcpProxy, proxy_for, release_producer_app
+from tests.sql import Held
 from tests.store.helpers import create, make_engine
 from tests.workers import wait_for
 
@@ -87,15 +88,15 @@ def retry_clock(monkeypatch: pytest.MonkeyPatch) -> RetryClock:
 
 @pytest.fixture
 def report_attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The thread of each attempt at a child's report (a call of `ReportConnection.record_terminal`), in order."""
+    """The thread of each attempt at a child's report (a call of `store.reports.record_terminal`), in order."""
     threads: list[str] = []
-    real = ReportConnection.record_terminal
+    real = store_reports.record_terminal
 
-    def counted(self: ReportConnection, *args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ReportConnection, "record_terminal", counted)
+    monkeypatch.setattr(store_reports, "record_terminal", counted)
     return threads
 
 
@@ -171,7 +172,7 @@ def test_a_successor_state_given_up_by_its_pool_process_is_counted(
     after `fanin_report_timeout`, it is counted as a successor report given up, as the main process's are."""
     batch, children, _ = create(direct, 1)
     with direct.begin() as conn:
-        assert batches.record_terminal(conn, children[0].task_id, "succeeded").counted  # creates the successor
+        assert record_terminal(Held(conn), children[0].task_id, "succeeded").counted  # creates the successor
     with direct.connect() as conn:
         task_id = conn.execute(
             text("SELECT task_id FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id}

@@ -24,8 +24,10 @@ from kombu import Connection
 
 from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.broker import confirms, publish
+from celery_fanin.store.reports import record_terminal
 from celery_fanin.worker import hooks
 from tests import publish_tasks
+from tests.sql import Held
 from tests.workers import CeleryProcess, start_relay, start_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -477,7 +479,6 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
     writes through py-amqp's own `basic_publish`, and children and the successor are published and confirmed."""
     from celery_fanin.broker import amqp_frames
     from celery_fanin.relay import Relay
-    from celery_fanin.store import batches
 
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the frame writer was used")
@@ -505,7 +506,7 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
             ]
         with FanIn.of(app).engine.begin() as conn:
             for task_id in ids:
-                assert batches.record_terminal(conn, task_id, "succeeded").counted
+                assert record_terminal(Held(conn), task_id, "succeeded").counted
         assert Relay(FanIn.of(app)).run_once() == 1  # the successor, on the same kind of confirm channel
         headers = []
         with Connection(RABBITMQ_URL) as conn:

@@ -36,6 +36,7 @@ from celery_fanin.ops import inspection, retention
 from celery_fanin.producer import encoder
 from celery_fanin.relay import Relay
 from celery_fanin.store import batches
+from celery_fanin.store.reports import record_starts
 from celery_fanin.worker import runtime, successor_runs
 from tests.conftest import ADMIN_URL
 
@@ -168,7 +169,7 @@ def test_each_role_can_do_its_part_and_nothing_more(cluster: Cluster, monkeypatc
         # --- a worker's hooks: starts, terminal outcomes, the successor's run ---------------------------------
         fanin_w = FanIn.of(worker)
         started = [batches.Start(t, 0, "worker@test", datetime.now(timezone.utc)) for t in plain_ids]
-        assert fanin_w.reports.record_starts(started) == len(plain_ids)  # what a worker's main process writes
+        assert record_starts(fanin_w.reports, started) == len(plain_ids)  # what a worker's main process writes
         for index, task_id in enumerate(plain_ids):
             marker = protocol.Marker(plain.batch_id, index, None)
             state = "failed" if index == 2 else "succeeded"

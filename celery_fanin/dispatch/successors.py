@@ -30,7 +30,7 @@ from ..protocol import (
     OutcomePayload,
     SuccessorKind,
 )
-from ..store import outbox, queries, recovery
+from ..store import outbox, queries, recovery, reports
 from ..store.outcomes import build_outcome
 
 logger = logging.getLogger("celery_fanin.dispatch")
@@ -155,7 +155,7 @@ def publish_created_successor(fanin: FanIn, batch_id: uuid.UUID, handed_off: Seq
             extra={"batch_id": str(batch_id)},
         )
         with contextlib.suppress(Exception):  # due at once rather than after the handoff (the database may be down)
-            fanin.reports.wake_relay(batch_id)
+            reports.wake_relay(fanin.reports, batch_id)
         return 0
 
 
@@ -176,7 +176,7 @@ def _publish_handed_off(fanin: FanIn, rows: Sequence[outbox.OutboxRow]) -> int:
     # After the producer's batch flushed (and, on RabbitMQ, was confirmed): a failed publish raised above.
     _log_published(rows)
     try:
-        fanin.reports.mark_sent([row.id for row in rows])
+        reports.mark_sent(fanin.reports, [row.id for row in rows])
     except Exception:  # noqa: BLE001 - published: the relay's copy, once the row is due, meets the run guard
         logger.warning(
             "published the successor of batch_id=%s but could not mark it sent; the relay publishes it again once "

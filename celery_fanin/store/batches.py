@@ -83,7 +83,7 @@ class KeyTaken(Exception):
 
 @dataclass(frozen=True)
 class TerminalRecord:
-    """What `record_terminal` did: whether this report was the one that counted, and what it left."""
+    """What `reports.record_terminal` did: whether this report was the one that counted, and what it left."""
 
     counted: bool
     remaining: int | None
@@ -406,8 +406,8 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 
 
 # The statements a worker sends, each a whole transaction in autocommit (one round trip), in psycopg's
-# placeholders because the worker hooks send them over a psycopg connection of their own (see `store.reports`);
-# `record_terminal` below sends the same text through SQLAlchemy's `exec_driver_sql`.
+# placeholders because the worker hooks send them over a psycopg connection of their own (`store.reports`, which
+# holds the function that sends each).
 # A worker's report names the child's batch, index and task name as its message carries them, and counts only
 # if the child row agrees (`fanin_report_terminal`, migration 0014). The recovery paths, which read the child from
 # the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by task id).
@@ -489,36 +489,9 @@ def starts_params(starts: Sequence[Start]) -> dict[str, object]:
     }
 
 
-def record_terminal(
-    conn: Connection,
-    task_id: str,
-    state: str,
-    *,
-    result: Encoded | None = None,
-    exc_type: str | None = None,
-    exc_message: str | None = None,
-    claim: Claim | None = None,
-) -> TerminalRecord:
-    """Count one child's terminal outcome, at most once however often it is reported: one round trip.
-
-    With `claim` (a report from a message), only if the child has the claimed batch, index and task name;
-    without (recovery, which read the child from the store), by task id.
-
-    Invariant (see `fanin_record_terminal_v2` and `fanin_settle` in sql/schema.sql): a child row moves
-    from pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is
-    recorded as late and changes no counter); only the report that made that move decrements its batch, never
-    below zero; exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its
-    successor and outbox row (a root), and is the only one that sends NOTIFY.
-    """
-    params = terminal_params(task_id, state, result, exc_type, exc_message, claim=claim)
-    sql = RECOVERY_TERMINAL_SQL if claim is None else RECORD_TERMINAL_SQL
-    return terminal_record(conn.exec_driver_sql(sql, params).one())
-
-
 def terminal_record(row: Sequence[Any]) -> TerminalRecord:
     """The row RECORD_TERMINAL_SQL returns: (counted, late, remaining, successor_created, refused, handed_off), or
-    RECOVERY_TERMINAL_SQL's (the first four). `handed_off` is left to the report connection, which publishes it
-    (`ReportConnection.record_terminal`)."""
+    RECOVERY_TERMINAL_SQL's (the first four). `handed_off` is read by `reports.record_terminal`."""
     counted, late, remaining, successor_created = row[:4]
     refused = bool(row[4]) if len(row) > 4 else False
     return TerminalRecord(bool(counted), remaining, bool(successor_created), bool(late), refused)

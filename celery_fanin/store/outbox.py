@@ -22,7 +22,6 @@ from .statements import q
 
 # The same, in psycopg's placeholders, for the worker's report connection (`store.reports`): the successor its
 # report handed it, read without a lock (the report returns it too), and marked sent once published.
-HANDED_OFF = q("handed_off")
 MARK_SENT_ASYNC = q("mark_sent_async")
 
 
@@ -59,7 +58,7 @@ _FROM_JSON: dict[str, Callable[[str], Any]] = {
 
 
 def handed_off_rows(value: Sequence[dict[str, Any]]) -> list[OutboxRow]:
-    """The rows of `fanin_handed_off`'s jsonb array (the worker's report returns it, or the `handed_off` read),
+    """The rows of `fanin_handed_off`'s jsonb array (the worker's report returns it),
     with the same values a claim's columns give."""
     out = []
     for item in value:

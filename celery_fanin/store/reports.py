@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -39,12 +39,21 @@ from .batches import (
     terminal_params,
     terminal_record,
 )
-from .outbox import HANDED_OFF, MARK_SENT_ASYNC, OutboxRow, handed_off_rows
-from .statements import Statement
-from .successors import CLAIM_RUN, COUNT_DUPLICATE, NOTE_SUCCESSOR_TRACEBACK
+from .outbox import MARK_SENT_ASYNC, handed_off_rows
+from .statements import Runner, Statement
 from .urls import libpq_conninfo, sqlalchemy_url
 
-__all__ = ["CONNECT_OPTIONS", "ReportConnection", "connect_options", "libpq_conninfo"]
+__all__ = [
+    "CONNECT_OPTIONS",
+    "ReportConnection",
+    "connect_options",
+    "libpq_conninfo",
+    "mark_sent",
+    "note_traceback",
+    "record_starts",
+    "record_terminal",
+    "wake_relay",
+]
 
 # Every connection the library opens itself: give up connecting after 10 s, and let TCP find a peer that vanished
 # without closing (a network cut, a host gone) in well under a minute, instead of a report hanging on it for the
@@ -66,8 +75,9 @@ def connect_options(url: str) -> dict[str, int]:
 
 
 class ReportConnection:
-    """Sends the hooks' reports (a child's terminal outcome, starts) and a successor's admission by its run guard;
-    every error is psycopg's own (the hooks retry them)."""
+    """The worker's one transport for its runtime statements (a `statements.Runner`): a child's terminal outcome,
+    starts and traceback, below; a successor's admission, hand-over, lease renewals and end (`store.successors`);
+    the successor handed to it (`store.outbox`). Every error is psycopg's own (the callers retry them)."""
 
     def __init__(
         self,
@@ -98,74 +108,8 @@ class ReportConnection:
         self._local.conn, self._local.pid, self._local.cursor = conn, os.getpid(), conn.cursor()
         return conn
 
-    def record_terminal(
-        self,
-        task_id: str,
-        state: str,
-        *,
-        result: Encoded | None = None,
-        exc_type: str | None = None,
-        exc_message: str | None = None,
-        start: Start | None = None,
-        claim: Claim | None = None,
-        unrun: bool = False,
-    ) -> TerminalRecord:
-        """`batches.record_terminal` over this connection: the same statement, the same invariant (and the child's
-        start, if it was not written yet). The hooks always pass `claim`: what the message says the child is.
-        `unrun`: the report is about a copy that never ran (`fanin_report_unrun`): a started child is not ended."""
-        params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
-        if unrun and claim is not None:
-            row = self._run(REPORT_UNRUN, params)
-        else:
-            row = self._run(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
-        rec = terminal_record(row)
-        if len(row) > 5 and row[5] is not None:  # it created a successor: the one handed to this session, if any
-            rec = replace(rec, handed_off=handed_off_rows(row[5]))
-        return rec
-
-    def record_starts(self, starts: Sequence[Start]) -> int:
-        """Many children's starts in one round trip, committed asynchronously; how many children moved."""
-        return int(self._run(RECORD_STARTS, starts_params(starts))[0])
-
-    def claim_run(self, params: dict[str, object]) -> tuple[Any, ...]:
-        """The successor run guard's statement (`store.successors.claim_run`, parameters from `claim_params`):
-        a successor's admission on its critical path, one round trip on a connection already open."""
-        return self._run(CLAIM_RUN, params)
-
-    def note_traceback(self, task_id: str, traceback: str) -> bool:
-        """Keep a failed child's traceback (`fanin_note_traceback`: once, bounded); False if nothing took it."""
-        return bool(self._run(NOTE_TRACEBACK, {"task_id": task_id, "traceback": traceback})[0])
-
-    def note_successor_traceback(self, batch_id: object, step: str, traceback: str) -> bool:
-        """Keep a failed successor's traceback (`fanin_note_successor_traceback`)."""
-        params = {"id": batch_id, "step": step, "traceback": traceback}
-        return bool(self._run(NOTE_SUCCESSOR_TRACEBACK, params)[0])
-
-    def count_duplicate(self, batch_id: object, step: str) -> None:
-        """Count a delivery the guard refused (`store.successors.count_duplicate`)."""
-        self._run(COUNT_DUPLICATE, {"id": batch_id, "step": step})
-
-    def wake_relay(self, batch_id: object) -> None:
-        """Leave the successor this connection's report created for `batch_id` to the relay: its outbox row due at
-        once (it was handed to this worker, see `handed_off`) and a NOTIFY (the report sent none)."""
-        self._run(WAKE_RELAY, {"batch": batch_id})
-
-    def handed_off(self, batch_id: object) -> list[OutboxRow]:
-        """The batch's successor that this connection's report created and the relay leaves to this worker for
-        `fanin_successor_handoff` seconds, with its batch's and successor's rows; [] if there is none (the batch
-        finished past its failure threshold, the handoff is off or passed, or the row went out already).
-
-        The report that created it returns the same (`TerminalRecord.handed_off`); this reads it again. A read,
-        not a claim: nothing is locked while the worker publishes (`dispatch.successors.publish_created_successor`).
-        """
-        return handed_off_rows(self._run(HANDED_OFF, {"batch": batch_id})[0])
-
-    def mark_sent(self, ids: Sequence[int]) -> None:
-        """`store.outbox.mark_sent` (not durable) for rows published from `handed_off`: one statement, its own
-        transaction, its commit not waiting for the WAL flush (a mark lost in a crash only publishes again)."""
-        self._run(MARK_SENT_ASYNC, {"ids": list(ids)})
-
-    def _run(self, statement: Statement, params: dict[str, object]) -> tuple[Any, ...]:
+    def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
+        """Run one statement on this thread's connection, its own transaction (autocommit); its one row."""
         self._connection()
         cursor: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor  # made with the connection, kept with it
         text, names = statement.positional
@@ -176,8 +120,19 @@ class ReportConnection:
             # stays on that server until it reconnects; the next attempt opens a new one.
             self.reset()
             raise
-        assert row is not None  # every statement sent here returns exactly one row
+        assert row is not None  # every statement sent through `one` returns exactly one row
         return row
+
+    def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
+        """Run one statement as `one` does; all its rows."""
+        self._connection()
+        cursor: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor
+        text, names = statement.positional
+        try:
+            return cursor.execute(text, [params[name] for name in names]).fetchall()
+        except psycopg.Error:
+            self.reset()
+            raise
 
     def reset(self) -> None:
         """Drop this thread's connection (after an error, or at shutdown); the next report reconnects."""
@@ -186,3 +141,65 @@ class ReportConnection:
         if conn is not None and getattr(self._local, "pid", None) == os.getpid():
             with contextlib.suppress(psycopg.Error):
                 conn.close()
+
+
+# --- the workers' report statements, each defined once (run by a `Runner`: the worker's `ReportConnection`) -----
+
+
+def record_terminal(
+    runner: Runner,
+    task_id: str,
+    state: str,
+    *,
+    result: Encoded | None = None,
+    exc_type: str | None = None,
+    exc_message: str | None = None,
+    start: Start | None = None,
+    claim: Claim | None = None,
+    unrun: bool = False,
+) -> TerminalRecord:
+    """Count one child's terminal outcome, at most once however often it is reported: one round trip.
+
+    With `claim` (what the message says the child is: the hooks always pass it), only if the child has the claimed
+    batch, index and task name; without (a caller that read the child from the store), by task id. `unrun`: the
+    report is about a copy that never ran (`fanin_report_unrun`): a started child is not ended. `start`: the
+    child's start, when it was not written yet (see `worker.starts`), recorded with the outcome.
+
+    Invariant (see `fanin_record_terminal_v2` and `fanin_settle` in sql/schema.sql): a child row moves from
+    pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is recorded
+    as late and changes no counter); only the report that made that move decrements its batch, never below zero;
+    exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its successor and
+    outbox row (a root). A successor handed to the runner's session (`fanin_successor_handoff`) comes back in
+    `handed_off`.
+    """
+    params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
+    if unrun and claim is not None:
+        row = runner.one(REPORT_UNRUN, params)
+    else:
+        row = runner.one(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
+    rec = terminal_record(row)
+    if len(row) > 5 and row[5] is not None:  # it created a successor: the one handed to this session, if any
+        rec = replace(rec, handed_off=handed_off_rows(row[5]))
+    return rec
+
+
+def record_starts(runner: Runner, starts: Sequence[Start]) -> int:
+    """Many children's starts in one round trip, committed asynchronously; how many children moved."""
+    return int(runner.one(RECORD_STARTS, starts_params(starts))[0])
+
+
+def note_traceback(runner: Runner, task_id: str, traceback: str) -> bool:
+    """Keep a failed child's traceback (`fanin_note_traceback`: once, bounded); False if nothing took it."""
+    return bool(runner.one(NOTE_TRACEBACK, {"task_id": task_id, "traceback": traceback})[0])
+
+
+def wake_relay(runner: Runner, batch_id: object) -> None:
+    """Leave the successor this session's report created for `batch_id` to the relay: its outbox row due at once
+    (it was handed to this worker: `TerminalRecord.handed_off`) and a NOTIFY (the report sent none)."""
+    runner.one(WAKE_RELAY, {"batch": batch_id})
+
+
+def mark_sent(runner: Runner, ids: Sequence[int]) -> None:
+    """`store.outbox.mark_sent` (not durable) for the rows a report handed to this worker: one statement, its own
+    transaction, its commit not waiting for the WAL flush (a mark lost in a crash only publishes again)."""
+    runner.one(MARK_SENT_ASYNC, {"ids": list(ids)})

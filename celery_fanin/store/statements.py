@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any, Protocol
 
 from sqlalchemy import TextClause, text
 
@@ -50,6 +52,22 @@ class Statement:
         mapping on every call (the worker's reports, `store.reports`)."""
         text = self.sql.replace("%", "%%")
         return _PLACEHOLDER.sub("%s", text), tuple(_PLACEHOLDER.findall(text))
+
+
+class Runner(Protocol):
+    """What runs the workers' runtime statements: `store.reports.ReportConnection`, the one transport a worker
+    uses (a psycopg connection of its own per thread, in autocommit: each statement its own transaction). The
+    store's functions for those statements (`reports.record_terminal`, `successors.claim_run`, ...) take one, so each
+    statement's parameters, text and row are written once; a test or the protocol model passes a runner over a
+    transaction it holds, and so runs the same functions the worker runs."""
+
+    def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
+        """The statement's one row."""
+        ...
+
+    def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
+        """The statement's rows."""
+        ...
 
 
 def parse(source_text: str, source: str = "<sql>") -> dict[str, Statement]:

@@ -22,7 +22,7 @@ from sqlalchemy import Connection
 
 from ..protocol import SUCCESSOR_FINAL, SuccessorState
 from .batches import Encoded
-from .statements import q
+from .statements import Runner, q
 
 # A run ended for good: nothing runs the body again.
 FINAL_STATES = SUCCESSOR_FINAL
@@ -50,11 +50,9 @@ class Refusal:
     owner: str | None
 
 
-# The guard's statement in psycopg's placeholders: a worker admits a delivery on its report connection
-# (`store.reports.ReportConnection.claim_run`), one round trip without a pool checkout and its pre-ping.
-CLAIM_RUN = q("claim_run")
-COUNT_DUPLICATE = q("count_duplicate")
-NOTE_SUCCESSOR_TRACEBACK = q("note_successor_traceback")
+# A run's statements (claim, count a refused copy, hand over, take back, renew, finish, end a replacement, keep the
+# traceback) are run by a `Runner`: a worker sends them on its report connection (`store.reports.ReportConnection`),
+# one round trip each without a pool checkout and its pre-ping.
 
 
 def claim_params(
@@ -70,7 +68,7 @@ def claim_params(
     carrier: str | None = None,
     dead_owner: str | None = None,
 ) -> dict[str, object]:
-    """The parameters of `claim_run`'s statement (the same names in both placeholder styles)."""
+    """The parameters of `claim_run`'s statement."""
     return {
         "id": batch_id,
         "step": step,
@@ -93,7 +91,7 @@ def claimed(batch_id: uuid.UUID, step: str, row: Sequence[Any]) -> Run | Refusal
 
 
 def claim_run(
-    conn: Connection,
+    runner: Runner,
     batch_id: uuid.UUID,
     step: str,
     task_id: str,
@@ -128,17 +126,20 @@ def claim_run(
         carrier=carrier,
         dead_owner=dead_owner,
     )
-    return claimed(batch_id, step, conn.execute(q("claim_run").text, params).one())
+    return claimed(batch_id, step, runner.one(q("claim_run"), params))
 
 
-def count_duplicate(conn: Connection, batch_id: uuid.UUID, step: str) -> None:
+def count_duplicate(runner: Runner, batch_id: uuid.UUID, step: str) -> None:
     """Count a refused delivery (shown by `status` as the successor's duplicates)."""
-    conn.execute(q("count_duplicate").text, {"id": batch_id, "step": step})
+    runner.one(q("count_duplicate"), {"id": batch_id, "step": step})
 
 
-def hand_over(
-    conn: Connection, run: Run, state: str, due_at: datetime | None = None, carrier: str | None = None
-) -> bool:
+def note_traceback(runner: Runner, batch_id: uuid.UUID, step: str, traceback: str) -> bool:
+    """Keep a failed successor's traceback (`fanin_note_successor_traceback`: once, bounded)."""
+    return bool(runner.one(q("note_successor_traceback"), {"id": batch_id, "step": step, "traceback": traceback})[0])
+
+
+def hand_over(runner: Runner, run: Run, state: str, due_at: datetime | None = None, carrier: str | None = None) -> bool:
     """End `run` without finishing the successor: `retrying` (due at `due_at`), `requeued` or `replaced` (by the
     replacement whose `carrier` token is the only delivery admitted from then on).
 
@@ -147,29 +148,28 @@ def hand_over(
     """
     if state not in HANDED_OVER_STATES:
         raise ValueError(f"not a hand-over state: {state!r}")
-    found = conn.execute(
-        q("hand_over").text,
+    found = runner.one(
+        q("hand_over"),
         {"id": run.batch_id, "step": run.step, "run": run.number, "state": state, "due": due_at, "carrier": carrier},
-    ).scalar_one()
+    )[0]
     return bool(found)
 
 
-def take_back(conn: Connection, run: Run, lease: float, carrier: str | None = None) -> bool:
+def take_back(runner: Runner, run: Run, lease: float, carrier: str | None = None) -> bool:
     """Undo `hand_over` when the retry or replacement was never published (Celery raised instead); `carrier`: the
     token the run's own delivery came with, admitted again."""
-    found = conn.execute(
-        q("take_back").text,
-        {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease, "carrier": carrier},
-    ).scalar_one()
+    found = runner.one(
+        q("take_back"), {"id": run.batch_id, "step": run.step, "run": run.number, "lease": lease, "carrier": carrier}
+    )[0]
     return bool(found)
 
 
-def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tuple[uuid.UUID, str, int]]:
+def renew_leases(runner: Runner, runs: Sequence[Run], lease: float) -> set[tuple[uuid.UUID, str, int]]:
     """Extend the leases of live runs, in one statement; returns the runs still held (the others were fenced)."""
     if not runs:
         return set()
-    rows = conn.execute(
-        q("renew_leases").text,
+    rows = runner.all(
+        q("renew_leases"),
         {
             "ids": [r.batch_id for r in runs],
             "steps": [r.step for r in runs],
@@ -181,7 +181,7 @@ def renew_leases(conn: Connection, runs: Sequence[Run], lease: float) -> set[tup
 
 
 def record_state(
-    conn: Connection,
+    runner: Runner,
     batch_id: uuid.UUID,
     step: str,
     state: str,
@@ -209,8 +209,8 @@ def record_state(
     """
     if state not in FINAL_STATES:
         raise ValueError(f"not a final successor state: {state!r}")
-    found = conn.execute(
-        q("record_state").text,
+    found = runner.one(
+        q("record_state"),
         {
             "id": batch_id,
             "step": step,
@@ -227,12 +227,12 @@ def record_state(
             "ran_in": ran_in,
             "owner_key": owner_key,
         },
-    ).scalar_one()
+    )[0]
     return bool(found)
 
 
 def end_replacement(
-    conn: Connection,
+    runner: Runner,
     batch_id: uuid.UUID,
     step: str,
     task_id: str,
@@ -245,8 +245,8 @@ def end_replacement(
     header task) failed or was revoked, so the carrier will not be published: end the successor with it, only while
     it is `replaced` with this `carrier` (never a run the carrier holds). True if this call ended it; a nested
     batch's outer child ends in the same transaction (`fanin_end_replacement`)."""
-    found = conn.execute(
-        q("end_replacement").text,
+    found = runner.one(
+        q("end_replacement"),
         {
             "id": batch_id,
             "step": step,
@@ -256,7 +256,7 @@ def end_replacement(
             "exc_type": exc_type,
             "exc_message": exc_message,
         },
-    ).scalar_one()
+    )[0]
     return bool(found)
 
 

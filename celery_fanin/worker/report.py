@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .. import retry
 from ..context import FanIn
+from ..store import reports
 from ..store.reports import ReportConnection
 
 logger = logging.getLogger("celery_fanin.hooks")
@@ -50,10 +51,10 @@ def send_terminal(
 
 
 def wake_relay(fanin: FanIn, batch_id: str) -> None:
-    """Leave a successor this process's report created to the relay, now (`ReportConnection.wake_relay`). Never
+    """Leave a successor this process's report created to the relay, now (`store.reports.wake_relay`). Never
     raises: if the store cannot be reached, the row is the relay's anyway once its handoff has passed."""
     try:
-        fanin.reports.wake_relay(batch_id)
+        reports.wake_relay(fanin.reports, batch_id)
     except Exception as exc:  # noqa: BLE001 - the relay's scan publishes it once due
         logger.warning("cannot wake the relay for batch %s (%s): its scan publishes it", batch_id, exc)
 

@@ -24,7 +24,7 @@ from ..codec import encode_result
 from ..context import FanIn
 from ..dispatch.successors import publish_created_successor
 from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, claim
-from ..store import batches
+from ..store import batches, reports, successors
 from ..store.outbox import OutboxRow
 from . import report, starts, successor_runs
 
@@ -75,7 +75,7 @@ def _note_successor_traceback(fanin: FanIn, marker: Marker, exc: BaseException |
             fanin,
             "successor",
             f"traceback of the successor of batch {marker.batch_id}",
-            lambda: fanin.reports.note_successor_traceback(marker.batch_id, marker.step or "", trace),
+            lambda: successors.note_traceback(fanin.runs, uuid.UUID(marker.batch_id), marker.step or "", trace),
         )
 
 
@@ -146,7 +146,8 @@ class Reporter:
         rec: batches.TerminalRecord | None = report.send_terminal(
             fanin,
             f"terminal outcome of task {task_id}",
-            lambda reports: reports.record_terminal(
+            lambda runner: reports.record_terminal(
+                runner,
                 task_id,
                 state,
                 result=result,
@@ -164,7 +165,7 @@ class Reporter:
         trace = format_traceback(exc) if rec.counted and state != ChildState.SUCCEEDED else None
         if trace is not None:  # the counted run's, kept in the database only (never in the successor's message)
             report.send_terminal(
-                fanin, f"traceback of task {task_id}", lambda reports: reports.note_traceback(task_id, trace)
+                fanin, f"traceback of task {task_id}", lambda runner: reports.note_traceback(runner, task_id, trace)
             )
         if rec.counted:
             logger.debug(
@@ -269,7 +270,7 @@ class Reporter:
         report.send_terminal(
             fanin,
             f"refused report of task {child_id}",
-            lambda reports: reports.record_terminal(child_id, ChildState.REJECTED, claim=_NO_CHILD),
+            lambda runner: reports.record_terminal(runner, child_id, ChildState.REJECTED, claim=_NO_CHILD),
         )
 
     def record_successor(

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from .. import retry
 from ..context import FanIn
+from ..store import reports
 from ..store.batches import Start
 
 logger = logging.getLogger("celery_fanin.starts")
@@ -197,7 +198,7 @@ class StartRecorder:
                 self._sending = False
 
     def _write(self, batch: list[Start]) -> int:
-        return self._fanin.reports.record_starts(batch)
+        return reports.record_starts(self._fanin.reports, batch)
 
     def _drop_expired(self, cause: BaseException | None) -> None:
         now = time.monotonic()

@@ -1,7 +1,9 @@
 """A worker's successor runs: admitted by the store's run guard, kept alive by a heartbeat, handed over or finished.
 
 The Celery side (which signal or task method calls what) is in `hooks`, `guards` and `reporter`; the statements
-are in `store.successors`.
+are in `store.successors`, each one round trip on the transport a child's report takes (`store.reports`), with no
+pool checkout: the admission on the report connection itself (`FanIn.reports`, open already), the rest on the
+runs' session (`FanIn.runs`, which hands no successor to this worker: see there).
 A run belongs to one execution of the task (it hangs off that execution's request context), never to a task id or
 a process: with thread-based pools (threads, gevent, eventlet) a duplicate delivery of the same task id runs in
 the same process as the live run, and must neither see nor release it.
@@ -21,7 +23,6 @@ from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy import Connection
-from sqlalchemy.exc import SQLAlchemyError
 
 from .. import retry
 from ..context import FanIn
@@ -29,6 +30,7 @@ from ..exceptions import ChordHeaderFailed
 from ..protocol import SuccessorState
 from ..store import outcomes, queries, successors
 from ..store.batches import Encoded
+from ..store.statements import Runner
 from .report import REPORTS_GIVEN_UP
 
 logger = logging.getLogger("celery_fanin.successors")
@@ -53,12 +55,17 @@ class LiveRun:
         return (self.run.batch_id, self.run.step, self.run.number)
 
 
-def _store(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
-    """One store statement in autocommit (one round trip), retried over transient errors for up to
-    `fanin_report_timeout` seconds (`retry.GaveUp` after that; a permanent error at once)."""
+def _store(fanin: FanIn, what: str, fn: Callable[[Runner], T]) -> T:
+    """One statement on the runs' connection (autocommit: one round trip), retried over transient errors for up
+    to `fanin_report_timeout` seconds (`retry.GaveUp` after that; a permanent error at once)."""
+    return retry.call(lambda: fn(fanin.runs), what=what, timeout=float(fanin.settings.report_timeout))
+
+
+def _read(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
+    """A read through the app's engine (the outcome's queries are SQLAlchemy's), retried as `_store` is."""
 
     def once() -> T:
-        with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with fanin.engine.connect() as conn:
             return fn(conn)
 
     return retry.call(once, what=what, timeout=float(fanin.settings.report_timeout))
@@ -76,7 +83,7 @@ def chord_failure(fanin: FanIn, batch_id: str, why: str) -> ChordHeaderFailed:
         limit, max_bytes = fanin.settings.outcome_failures_limit, fanin.settings.outcome_max_bytes
         return dict(outcomes.build_outcome(conn, batch, limit, max_bytes=max_bytes))
 
-    return ChordHeaderFailed.from_outcome(_store(fanin, f"the outcome of chord {batch_id}", read), why)
+    return ChordHeaderFailed.from_outcome(_read(fanin, f"the outcome of chord {batch_id}", read), why)
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -158,7 +165,7 @@ def admit(
     """Start a run for this delivery, or None for a duplicate (or when the store cannot be reached: refusing is
     safe, since the relay republishes a successor that never starts).
 
-    The guard's statement goes on the process's report connection (`FanIn.reports`), as a child's report does:
+    The guard's statement goes on the process's report connection (`FanIn.reports`), as every run statement does:
     it stands between the successor's delivery and its first line, and a pool checkout with its pre-ping would
     cost a round trip more. Its commit is durable (the connection's `synchronous_commit` is the server's): see
     docs/concepts/outbox.md for why an admission must never be lost in a crash.
@@ -169,22 +176,25 @@ def admit(
 
     def claim() -> successors.Run | None:
         reports = fanin.reports
-        params = successors.claim_params(
-            bid, step, task_id, retries, lease=lease, grace=grace, owner=me, owner_key=key, carrier=carrier
-        )
-        got = successors.claimed(bid, step, reports.claim_run(params))
+
+        def attempt(dead_owner: str | None = None) -> successors.Run | successors.Refusal:
+            return successors.claim_run(
+                reports, bid, step, task_id, retries, lease=lease, grace=grace, owner=me, owner_key=key,
+                carrier=carrier, dead_owner=dead_owner,
+            )  # fmt: skip
+
+        got = attempt()
         if isinstance(got, successors.Refusal) and got.state == SuccessorState.RUNNING and _gone(got.owner):
-            params["dead_owner"] = got.owner
-            got = successors.claimed(bid, step, reports.claim_run(params))
+            got = attempt(dead_owner=got.owner)
         if isinstance(got, successors.Refusal):
-            reports.count_duplicate(bid, step)
+            successors.count_duplicate(reports, bid, step)
             return None
         return got
 
     timeout = float(fanin.settings.report_timeout)
     try:
         run = retry.call(claim, what=f"successor start of batch {batch_id}", timeout=timeout)
-    except (retry.GaveUp, SQLAlchemyError, psycopg.Error):
+    except (retry.GaveUp, psycopg.Error):
         logger.exception("cannot start successor batch_id=%s: refused (the relay publishes it again)", batch_id)
         return None
     if run is None:
@@ -201,8 +211,7 @@ def count_refused(fanin: FanIn, batch_id: str, step: str) -> None:
         bid = uuid.UUID(batch_id)
     except ValueError:
         return  # names no batch: nothing to count it on
-    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        successors.count_duplicate(conn, bid, step)
+    successors.count_duplicate(fanin.runs, bid, step)
 
 
 def due_at(eta: datetime | None, countdown: float | None) -> datetime:
@@ -220,9 +229,9 @@ def hand_over(live: LiveRun, state: str, due_at: datetime | None = None, carrier
         moved = _store(
             live.fanin,
             f"handing over successor of batch {live.run.batch_id}",
-            lambda conn: successors.hand_over(conn, live.run, state, due_at, carrier),
+            lambda runner: successors.hand_over(runner, live.run, state, due_at, carrier),
         )
-    except (retry.GaveUp, SQLAlchemyError):
+    except (retry.GaveUp, psycopg.Error):
         moved = False  # the run's lease lapses; the relay republishes the successor once it is dead
     live.ended = True
     if not moved:
@@ -237,9 +246,9 @@ def take_back(live: LiveRun) -> None:
         back = _store(
             live.fanin,
             "successor run taken back",
-            lambda conn: successors.take_back(conn, live.run, lease, live.carrier),
+            lambda runner: successors.take_back(runner, live.run, lease, live.carrier),
         )
-    except (retry.GaveUp, SQLAlchemyError):  # GaveUp too: an outage (or a lock held) past report_timeout
+    except (retry.GaveUp, psycopg.Error):  # GaveUp too: an outage (or a lock held) past report_timeout
         back = False
     if back:
         live.ended = False
@@ -264,10 +273,9 @@ def end_replacement(
 ) -> bool:
     """One attempt at ending a replaced successor for a part of its replacement that failed or was revoked
     (`store.successors.end_replacement`); the caller retries."""
-    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        return successors.end_replacement(
-            conn, uuid.UUID(batch_id), step, task_id, carrier, state, exc_type=exc_type, exc_message=exc_message
-        )
+    return successors.end_replacement(
+        fanin.runs, uuid.UUID(batch_id), step, task_id, carrier, state, exc_type=exc_type, exc_message=exc_message
+    )
 
 
 def record_final(
@@ -289,22 +297,21 @@ def record_final(
     (no `run`), the worker's main process speaks of one copy of the message, whose `task_id` must be the
     successor's: one that ran in its pool process `ran_in` (a pid of this machine) or, without it, one that never
     ran (its `carrier` and `retries` say which copy it was)."""
-    with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        return successors.record_state(
-            conn,
-            uuid.UUID(batch_id),
-            step,
-            state,
-            run=run,
-            task_id=task_id,
-            result=result,
-            exc_type=exc_type,
-            exc_message=exc_message,
-            carrier=carrier,
-            retries=retries,
-            ran_in=None if ran_in is None else process_prefix(ran_in),
-            owner_key=None if ran_in is None else worker_key(),
-        )
+    return successors.record_state(
+        fanin.runs,
+        uuid.UUID(batch_id),
+        step,
+        state,
+        run=run,
+        task_id=task_id,
+        result=result,
+        exc_type=exc_type,
+        exc_message=exc_message,
+        carrier=carrier,
+        retries=retries,
+        ran_in=None if ran_in is None else process_prefix(ran_in),
+        owner_key=None if ran_in is None else worker_key(),
+    )
 
 
 def finish(
@@ -334,7 +341,7 @@ def finish(
             what=f"recording successor state of batch {run.batch_id}",
             timeout=float(live.fanin.settings.report_timeout),
         )
-    except (retry.GaveUp, SQLAlchemyError):
+    except (retry.GaveUp, psycopg.Error):
         REPORTS_GIVEN_UP.labels(kind="successor").inc()
         logger.exception(
             "gave up recording successor batch_id=%s as %s: its lease lapses, the relay reruns it", run.batch_id, state
@@ -407,9 +414,8 @@ class _Heartbeat:
         fanin = group[0].fanin
         lease = fanin.settings.successor_lease
         try:
-            with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                held = successors.renew_leases(conn, [live.run for live in group], lease)
-        except SQLAlchemyError as exc:
+            held = successors.renew_leases(fanin.runs, [live.run for live in group], lease)
+        except psycopg.Error as exc:
             logger.warning("could not renew successor leases (retrying): %s", exc.__class__.__name__)
             return False
         for live in group:

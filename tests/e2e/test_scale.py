@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from celery_fanin import FanIn, fan_in_group
-from celery_fanin.store import batches
+from celery_fanin.store.reports import record_terminal
 from tests import app as tasks
-from tests.sql import rows
+from tests.sql import Held, rows
 from tests.workers import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -64,7 +64,7 @@ def test_generator_of_20k_children_streams_into_a_tree_and_counts_exactly(produc
         with engine.connect() as conn:
             for tid in part:
                 with conn.begin():
-                    rec = batches.record_terminal(conn, tid, states[tid])
+                    rec = record_terminal(Held(conn), tid, states[tid])
                 if rec.successor_created:
                     created.append(tid)
 

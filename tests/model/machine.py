@@ -34,7 +34,9 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from celery_fanin.context import normalise_database_url
 from celery_fanin.producer.write import EMPTY_DIGEST, Layout, digest_step
 from celery_fanin.store import admin, batches, outbox, recovery, successors
+from celery_fanin.store.reports import record_terminal
 from celery_fanin.store.statements import q
+from tests.sql import Held
 
 from .sessions import SETTLE_TIMEOUT, Op, Rollback, Session, Shared, is_transient, settle
 
@@ -471,7 +473,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
 
         def fn(conn: Connection) -> batches.TerminalRecord:
-            return batches.record_terminal(conn, child.task_id, state, exc_type=None, claim=named)
+            return record_terminal(Held(conn), child.task_id, state, exc_type=None, claim=named)
 
         def done(rec: batches.TerminalRecord) -> None:
             if claim != "right" and rec.counted:
@@ -705,7 +707,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         def fn(conn: Connection) -> successors.Run | successors.Refusal:
             got = successors.claim_run(
-                conn,
+                Held(conn),
                 batch.id,
                 batch.step,
                 wrong if wrong_id else current,
@@ -718,7 +720,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 dead_owner=None if dead_owner == "no" else holder,
             )
             if isinstance(got, successors.Refusal) and got.state is not None:
-                successors.count_duplicate(conn, batch.id, batch.step)
+                successors.count_duplicate(Held(conn), batch.id, batch.step)
             return got
 
         def done(got: successors.Run | successors.Refusal) -> None:
@@ -808,14 +810,14 @@ class ProtocolMachine(RuleBasedStateMachine):
 
         def fn(conn: Connection) -> bool:
             if how in successors.HANDED_OVER_STATES:
-                return successors.hand_over(conn, run, how, carrier=token if how == "replaced" else None)
+                return successors.hand_over(Held(conn), run, how, carrier=token if how == "replaced" else None)
             if how == "take_back":
-                return successors.take_back(conn, run, LEASE, runs.carried.get(number))
+                return successors.take_back(Held(conn), run, LEASE, runs.carried.get(number))
             if how == "renew":
-                return bool(successors.renew_leases(conn, [run], LEASE))
+                return bool(successors.renew_leases(Held(conn), [run], LEASE))
             if how.startswith("main"):
                 return successors.record_state(
-                    conn,
+                    Held(conn),
                     batch.id,
                     batch.step,
                     how.partition(":")[2],
@@ -824,7 +826,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                     ran_in=ran_in,
                     owner_key=runs.key.get(number) if ran_in is not None else None,
                 )
-            return successors.record_state(conn, batch.id, batch.step, how, run=number)
+            return successors.record_state(Held(conn), batch.id, batch.step, how, run=number)
 
         def done(moved: bool) -> None:
             if moved and how.startswith("main") and earlier:
@@ -904,7 +906,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         task_id = runs.task_id or batch.successor_task_id
 
         def fn(conn: Connection) -> bool:
-            return successors.end_replacement(conn, batch.id, batch.step, task_id, token, how, "ValueError", "part")
+            return successors.end_replacement(
+                Held(conn), batch.id, batch.step, task_id, token, how, "ValueError", "part"
+            )
 
         def done(moved: bool) -> None:
             if not moved:

@@ -694,13 +694,18 @@ class MessageMachine(RuleBasedStateMachine):
             holder = conn.execute(
                 text("SELECT run_owner FROM fanin_successors WHERE batch_id = :b AND step = :s"), {"b": bid, "s": step}
             ).scalar()
-        params = successors.claim_params(
-            bid, step, copy.task_id, 0, lease=lease, grace=grace, owner="forger:0:1:1", owner_key="forger-key"
-        )
-        got = successors.claimed(bid, step, self.fanin.reports.claim_run(params))
+        forger = {"lease": lease, "grace": grace, "owner": "forger:0:1:1", "owner_key": "forger-key"}
+        got = successors.claim_run(self.fanin.reports, bid, step, copy.task_id, 0, **forger)  # type: ignore[arg-type]
         if isinstance(got, successors.Refusal) and holder:
-            params["dead_owner"] = holder
-            got = successors.claimed(bid, step, self.fanin.reports.claim_run(params))
+            got = successors.claim_run(
+                self.fanin.reports,
+                bid,
+                step,
+                copy.task_id,
+                0,
+                dead_owner=holder,
+                **forger,  # type: ignore[arg-type]
+            )
         if isinstance(got, successors.Run):
             BODY_RUNS[copy.batch] += 1  # the forger runs the body beside the live run
             self.forged[copy.batch] += 1

@@ -25,6 +25,8 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from celery_fanin import codec
 from celery_fanin.context import normalise_database_url
 from celery_fanin.store import batches, migrate
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 TABLES = ("fanin_batches", "fanin_children", "fanin_successors", "fanin_outbox")
 QUEUE = "celery"  # the default queue; on the Redis transport its messages are a list under this key
@@ -193,8 +195,8 @@ def report_all(conn: Connection, reports: Sequence[Report]) -> list[Outcome]:
     out: list[Outcome] = []
     for task_id, state in reports:
         with conn.begin():
-            rec = batches.record_terminal(
-                conn,
+            rec = record_terminal(
+                Held(conn),
                 task_id,
                 state,
                 result=json_encoded({"task_id": task_id}) if state == "succeeded" else None,

@@ -18,6 +18,8 @@ from celery_fanin import FanIn, FanInNotConfigured
 from celery_fanin.context import Settings
 from celery_fanin.relay import maintenance
 from celery_fanin.store import batches, recovery
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import new_batch
 
@@ -46,7 +48,7 @@ def test_only_pending_children_past_expiry_and_grace_are_counted_revoked(engine:
         assert not recovery.revoke_expired(conn, children[1].task_id, 30), "a started child is its worker's"
         assert not recovery.revoke_expired(conn, children[2].task_id, 30), "within the grace"
         # The worker's own report (Redis delivers the expired message and the worker revokes it) comes late.
-        late = batches.record_terminal(conn, children[0].task_id, "revoked", exc_type="_Revoked", exc_message="expired")
+        late = record_terminal(Held(conn), children[0].task_id, "revoked", exc_type="_Revoked", exc_message="expired")
         assert (late.counted, late.late) == (False, True)
         row = conn.execute(
             text("SELECT state, exc_message FROM fanin_children WHERE task_id = :t"), {"t": children[0].task_id}

@@ -16,7 +16,9 @@ from sqlalchemy import Connection, Engine, text
 
 from celery_fanin.producer.write import EMPTY_DIGEST, Layout, digest_step
 from celery_fanin.store import admin, batches, recovery
+from celery_fanin.store.reports import record_terminal
 from tests.model.sessions import Op, Session, Shared, settle
+from tests.sql import Held
 
 from .helpers import new_batch
 
@@ -31,8 +33,8 @@ def _tree(engine: Engine, n: int, leaves: int, **options: Any) -> tuple[batches.
 
 def _report(engine: Engine, batch: batches.NewBatch, child: batches.NewChild, idx: int, state: str) -> None:
     with engine.begin() as conn:
-        rec = batches.record_terminal(
-            conn, child.task_id, state, claim=batches.Claim(str(batch.id), idx, child.task_name)
+        rec = record_terminal(
+            Held(conn), child.task_id, state, claim=batches.Claim(str(batch.id), idx, child.task_name)
         )
     assert rec.counted
 
@@ -221,7 +223,7 @@ def test_a_deadline_that_waited_for_a_threshold_report_abandons_nothing(store_en
     claim = batches.Claim(str(batch.id), 0, "t.child")
 
     def report(conn: Connection) -> batches.TerminalRecord:
-        return batches.record_terminal(conn, children[0].task_id, "failed", claim=claim)
+        return record_terminal(Held(conn), children[0].task_id, "failed", claim=claim)
 
     assert _race(store_engine, clean_db, report, lambda c: recovery.expire_batch(c, batch.id)) is None
     with store_engine.connect() as conn:

@@ -15,6 +15,8 @@ from sqlalchemy import Engine, text
 from celery_fanin import BatchNotFound, BatchNotOpen, FanIn
 from celery_fanin.producer import actions
 from celery_fanin.store import batches, recovery
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import fetch_all, fetch_one, json_encoded, new_batch
 
@@ -55,7 +57,7 @@ def _age(engine: Engine, batch_id: uuid.UUID, seconds: float) -> None:
 def _finish(engine: Engine, children: list[batches.NewChild], state: str = "succeeded") -> None:
     with engine.begin() as conn:
         for child in children:
-            assert batches.record_terminal(conn, child.task_id, state).counted
+            assert record_terminal(Held(conn), child.task_id, state).counted
 
 
 def _successor(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any] | None:

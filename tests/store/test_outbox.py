@@ -20,6 +20,8 @@ from sqlalchemy import Connection, Engine, text
 from celery_fanin import FanIn, codec
 from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, outbox, queries
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import QUEUE, Tasks, create, fetch_all, fetch_one, queued_messages
 
@@ -275,9 +277,7 @@ def _completed_batch(
     for child, (state, exc_type, exc_message) in zip(children, CHILD_OUTCOMES, strict=True):
         with store_engine.begin() as conn:
             result = codec.encode_result(app, 42) if state == "succeeded" else None
-            batches.record_terminal(
-                conn, child.task_id, state, result=result, exc_type=exc_type, exc_message=exc_message
-            )
+            record_terminal(Held(conn), child.task_id, state, result=result, exc_type=exc_type, exc_message=exc_message)
     return batch, children
 
 

@@ -1,4 +1,4 @@
-"""`batches.record_terminal` under racing reports: each child counted once, exactly one successor, one NOTIFY.
+"""`store.reports.record_terminal` under racing reports: each child counted once, exactly one successor, one NOTIFY.
 
 Every test talks to the real Postgres; racing reporters are threads (or spawned processes) with connections of
 their own, released together by a barrier so the duplicate reports of one child really run concurrently.
@@ -17,7 +17,11 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
-from celery_fanin.store import batches
+from celery_fanin.store import batches, outbox
+from celery_fanin.store import reports as store_reports
+from celery_fanin.store.reports import record_terminal
+from celery_fanin.store.statements import Runner, q
+from tests.sql import Held
 
 from .helpers import (
     Outcome,
@@ -35,6 +39,12 @@ from .helpers import (
     run_spawned,
     snapshot,
 )
+
+
+def _handed_off(runner: Runner, batch_id: object) -> list[outbox.OutboxRow]:
+    """The successor a report of this session created and the relay leaves to it (`fanin_handed_off`), read again."""
+    return outbox.handed_off_rows(runner.one(q("handed_off"), {"batch": batch_id})[0])
+
 
 # Mixed terminal states, one per child in turn: 3 of every 9 succeed.
 # Where a report that came after the child was counted may be noted (bookkeeping, never a counter).
@@ -189,7 +199,7 @@ def test_late_report_after_completion_changes_nothing(store_engine: Engine) -> N
 
     for state in ("failed", "succeeded", "worker_lost"):
         with store_engine.begin() as conn:
-            rec = batches.record_terminal(conn, children[1].task_id, state, exc_type="X", exc_message="late")
+            rec = record_terminal(Held(conn), children[1].task_id, state, exc_type="X", exc_message="late")
         assert _counted_nothing(rec), rec
     # Counters, the child's state, result and exception, the successor and the outbox are all as they were.
     assert snapshot(store_engine, batch.id, ignore=LATE_REPORT_COLUMNS) == before
@@ -198,9 +208,9 @@ def test_late_report_after_completion_changes_nothing(store_engine: Engine) -> N
 def test_repeat_report_before_completion_is_not_counted(store_engine: Engine) -> None:
     batch, children, _ = create(store_engine, 2)
     with store_engine.begin() as conn:
-        first = batches.record_terminal(conn, children[0].task_id, "failed", exc_type="E", exc_message="first")
+        first = record_terminal(Held(conn), children[0].task_id, "failed", exc_type="E", exc_message="first")
     with store_engine.begin() as conn:
-        again = batches.record_terminal(conn, children[0].task_id, "succeeded", result=json_encoded(1))
+        again = record_terminal(Held(conn), children[0].task_id, "succeeded", result=json_encoded(1))
     assert (first.counted, first.remaining, first.successor_created) == (True, 1, False)
     assert _counted_nothing(again), again
     with store_engine.connect() as conn:
@@ -215,7 +225,7 @@ def test_non_terminal_state_raises_and_writes_nothing(store_engine: Engine, stat
     batch, children, _ = create(store_engine, 1)
     before = snapshot(store_engine, batch.id)
     with store_engine.begin() as conn, pytest.raises(ValueError, match="not a terminal child state"):
-        batches.record_terminal(conn, children[0].task_id, state)
+        record_terminal(Held(conn), children[0].task_id, state)
     assert snapshot(store_engine, batch.id) == before
 
 
@@ -223,7 +233,7 @@ def test_unknown_task_id_counts_nothing(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 2)
     before = snapshot(store_engine, batch.id)
     with store_engine.begin() as conn:
-        rec = batches.record_terminal(conn, f"not-a-child-{uuid.uuid4()}", "succeeded", result=json_encoded(1))
+        rec = record_terminal(Held(conn), f"not-a-child-{uuid.uuid4()}", "succeeded", result=json_encoded(1))
     assert _counted_nothing(rec), rec
     assert snapshot(store_engine, batch.id) == before
 
@@ -233,12 +243,16 @@ def test_result_and_exception_are_stored(store_engine: Engine) -> None:
     binary = batches.Encoded("application/x-python-serialize", "binary", bytes(range(256)) + b"\x00tail")
     as_json = json_encoded({"rows": [1, 2, 3], "text": "é"})
     with store_engine.begin() as conn:
-        batches.record_terminal(conn, children[0].task_id, "succeeded", result=binary)
+        record_terminal(Held(conn), children[0].task_id, "succeeded", result=binary)
     with store_engine.begin() as conn:
-        batches.record_terminal(conn, children[1].task_id, "succeeded", result=as_json)
+        record_terminal(Held(conn), children[1].task_id, "succeeded", result=as_json)
     with store_engine.begin() as conn:
-        batches.record_terminal(
-            conn, children[2].task_id, "time_limit", exc_type="TimeLimitExceeded", exc_message="TimeLimitExceeded(5)"
+        record_terminal(
+            Held(conn),
+            children[2].task_id,
+            "time_limit",
+            exc_type="TimeLimitExceeded",
+            exc_message="TimeLimitExceeded(5)",
         )
     with store_engine.connect() as conn:
         rows = fetch_all(conn, "SELECT * FROM fanin_children WHERE batch_id = :id ORDER BY idx", id=batch.id)
@@ -267,7 +281,7 @@ def test_only_the_completing_report_notifies(store_engine: Engine, listener: psy
     assert notifications_until_sentinel(listener, clean_db) == [], "a non-final report notified the relay"
 
     with store_engine.begin() as conn:
-        rec = batches.record_terminal(conn, children[4].task_id, "failed")
+        rec = record_terminal(Held(conn), children[4].task_id, "failed")
     assert rec.successor_created
     with store_engine.connect() as conn:
         out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
@@ -284,11 +298,11 @@ def test_rolled_back_completion_neither_counts_nor_notifies(
     batch, children, _ = create(store_engine, 1)
     with store_engine.connect() as conn:
         with conn.begin() as tx:
-            assert batches.record_terminal(conn, children[0].task_id, "succeeded").successor_created
+            assert record_terminal(Held(conn), children[0].task_id, "succeeded").successor_created
             tx.rollback()
         assert notifications_until_sentinel(listener, clean_db) == []
         with conn.begin():
-            rec = batches.record_terminal(conn, children[0].task_id, "succeeded")
+            rec = record_terminal(Held(conn), children[0].task_id, "succeeded")
     assert (rec.counted, rec.remaining, rec.successor_created) == (True, 0, True)
     assert len(notifications_until_sentinel(listener, clean_db)) == 1
 
@@ -350,7 +364,7 @@ def test_failure_threshold_moves_the_batch_once_and_later_reports_only_count(
     assert _settle_state(store_engine, batch.id)["state"] == "running"  # one failure is allowed
 
     with store_engine.begin() as conn:
-        moved = batches.record_terminal(conn, children[2].task_id, "failed", exc_type="E", exc_message="x")
+        moved = record_terminal(Held(conn), children[2].task_id, "failed", exc_type="E", exc_message="x")
     assert (moved.counted, moved.remaining, moved.successor_created) == (True, 2, True)
     after_move = _settle_state(store_engine, batch.id)
     kind = "on_failure" if on_failure else "then"
@@ -359,7 +373,7 @@ def test_failure_threshold_moves_the_batch_once_and_later_reports_only_count(
 
     for task_id, state in ((children[3].task_id, "failed"), (children[4].task_id, "succeeded")):
         with store_engine.begin() as conn:
-            rec = batches.record_terminal(conn, task_id, state, exc_type="E" if state == "failed" else None)
+            rec = record_terminal(Held(conn), task_id, state, exc_type="E" if state == "failed" else None)
         assert rec.counted and not rec.successor_created
     final = _settle_state(store_engine, batch.id)
     assert (final["state"], final["remaining"], final["succeeded"], final["failed"]) == ("failed_threshold", 0, 2, 3)
@@ -376,7 +390,7 @@ def test_a_tree_settles_its_root_once_per_leaf_and_the_last_leaf_creates_the_suc
     created = []
     for i, child in enumerate(children):  # child i is on leaf i % 3: leaves finish at reports 3, 4 and 5 (0-based)
         with store_engine.begin() as conn:
-            rec = batches.record_terminal(conn, child.task_id, "failed" if i == 1 else "succeeded", exc_type="E")
+            rec = record_terminal(Held(conn), child.task_id, "failed" if i == 1 else "succeeded", exc_type="E")
         assert rec.counted
         created.append(rec.successor_created)
         root = _settle_state(store_engine, batch.id)
@@ -400,8 +414,8 @@ def _report_all(url: str, children: list[batches.NewChild], batch: batches.NewBa
     reports = ReportConnection(url, **conn_kwargs)
     try:
         return [
-            reports.record_terminal(
-                c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name)
+            record_terminal(
+                reports, c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name)
             ).successor_created
             for i, c in enumerate(children)
         ]
@@ -468,7 +482,7 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
 
     reports = ReportConnection(url, lambda: True, lambda: 7.5)
     try:
-        [handed] = reports.handed_off(batch.id)
+        [handed] = _handed_off(reports, batch.id)
         assert (handed.id, handed.batch_id, handed.step) == (row["id"], batch.id, batch.step)
         assert handed.batch is not None and handed.batch.state == "complete" and handed.batch.succeeded == 3
         assert handed.successor is not None and handed.successor.task_id == batch.successor_task_id
@@ -479,8 +493,8 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
                 ).scalar_one()
                 == row["id"]
             )
-        reports.mark_sent([handed.id])
-        assert reports.handed_off(batch.id) == [], "sent: nothing left to hand off"
+        store_reports.mark_sent(reports, [handed.id])
+        assert _handed_off(reports, batch.id) == [], "sent: nothing left to hand off"
     finally:
         reports.reset()
     assert _outbox_row(store_engine, batch.id)["sent"]
@@ -517,14 +531,16 @@ def test_the_report_that_hands_off_a_successor_returns_it_as_a_claim_reads_it(st
     reports = ReportConnection(url, lambda: True, lambda: 7.5)
     try:
         recs = [
-            reports.record_terminal(c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name))
+            record_terminal(reports, c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name))
             for i, c in enumerate(children)
         ]
         assert [r.handed_off for r in recs[:2]] == [None, None], "no successor created: nothing returned"
         returned = recs[2].handed_off
         assert returned is not None and len(returned) == 1
-        read = reports.handed_off(batch.id)
-        reports.wake_relay(batch.id)  # due now: the relay's claim takes it, and reads its columns as SQLAlchemy does
+        read = _handed_off(reports, batch.id)
+        store_reports.wake_relay(
+            reports, batch.id
+        )  # due now: the relay's claim takes it, and reads its columns as SQLAlchemy does
     finally:
         reports.reset()
     with store_engine.begin() as conn:
@@ -549,11 +565,11 @@ def test_a_batch_past_its_failure_threshold_is_not_handed_off(store_engine: Engi
         batches.create_batch(conn, batch, children)
     reports = ReportConnection(url, lambda: True, lambda: 7.5)
     try:
-        rec = reports.record_terminal(
-            children[0].task_id, "failed", claim=batches.Claim(str(batch.id), 0, children[0].task_name)
+        rec = record_terminal(
+            reports, children[0].task_id, "failed", claim=batches.Claim(str(batch.id), 0, children[0].task_name)
         )
         assert rec.successor_created
-        assert reports.handed_off(batch.id) == []
+        assert _handed_off(reports, batch.id) == []
     finally:
         reports.reset()
     assert not _outbox_row(store_engine, batch.id)["handed_off"]
@@ -577,7 +593,7 @@ def test_wake_relay_makes_a_handed_off_row_due_at_once(
     assert notifications_until_sentinel(listener, clean_db) == []
     reports = ReportConnection(url, lambda: True, lambda: 60.0)
     try:
-        reports.wake_relay(batch.id)
+        store_reports.wake_relay(reports, batch.id)
     finally:
         reports.reset()
     assert not _outbox_row(store_engine, batch.id)["handed_off"]

@@ -14,6 +14,8 @@ from sqlalchemy import Engine
 
 from celery_fanin import protocol
 from celery_fanin.store import batches, queries
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import create, json_encoded, new_batch, snapshot
 
@@ -22,7 +24,7 @@ def _report(
     engine: Engine, task_id: str, claim: batches.Claim, state: str = "succeeded", result: object = 1
 ) -> batches.TerminalRecord:
     with engine.begin() as conn:
-        return batches.record_terminal(conn, task_id, state, result=json_encoded(result), claim=claim)
+        return record_terminal(Held(conn), task_id, state, result=json_encoded(result), claim=claim)
 
 
 def _refused_metric() -> float:
@@ -98,12 +100,20 @@ def test_the_report_connection_sends_the_claim(store_engine: Engine, app: object
 
     fanin = FanIn.of(app)  # type: ignore[arg-type]
     batch, children, _ = create(store_engine, 1)
-    forged = fanin.reports.record_terminal(
-        children[0].task_id, "succeeded", result=json_encoded(1), claim=batches.Claim(str(uuid.uuid4()), 0, "t.child")
+    forged = record_terminal(
+        fanin.reports,
+        children[0].task_id,
+        "succeeded",
+        result=json_encoded(1),
+        claim=batches.Claim(str(uuid.uuid4()), 0, "t.child"),
     )
     assert forged.refused and not forged.counted
-    good = fanin.reports.record_terminal(
-        children[0].task_id, "succeeded", result=json_encoded(1), claim=batches.Claim(str(batch.id), 0, "t.child")
+    good = record_terminal(
+        fanin.reports,
+        children[0].task_id,
+        "succeeded",
+        result=json_encoded(1),
+        claim=batches.Claim(str(batch.id), 0, "t.child"),
     )
     assert good.counted and good.successor_created
 

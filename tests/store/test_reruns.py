@@ -11,6 +11,8 @@ import pytest
 from sqlalchemy import Engine, text
 
 from celery_fanin.store import batches, successors
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import create, fetch_one
 
@@ -20,7 +22,7 @@ LEASE, GRACE = 60.0, 60.0
 def _claim(engine: Engine, batch: batches.NewBatch, task_id: str) -> successors.Run | successors.Refusal:
     with engine.begin() as conn:
         return successors.claim_run(
-            conn, batch.id, batch.step, task_id, 0, lease=LEASE, grace=GRACE, owner="w:1:", owner_key="k"
+            Held(conn), batch.id, batch.step, task_id, 0, lease=LEASE, grace=GRACE, owner="w:1:", owner_key="k"
         )
 
 
@@ -28,12 +30,12 @@ def _finished(engine: Engine, *, state: str = "failed") -> batches.NewBatch:
     """A batch whose successor ran once and ended `state`."""
     batch, children, _ = create(engine, 1)
     with engine.begin() as conn:
-        batches.record_terminal(conn, children[0].task_id, "succeeded")
+        record_terminal(Held(conn), children[0].task_id, "succeeded")
     run = _claim(engine, batch, batch.successor_task_id)
     assert isinstance(run, successors.Run) and run.number == 1
     with engine.begin() as conn:
         assert successors.record_state(
-            conn, batch.id, batch.step, state, run=1, exc_type="RuntimeError", exc_message="bug"
+            Held(conn), batch.id, batch.step, state, run=1, exc_type="RuntimeError", exc_message="bug"
         )
     return batch
 
@@ -68,11 +70,11 @@ def test_a_failed_successor_reruns_under_a_new_task_id_alone(store_engine: Engin
     # A late copy of the first delivery, and an event about one, are refused; the rerun's delivery is admitted.
     assert isinstance(_claim(store_engine, batch, batch.successor_task_id), successors.Refusal)
     with store_engine.begin() as conn:
-        assert not successors.record_state(conn, batch.id, batch.step, "revoked", task_id=batch.successor_task_id)
+        assert not successors.record_state(Held(conn), batch.id, batch.step, "revoked", task_id=batch.successor_task_id)
     run = _claim(store_engine, batch, "rerun-1")
     assert isinstance(run, successors.Run) and run.number == 2, "the run numbers go on"
     with store_engine.begin() as conn:
-        assert successors.record_state(conn, batch.id, batch.step, "succeeded", run=2)
+        assert successors.record_state(Held(conn), batch.id, batch.step, "succeeded", run=2)
     # Succeeded now: not run again; and a rerun's task id must be new.
     assert _rerun(store_engine, batch, "rerun-2") == (None, "succeeded", "rerun-1", "succeeded")
 
@@ -81,7 +83,7 @@ def test_what_is_not_failed_or_revoked_is_refused(store_engine: Engine) -> None:
     running, children, _ = create(store_engine, 1)
     assert _rerun(store_engine, running, "x") == (None, None, None, None), "no successor yet"
     with store_engine.begin() as conn:
-        batches.record_terminal(conn, children[0].task_id, "succeeded")
+        record_terminal(Held(conn), children[0].task_id, "succeeded")
     assert _rerun(store_engine, running, "x")[:2] == (None, "pending")
     assert isinstance(_claim(store_engine, running, running.successor_task_id), successors.Run)
     assert _rerun(store_engine, running, "x")[:2] == (None, "running"), "never under a live run"

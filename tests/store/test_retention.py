@@ -16,6 +16,8 @@ from celery_fanin import FanIn, builtin_tasks, protocol
 from celery_fanin.ops import retention
 from celery_fanin.relay import maintenance
 from celery_fanin.store import admin, batches, recovery
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import new_batch, row_counts
 
@@ -38,7 +40,7 @@ def _finished(
     with engine.begin() as conn:
         batches.create_batch(conn, batch, children, leaves=leaves)
         for i, child in enumerate(children):
-            batches.record_terminal(conn, child.task_id, "failed" if i < failed else "succeeded", exc_type="E")
+            record_terminal(Held(conn), child.task_id, "failed" if i < failed else "succeeded", exc_type="E")
         if successor is None:
             conn.execute(text("DELETE FROM fanin_outbox WHERE batch_id = :b"), {"b": batch.id})
             conn.execute(text("DELETE FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id})

@@ -16,8 +16,10 @@ from celery_fanin import BatchOutcome, FanIn, FanInResult, InvalidFanIn, fan_in_
 from celery_fanin.codec import encode_result
 from celery_fanin.exceptions import BatchNotFinished, BatchNotFound
 from celery_fanin.ops.rounds import retry_failed
-from celery_fanin.store import batches, queries
+from celery_fanin.store import queries
 from celery_fanin.store.outcomes import build_outcome
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages
 
@@ -32,7 +34,7 @@ def _finish(engine: Engine, batch_id: str, states: dict[int, str], successor: st
             b=batch_id,
         )
         for row in rows:
-            batches.record_terminal(conn, row["task_id"], states.get(row["idx"], "succeeded"), exc_type="E")
+            record_terminal(Held(conn), row["task_id"], states.get(row["idx"], "succeeded"), exc_type="E")
         conn.execute(
             text("UPDATE fanin_successors SET state = :s WHERE batch_id = :b"), {"s": successor, "b": batch_id}
         )
@@ -146,9 +148,9 @@ def _report_values(app: Celery, engine: Engine, batch_id: str, outcomes: dict[in
         for row in rows:
             value = outcomes[row["idx"]]
             if value == "failed":
-                batches.record_terminal(conn, row["task_id"], "failed", exc_type="E")
+                record_terminal(Held(conn), row["task_id"], "failed", exc_type="E")
             else:
-                batches.record_terminal(conn, row["task_id"], "succeeded", result=encode_result(app, value))
+                record_terminal(Held(conn), row["task_id"], "succeeded", result=encode_result(app, value))
         conn.execute(text("UPDATE fanin_successors SET state = 'succeeded' WHERE batch_id = :b"), {"b": batch_id})
 
 

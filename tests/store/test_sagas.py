@@ -18,9 +18,9 @@ from sqlalchemy import text
 from celery_fanin import BatchOutcome, FanIn, compensated, fan_in_group, manual, saga, sagas
 from celery_fanin.cli.saga import saga as saga_cli
 from celery_fanin.sagas import driver as saga_driver
-from celery_fanin.store import batches
 from celery_fanin.store import sagas as store
-from tests.sql import rows
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held, rows
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def _finish_children(app: Celery, batch_id: str, states: dict[int, str]) -> list
         for r in found:
             if r.idx in states:
                 exc = None if states[r.idx] == "succeeded" else "RuntimeError"
-                batches.record_terminal(conn, r.task_id, states[r.idx], exc_type=exc, exc_message=exc and "boom")
+                record_terminal(Held(conn), r.task_id, states[r.idx], exc_type=exc, exc_message=exc and "boom")
     return [r.task_id for r in found]
 
 
@@ -194,7 +194,7 @@ def test_outcome_compensate_finds_children_in_the_leaves_of_a_wide_batch(app: Ce
             "SELECT task_id, idx FROM fanin_children WHERE batch_id = ANY(CAST(:l AS uuid[]))",
             l=[leaf.id for leaf in leaves],
         ):
-            batches.record_terminal(conn, r.task_id, "succeeded" if r.idx in succeeded else "failed")
+            record_terminal(Held(conn), r.task_id, "succeeded" if r.idx in succeeded else "failed")
     outcome = BatchOutcome.from_message(
         {"batch_id": handle.batch_id, "step": "t.merge", "planned": 7, "succeeded": 4, "failed": 3}, app=app
     )

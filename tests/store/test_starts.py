@@ -15,9 +15,10 @@ from sqlalchemy import Engine
 
 from celery_fanin import FanIn
 from celery_fanin.store import batches
-from celery_fanin.store.reports import ReportConnection
+from celery_fanin.store.reports import ReportConnection, record_starts, record_terminal
 from celery_fanin.worker import starts
 from celery_fanin.worker.starts import StartRecorder
+from tests.sql import Held
 
 from .helpers import create, fetch_all, json_encoded, wait_for
 
@@ -39,10 +40,10 @@ def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> 
     reports = ReportConnection(FanIn.of(app).database_url)
     try:
         with engine.begin() as conn:  # child 2 finished before its start arrived (a slow writer, a fast child)
-            batches.record_terminal(conn, children[2].task_id, "succeeded", result=json_encoded(2))
+            record_terminal(Held(conn), children[2].task_id, "succeeded", result=json_encoded(2))
         at = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
-        moved = reports.record_starts(
-            [batches.Start(c.task_id, 1, "w1@host", at + timedelta(seconds=i)) for i, c in enumerate(children)]
+        moved = record_starts(
+            reports, [batches.Start(c.task_id, 1, "w1@host", at + timedelta(seconds=i)) for i, c in enumerate(children)]
         )
         assert moved == 3
         rows = _children(engine, batch.id)
@@ -54,7 +55,7 @@ def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> 
         ]
         assert rows[1]["started_at"] == at + timedelta(seconds=1)
         # A second attempt of child 0 (a retry) starts it again; its counters are untouched.
-        assert reports.record_starts([batches.Start(children[0].task_id, 2, "w2@host", at)]) == 1
+        assert record_starts(reports, [batches.Start(children[0].task_id, 2, "w2@host", at)]) == 1
         assert _children(engine, batch.id)[0]["starts"] == 2
         with engine.connect() as conn:
             counters = fetch_all(
@@ -197,7 +198,7 @@ def test_child_that_ends_before_its_start_is_written_carries_it(app: Celery, eng
     taken = starts.take_start(fanin, children[0].task_id)  # what task_postrun does for a finished child
     assert taken is not None and taken.task_id == children[0].task_id
     assert starts.take_start(fanin, children[0].task_id) is None
-    rec = fanin.reports.record_terminal(children[0].task_id, "succeeded", result=json_encoded(0), start=taken)
+    rec = record_terminal(fanin.reports, children[0].task_id, "succeeded", result=json_encoded(0), start=taken)
     assert rec.counted and rec.remaining == 1
     assert recorder.flush(timeout=10)  # writes child 1's start only
     rows = _children(engine, batch.id)

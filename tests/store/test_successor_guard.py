@@ -24,6 +24,7 @@ from sqlalchemy.exc import OperationalError
 from celery_fanin.context import FanIn
 from celery_fanin.store import batches, successors
 from celery_fanin.worker import successor_runs
+from tests.sql import Held
 
 from .helpers import create, fetch_one, new_batch
 
@@ -50,7 +51,7 @@ def _claim(
     """A delivery as the worker's guard makes it: admitted, or refused and counted."""
     with engine.begin() as conn:
         got = successors.claim_run(
-            conn,
+            Held(conn),
             batch.id,
             batch.step,
             task_id or batch.successor_task_id,
@@ -59,7 +60,7 @@ def _claim(
             **{**LIVE, **lease},
         )
         if isinstance(got, successors.Refusal):
-            successors.count_duplicate(conn, batch.id, batch.step)
+            successors.count_duplicate(Held(conn), batch.id, batch.step)
             return None
         return got
 
@@ -80,11 +81,13 @@ def test_one_delivery_runs_a_duplicate_is_refused_and_counted_and_nothing_runs_a
     assert _claim(store_engine, batch) is None  # a second delivery while the first run is alive
     assert _successor(store_engine, batch.id)["duplicates"] == 1
 
-    assert _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "succeeded", run=run.number))
+    assert _in(
+        store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, "succeeded", run=run.number)
+    )
     assert _claim(store_engine, batch, **DEAD) is None  # a late copy, even of a dead-looking run: final is final
     assert _successor(store_engine, batch.id) == {"state": "succeeded", "runs": 1, "duplicates": 2, "attempt": 0}
     # ... and a final state is never left or overwritten.
-    assert not _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "failed"))
+    assert not _in(store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, "failed"))
 
 
 def test_a_live_run_does_not_depend_on_the_session_that_started_it(store_engine: Engine) -> None:
@@ -92,7 +95,7 @@ def test_a_live_run_does_not_depend_on_the_session_that_started_it(store_engine:
     batch, _, _ = create(store_engine, 0)
     conn = store_engine.connect()
     assert isinstance(
-        successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE), successors.Run
+        successors.claim_run(Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE), successors.Run
     )
     conn.commit()
     conn.invalidate()  # the session is gone
@@ -108,19 +111,23 @@ def test_a_dead_run_is_taken_over_and_fenced_off(store_engine: Engine) -> None:
     new = _claim(store_engine, batch, grace=0.0)
     assert new is not None and new.number == old.number + 1
     # The old run (its worker was only cut off from the database) can neither renew nor record anything now.
-    assert _in(store_engine, lambda c: successors.renew_leases(c, [old, new], 60.0)) == {
+    assert _in(store_engine, lambda c: successors.renew_leases(Held(c), [old, new], 60.0)) == {
         (batch.id, batch.step, new.number)
     }
-    assert not _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "failed", run=old.number))
-    assert not _in(store_engine, lambda c: successors.hand_over(c, old, "retrying"))
-    assert _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, "succeeded", run=new.number))
+    assert not _in(
+        store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, "failed", run=old.number)
+    )
+    assert not _in(store_engine, lambda c: successors.hand_over(Held(c), old, "retrying"))
+    assert _in(
+        store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, "succeeded", run=new.number)
+    )
 
 
 def test_a_run_renewed_in_time_is_not_taken_over(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
     run = _claim(store_engine, batch, lease=0.0, grace=0.0)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.renew_leases(c, [run], 60.0)) == {(batch.id, batch.step, 1)}
+    assert _in(store_engine, lambda c: successors.renew_leases(Held(c), [run], 60.0)) == {(batch.id, batch.step, 1)}
     assert _claim(store_engine, batch, grace=0.0) is None
 
 
@@ -129,12 +136,12 @@ def test_a_retry_is_admitted_and_a_republished_copy_resumes_the_retry_count(stor
     first = _claim(store_engine, batch)
     assert first is not None
     due = datetime.now(timezone.utc) + timedelta(seconds=30)
-    assert _in(store_engine, lambda c: successors.hand_over(c, first, "retrying", due))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), first, "retrying", due))
     assert _successor(store_engine, batch.id)["attempt"] == 1
     # Celery's retry message (retries=1), delivered before the first attempt's task_postrun: admitted.
     second = _claim(store_engine, batch, retries=1)
     assert second == successors.Run(batch.id, batch.step, 2, 1)
-    assert _in(store_engine, lambda c: successors.hand_over(c, second, "retrying", due))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), second, "retrying", due))
     # The relay republished it (a fresh message, retries=0): admitted at the successor's own count.
     third = _claim(store_engine, batch, retries=0)
     assert third == successors.Run(batch.id, batch.step, 3, 2)
@@ -146,8 +153,8 @@ def test_a_hand_over_that_published_nothing_is_taken_back(store_engine: Engine) 
     batch, _, _ = create(store_engine, 0)
     run = _claim(store_engine, batch)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.hand_over(c, run, "retrying"))
-    assert _in(store_engine, lambda c: successors.take_back(c, run, 60.0))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, "retrying"))
+    assert _in(store_engine, lambda c: successors.take_back(Held(c), run, 60.0))
     assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 0, "attempt": 0}
     assert _claim(store_engine, batch) is None
 
@@ -158,7 +165,7 @@ def test_a_requeued_or_replaced_successor_admits_its_next_delivery(store_engine:
     run = _claim(store_engine, batch, retries=2)
     assert run is not None
     carrier = "token" if state == "replaced" else None
-    assert _in(store_engine, lambda c: successors.hand_over(c, run, state, carrier=carrier))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, state, carrier=carrier))
     nxt = _claim(store_engine, batch, carrier=carrier)
     assert nxt is not None and nxt.number == 2
     # A replacement is a new task: its retries count from zero; a requeued message keeps its count.
@@ -170,7 +177,7 @@ def test_every_final_state_is_final(store_engine: Engine, state: str) -> None:
     batch, _, _ = create(store_engine, 0)
     run = _claim(store_engine, batch)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, state, run=run.number))
+    assert _in(store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, state, run=run.number))
     assert _claim(store_engine, batch, **DEAD) is None
     with store_engine.begin() as conn:
         assert successors.stalled(conn, 0.0, 0.0) == []
@@ -181,9 +188,9 @@ def test_only_final_and_hand_over_states_are_accepted(store_engine: Engine) -> N
     run = _claim(store_engine, batch)
     assert run is not None
     with store_engine.begin() as conn, pytest.raises(ValueError):
-        successors.record_state(conn, batch.id, batch.step, "retrying")
+        successors.record_state(Held(conn), batch.id, batch.step, "retrying")
     with store_engine.begin() as conn, pytest.raises(ValueError):
-        successors.hand_over(conn, run, "succeeded")
+        successors.hand_over(Held(conn), run, "succeeded")
 
 
 def test_a_delivery_with_another_task_id_or_for_no_successor_is_refused(store_engine: Engine) -> None:
@@ -191,7 +198,7 @@ def test_a_delivery_with_another_task_id_or_for_no_successor_is_refused(store_en
     assert _claim(store_engine, batch, task_id="forged") is None
     assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 1, "attempt": 0}
     with store_engine.begin() as conn:
-        assert successors.claim_run(conn, uuid.uuid4(), "merge", "x", 0, **LIVE) == successors.Refusal(None, None)
+        assert successors.claim_run(Held(conn), uuid.uuid4(), "merge", "x", 0, **LIVE) == successors.Refusal(None, None)
 
 
 def test_a_run_whose_holder_is_known_to_be_gone_is_taken_over_at_once(store_engine: Engine) -> None:
@@ -199,14 +206,14 @@ def test_a_run_whose_holder_is_known_to_be_gone_is_taken_over_at_once(store_engi
     batch, _, _ = create(store_engine, 0)
     assert _claim(store_engine, batch, owner="host:1:42:7") is not None
     with store_engine.begin() as conn:
-        refused = successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
+        refused = successors.claim_run(Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
         assert refused == successors.Refusal("running", "host:1:42:7")
         other = successors.claim_run(
-            conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:43:7"
+            Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:43:7"
         )
         assert isinstance(other, successors.Refusal), "only the holder named gone is taken over"
         taken = successors.claim_run(
-            conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:42:7"
+            Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE, dead_owner="host:1:42:7"
         )
         assert isinstance(taken, successors.Run) and taken.number == 2
 
@@ -218,11 +225,11 @@ def test_another_workers_credential_can_neither_see_nor_take_over_a_live_run(sto
     batch, _, _ = create(store_engine, 0)
     assert _claim(store_engine, batch, owner="host:1:42:7") is not None
     with store_engine.begin() as conn:
-        refused = successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **OTHER_WORKER)
+        refused = successors.claim_run(Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **OTHER_WORKER)
         assert refused == successors.Refusal("running", None)
         for key in ("key-of-worker-b", None, ""):
             forged = successors.claim_run(
-                conn,
+                Held(conn),
                 batch.id,
                 batch.step,
                 batch.successor_task_id,
@@ -246,7 +253,7 @@ def test_a_replaced_successor_admits_only_its_carrier_and_is_never_republished(s
     batch, _, _ = create(store_engine, 0)
     run = _claim(store_engine, batch)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier="carrier-1"))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, "replaced", carrier="carrier-1"))
     assert _claim(store_engine, batch) is None, "a copy of the replaced message was admitted"
     assert _claim(store_engine, batch, carrier="carrier-0") is None, "another token was admitted"
     with store_engine.begin() as conn:
@@ -258,15 +265,15 @@ def test_a_replaced_successor_admits_only_its_carrier_and_is_never_republished(s
     assert _claim(store_engine, batch, carrier="carrier-1") is None, "a second copy of the carrier ran beside it"
     assert _successor(store_engine, batch.id) == {"state": "running", "runs": 2, "duplicates": 4, "attempt": 0}
     # The carrier's run hands over again (a replacement of the replacement): only the newest carrier is admitted.
-    assert _in(store_engine, lambda c: successors.hand_over(c, carried, "replaced", carrier="carrier-2"))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), carried, "replaced", carrier="carrier-2"))
     assert _claim(store_engine, batch, carrier="carrier-1") is None
     # A replacement that was never published gives the run back its own delivery's token.
-    assert _in(store_engine, lambda c: successors.take_back(c, carried, 60.0, "carrier-1"))
-    assert _in(store_engine, lambda c: successors.hand_over(c, carried, "retrying"))
+    assert _in(store_engine, lambda c: successors.take_back(Held(c), carried, 60.0, "carrier-1"))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), carried, "retrying"))
     assert _claim(store_engine, batch) is None, "a retry of the carrier must bring the carrier's token"
     assert _claim(store_engine, batch, carrier="carrier-1") is not None
     with store_engine.begin() as conn, pytest.raises(Exception, match="carrier"):
-        successors.hand_over(conn, successors.Run(batch.id, batch.step, 3, 0), "replaced")
+        successors.hand_over(Held(conn), successors.Run(batch.id, batch.step, 3, 0), "replaced")
 
 
 def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_never_is(store_engine: Engine) -> None:
@@ -289,14 +296,14 @@ def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_nev
     # Replaced, carrier never came.
     never, _, _ = create(store_engine, 0)
     run = _claim(store_engine, never)
-    assert run is not None and _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier="c1"))
+    assert run is not None and _in(store_engine, lambda c: successors.hand_over(Held(c), run, "replaced", carrier="c1"))
     # Replaced, the carrier's run live (lease 60 s), and replaced with the carrier's run dead (lease lapsed).
     live, _, _ = create(store_engine, 0)
     dead, _, _ = create(store_engine, 0)
     for batch, lease in ((live, LIVE), (dead, DEAD)):
         first = _claim(store_engine, batch)
         assert first is not None and _in(
-            store_engine, lambda c, r=first: successors.hand_over(c, r, "replaced", carrier="c1")
+            store_engine, lambda c, r=first: successors.hand_over(Held(c), r, "replaced", carrier="c1")
         )
         assert _claim(store_engine, batch, carrier="c1", **lease) is not None
     assert set(lost(3600.0)) == set(), "nothing is past an hour's bound"
@@ -322,7 +329,9 @@ def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_nev
     with store_engine.begin() as conn:
         batches.create_batch(conn, inner, [])
     first = _claim(store_engine, inner)
-    assert first is not None and _in(store_engine, lambda c: successors.hand_over(c, first, "replaced", carrier="c1"))
+    assert first is not None and _in(
+        store_engine, lambda c: successors.hand_over(Held(c), first, "replaced", carrier="c1")
+    )
     assert fail(inner, 0.0)
     with store_engine.connect() as conn:
         child = fetch_one(conn, "SELECT state, exc_type FROM fanin_children WHERE task_id = :t", t=outer_child.task_id)
@@ -343,7 +352,10 @@ def test_an_event_about_a_copy_never_admitted_ends_no_live_run(store_engine: Eng
 
     def event(state: str, **fence: Any) -> bool:
         return bool(
-            _in(store_engine, lambda c: successors.record_state(c, batch.id, batch.step, state, task_id=tid, **fence))
+            _in(
+                store_engine,
+                lambda c: successors.record_state(Held(c), batch.id, batch.step, state, task_id=tid, **fence),
+            )
         )
 
     assert not event("revoked"), "an expired copy ended the live run"
@@ -362,7 +374,7 @@ def test_an_event_about_a_copy_never_run_ends_a_successor_no_run_holds(store_eng
 
     def event(b: batches.NewBatch, **copy: Any) -> bool:
         return bool(
-            _in(store_engine, lambda c: successors.record_state(c, b.id, b.step, "revoked", task_id=tid, **copy))
+            _in(store_engine, lambda c: successors.record_state(Held(c), b.id, b.step, "revoked", task_id=tid, **copy))
         )
 
     assert event(batch)
@@ -370,14 +382,14 @@ def test_an_event_about_a_copy_never_run_ends_a_successor_no_run_holds(store_eng
     tid = replaced.successor_task_id
     run = _claim(store_engine, replaced)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier="c1"))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, "replaced", carrier="c1"))
     assert not event(replaced), "an expired copy of the replaced message ended the replacement's successor"
     assert event(replaced, carrier="c1")
     retried, _, _ = create(store_engine, 0)
     tid = retried.successor_task_id
     run = _claim(store_engine, retried)
     assert run is not None
-    assert _in(store_engine, lambda c: successors.hand_over(c, run, "retrying"))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, "retrying"))
     assert not event(retried, retries=0), "a stale copy ended a successor whose retry is scheduled"
     assert event(retried, retries=1)
 
@@ -393,7 +405,7 @@ def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_ca
         return bool(
             _in(
                 store_engine,
-                lambda c: successors.end_replacement(c, b.id, b.step, tid, carrier, state, "ValueError", "boom"),
+                lambda c: successors.end_replacement(Held(c), b.id, b.step, tid, carrier, state, "ValueError", "boom"),
             )
         )
 
@@ -401,7 +413,7 @@ def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_ca
         batch, _, _ = create(store_engine, 0)
         run = _claim(store_engine, batch)
         assert run is not None
-        assert _in(store_engine, lambda c: successors.hand_over(c, run, "replaced", carrier=carrier))
+        assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, "replaced", carrier=carrier))
         return batch, run
 
     waiting, _ = replaced()
@@ -421,11 +433,11 @@ def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_ca
     again, _ = replaced()
     second = _claim(store_engine, again, carrier="c1")
     assert second is not None
-    assert _in(store_engine, lambda c: successors.hand_over(c, second, "requeued"))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), second, "requeued"))
     assert not end(again, "c1"), "a part ended a successor whose carrier's message is requeued"
     assert _in(
         store_engine,
-        lambda c: successors.hand_over(c, _claim(store_engine, again, carrier="c1"), "replaced", carrier="c2"),
+        lambda c: successors.hand_over(Held(c), _claim(store_engine, again, carrier="c1"), "replaced", carrier="c2"),
     )
     assert not end(again, "c1"), "the first replacement's part ended the second replacement's successor"
     assert end(again, "c2", state="revoked")
@@ -444,9 +456,9 @@ def test_racing_deliveries_admit_exactly_one(store_engine: Engine) -> None:
     def deliver() -> None:
         with store_engine.begin() as conn:
             barrier.wait()
-            run = successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
+            run = successors.claim_run(Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
             if isinstance(run, successors.Refusal):
-                successors.count_duplicate(conn, batch.id, batch.step)
+                successors.count_duplicate(Held(conn), batch.id, batch.step)
         if isinstance(run, successors.Run):
             admitted.append(run)
 
@@ -475,7 +487,7 @@ def test_stalled_successors_are_lost_messages_and_dead_runs_only(store_engine: E
     later_run = _claim(store_engine, later)
     assert later_run is not None
     due = datetime.now(timezone.utc) + timedelta(hours=1)
-    assert _in(store_engine, lambda c: successors.hand_over(c, later_run, "retrying", due))
+    assert _in(store_engine, lambda c: successors.hand_over(Held(c), later_run, "retrying", due))
 
     with store_engine.begin() as conn:
         found = set(_stalled(conn))
@@ -499,7 +511,7 @@ def test_a_guard_that_cannot_get_the_row_raises_the_stores_error(store_engine: E
             conn.execute(text("SET lock_timeout = '200ms'"))
             conn.commit()
             with pytest.raises(OperationalError, match="lock timeout"):
-                successors.claim_run(conn, batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
+                successors.claim_run(Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
             conn.rollback()
     assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 0, "attempt": 0}
 

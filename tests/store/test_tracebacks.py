@@ -7,8 +7,10 @@ import uuid
 
 from sqlalchemy import Engine, text
 
-from celery_fanin.store import batches, queries
+from celery_fanin.store import queries
 from celery_fanin.store.outcomes import build_outcome
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import create, fetch_one
 
@@ -23,8 +25,8 @@ def test_a_failed_childs_traceback_is_kept_once_bounded_and_out_of_the_outcome(s
     failed, succeeded, pending = (c.task_id for c in children)
     assert not _note(store_engine, failed, "too early"), "a child not counted yet takes none"
     with store_engine.begin() as conn:
-        batches.record_terminal(conn, failed, "failed", exc_type="ValueError", exc_message="boom")
-        batches.record_terminal(conn, succeeded, "succeeded")
+        record_terminal(Held(conn), failed, "failed", exc_type="ValueError", exc_message="boom")
+        record_terminal(Held(conn), succeeded, "succeeded")
     long = "Traceback (most recent call last):\n" + "x" * 20_000 + "\nValueError: boom"
     assert _note(store_engine, failed, long)
     assert not _note(store_engine, failed, "a second copy's"), "the counted run's traceback stays"
@@ -40,7 +42,7 @@ def test_a_failed_childs_traceback_is_kept_once_bounded_and_out_of_the_outcome(s
     assert len(row["traceback"]) == 16_000 and row["traceback"].endswith("ValueError: boom"), "its end is kept"
     assert entry.traceback == row["traceback"] and others["n"] == 0
     with store_engine.begin() as conn:
-        batches.record_terminal(conn, pending, "succeeded")
+        record_terminal(Held(conn), pending, "succeeded")
         outcome = build_outcome(conn, queries.batch(conn, batch.id), 100)  # type: ignore[arg-type]
     assert outcome["failures"][0]["exc_type"] == "ValueError" and "traceback" not in outcome["failures"][0]
 
@@ -48,7 +50,7 @@ def test_a_failed_childs_traceback_is_kept_once_bounded_and_out_of_the_outcome(s
 def test_a_failed_successors_traceback_only_once_it_failed(store_engine: Engine) -> None:
     batch, children, _ = create(store_engine, 1)
     with store_engine.begin() as conn:
-        batches.record_terminal(conn, children[0].task_id, "succeeded")
+        record_terminal(Held(conn), children[0].task_id, "succeeded")
 
     def note(trace: str) -> bool:
         with store_engine.begin() as conn:

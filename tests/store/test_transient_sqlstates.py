@@ -24,8 +24,11 @@ from celery_fanin import retry
 from celery_fanin.context import FanIn
 from celery_fanin.store import successors
 from celery_fanin.store.batches import Start
+from celery_fanin.store.reports import record_starts
+from celery_fanin.store.statements import Runner
 from celery_fanin.worker import successor_runs
 from tests.session_roles import session_role
+from tests.sql import Held
 from tests.workers import wait_for
 
 from .helpers import create
@@ -134,7 +137,7 @@ def _backend_pid(conn: Connection) -> int:
 def test_a_read_only_pooled_connection_is_discarded_and_the_statement_retried_on_a_new_one(
     short_reports: FanIn,
 ) -> None:
-    """A successor's store call (`successor_runs._store`, as hand_over and finish make) checks out a pooled
+    """A statement through the app's engine, retried (`retry.call`, as the relay's are), checks out a pooled
     connection whose session is read-only: the 25006 invalidates it, and the retry gets a new session. Without
     `retry.reconnect_on_read_only` the pool hands the same session back (its pre-ping passes) on every attempt."""
     engine = short_reports.engine
@@ -144,16 +147,36 @@ def test_a_read_only_pooled_connection_is_discarded_and_the_statement_retried_on
         conn.commit()
     pids: list[int] = []
 
-    def count(conn: Connection) -> None:
-        pids.append(_backend_pid(conn))
-        successors.count_duplicate(conn, uuid.uuid4(), "then")  # a write: refused on a read-only session
+    def count() -> None:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            pids.append(_backend_pid(conn))
+            successors.count_duplicate(Held(conn), uuid.uuid4(), "then")  # a write: refused on a read-only session
 
-    successor_runs._store(short_reports, "counting a duplicate", count)
+    retry.call(count, what="counting a duplicate", timeout=5)
     assert pids[0] == stale  # the first attempt met the read-only session...
     assert len(pids) == 2 and pids[1] != stale  # ...and the second ran on a new one
     with engine.connect() as conn:
         assert _backend_pid(conn) != stale
         assert conn.exec_driver_sql("SHOW default_transaction_read_only").scalar_one() == "off"
+
+
+@pytest.mark.timeout(30)
+def test_a_successor_run_statement_on_a_read_only_session_is_retried_on_a_new_one(short_reports: FanIn) -> None:
+    """A successor run's statements after its admission (`successor_runs._store`: hand-over, take-back, finish) go
+    on the runs' connection (`FanIn.runs`), which drops its session after 25006, so the retry reaches one that
+    takes writes."""
+    runs = short_reports.runs
+    runs._connection().execute("SET default_transaction_read_only = on")
+    stale = runs._connection().info.backend_pid
+    pids: list[int] = []
+
+    def count(runner: Runner) -> None:
+        pids.append(runs._connection().info.backend_pid)
+        successors.count_duplicate(runner, uuid.uuid4(), "then")  # a write: refused on a read-only session
+
+    successor_runs._store(short_reports, "counting a duplicate", count)
+    assert pids[0] == stale and len(pids) == 2 and pids[1] != stale
+    runs.reset()
 
 
 @pytest.mark.timeout(30)
@@ -167,7 +190,7 @@ def test_the_report_connection_reconnects_after_a_read_only_session(short_report
 
     def record() -> int:
         pids.append(reports._connection().info.backend_pid)
-        return reports.record_starts([Start(f"no-such-{uuid.uuid4()}", 0, "w", datetime.now(timezone.utc))])
+        return record_starts(reports, [Start(f"no-such-{uuid.uuid4()}", 0, "w", datetime.now(timezone.utc))])
 
     assert retry.call(record, what="recording a start", timeout=5) == 0
     assert pids[0] == stale and len(pids) == 2 and pids[1] != stale

@@ -27,6 +27,8 @@ from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, queries, recovery
 from celery_fanin.store.outcomes import build_outcome
+from celery_fanin.store.reports import record_terminal
+from tests.sql import Held
 
 from .helpers import (
     QUEUE,
@@ -81,7 +83,7 @@ def _row(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
 
 def _report(engine: Engine, task_id: str, state: str) -> batches.TerminalRecord:
     with engine.begin() as conn:
-        return batches.record_terminal(conn, task_id, state, exc_type=None if state == "succeeded" else "E")
+        return record_terminal(Held(conn), task_id, state, exc_type=None if state == "succeeded" else "E")
 
 
 @pytest.mark.parametrize("on_failure", [False, True])
