@@ -89,16 +89,13 @@ def _install_sql_counters() -> None:
     import psycopg
     from psycopg.pq import TransactionStatus
 
-    from celery_fanin.store.batches import SUCCESSOR_PUBLISHER_SQL
     from celery_fanin.worker import report, successor_runs
 
     idle = TransactionStatus.IDLE
     execute, commit, rollback = psycopg.Cursor.execute, psycopg.Connection.commit, psycopg.Connection.rollback
 
     def counting_execute(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        # A report connection's one-time set-up (it says its worker publishes its successors) is the connection's
-        # cost, not the report's that happened to open it.
-        phase = "connect" if query is SUCCESSOR_PUBLISHER_SQL else getattr(_phase, "name", "other")
+        phase = getattr(_phase, "name", "other")
         conn = self.connection
         if not conn.autocommit and conn.info.transaction_status == idle:
             _count(f"{phase}.roundtrips", f"{phase}.begin")  # BEGIN

@@ -314,7 +314,6 @@ class FanIn:
     app: Celery
     _engine: Engine | None
     _reports: ReportConnection | None
-    _runs: ReportConnection | None
     _engine_pid: int | None
     _engine_lock: threading.Lock
 
@@ -329,7 +328,6 @@ class FanIn:
             self.app = app
             self._engine = None
             self._reports = None
-            self._runs = None
             self._engine_pid = None
             self._engine_lock = threading.Lock()
             _REGISTRY[app] = self
@@ -401,36 +399,15 @@ class FanIn:
 
     @property
     def reports(self) -> ReportConnection:
-        """The worker hooks' own connection for a child's start and terminal reports (see `store.reports`)."""
+        """The worker's one connection for its runtime statements: a child's start and terminal reports, a successor
+        run's admission, hand-over, renewals and end (see `store.reports`)."""
         reports = self._reports
         if reports is None:
             with self._engine_lock:
                 if self._reports is None:
-                    self._reports = ReportConnection(
-                        self.database_url,
-                        lambda: self.worker_publishes_successors,
-                        lambda: float(self.settings.successor_handoff),
-                    )
+                    self._reports = ReportConnection(self.database_url)
                 reports = self._reports
         return reports
-
-    @property
-    def runs(self) -> ReportConnection:
-        """The worker's connection for a successor run's statements after its admission (hand-over, take-back,
-        lease renewals, its end, a replacement part's end, a refused copy's count; see `worker.successor_runs`).
-
-        The same transport as `reports`, in a session of its own because `reports` says once per session that its
-        worker publishes the successors its reports create (`fanin.successor_publisher`, read by
-        `fanin_create_successor`). A successor's end may finish an outer batch (a nested batch's successor reports
-        its outer child), and that outer successor must go to the relay at once, not wait for a hand-off to a
-        worker that will not publish it."""
-        runs = self._runs
-        if runs is None:
-            with self._engine_lock:
-                if self._runs is None:
-                    self._runs = ReportConnection(self.database_url)
-                runs = self._runs
-        return runs
 
     @property
     def worker_publishes_successors(self) -> bool:
@@ -438,15 +415,23 @@ class FanIn:
         which runs them inline)."""
         return bool(self.settings.worker_publishes_successors) and not is_eager(self.app)
 
+    @property
+    def report_handoff(self) -> float | None:
+        """What this process's child reports say about a successor they create (`store.reports.record_terminal`'s
+        `handoff`): None, the relay publishes it; else this worker does, and the relay leaves a completed batch's
+        successor to it for that many seconds (`fanin_successor_handoff`; 0: due for the relay at once)."""
+        if not self.worker_publishes_successors:
+            return None
+        return max(0.0, float(self.settings.successor_handoff))
+
     def dispose(self) -> None:
         with self._engine_lock:
             if self._engine is not None:
                 self._engine.dispose()
-            for connection in (self._reports, self._runs):
-                if connection is not None:
-                    connection.reset()
+            if self._reports is not None:
+                self._reports.reset()
             self._engine = None
-            self._reports = self._runs = None
+            self._reports = None
             self._engine_pid = None
 
     def check_session_pooling(self) -> None:

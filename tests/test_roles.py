@@ -407,12 +407,17 @@ def test_a_saga_runs_and_rolls_back_under_the_roles(cluster: Cluster) -> None:
 
 # The functions that move a child or a counter: SECURITY DEFINER, owned by the schema owner, search path pinned.
 COUNTER_FUNCTIONS = (
-    "fanin_settle(uuid,integer,integer)",
-    "fanin_fail_up(uuid,integer)",
-    "fanin_create_successor(uuid,text,text,text)",
+    "fanin_settle_v2(uuid,integer,integer,double precision)",
+    "fanin_fail_up_v2(uuid,integer,double precision)",
+    "fanin_create_successor_v2(uuid,text,text,text,double precision)",
     "fanin_record_terminal_v2(text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)",
+    "fanin_report_terminal_v2(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,"
+    "text,double precision)",
+    "fanin_report_unrun_v2(text,uuid,integer,text,text,text,text,double precision)",
+    # the entry points of the workers before version 32, kept for a worker not yet restarted after the migration
     "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,"
     "text)",
+    "fanin_report_unrun(text,uuid,integer,text,text,text,text)",
     "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
     "fanin_seal(uuid)",
 )
@@ -430,11 +435,11 @@ EXECUTES = {
         "fanin_abandon_after_threshold(uuid)",
     },
     "worker": {
-        "fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,"
-        "integer,text)",
+        "fanin_report_terminal_v2(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,"
+        "integer,text,double precision)",
         "fanin_record_starts(text[],integer[],text[],timestamp with time zone[])",
         # a main-process event about a copy that never ran (counted only while no copy started the child)
-        "fanin_report_unrun(text,uuid,integer,text,text,text,text)",
+        "fanin_report_unrun_v2(text,uuid,integer,text,text,text,text,double precision)",
         "fanin_note_traceback(text,text)",
         "fanin_note_successor_traceback(uuid,text,text)",
         "fanin_claim_run_v2(uuid,text,text,integer,double precision,double precision,text,text,text,text)",
@@ -483,8 +488,8 @@ WRITTEN_ONLY_BY_FUNCTIONS = ("fanin_batches", "fanin_children", "fanin_successor
 
 def _report_sql(task_id: str, batch_id: str, index: int, name: str) -> str:
     return (
-        f"SELECT * FROM fanin_report_terminal('{task_id}', '{batch_id}', {index}, '{name}', 'succeeded', NULL, NULL,"
-        " NULL, NULL, NULL, NULL, NULL, NULL)"
+        f"SELECT * FROM fanin_report_terminal_v2('{task_id}', '{batch_id}', {index}, '{name}', 'succeeded', NULL,"
+        " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
     )
 
 
@@ -515,9 +520,9 @@ def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> N
         # No direct write to a counter, a child, a successor's creation or the outbox; no settle of its own.
         _refused(worker, f"UPDATE fanin_batches SET remaining = remaining - 1 WHERE id = '{bid}'")
         _refused(worker, f"UPDATE fanin_children SET state = 'succeeded' WHERE batch_id = '{bid}'")
-        _refused(worker, f"SELECT * FROM fanin_settle('{bid}', 1, 0)")
-        _refused(worker, f"SELECT fanin_fail_up('{bid}', 1)")
-        _refused(worker, f"SELECT fanin_create_successor('{bid}', 'x', 'y', 'then')")
+        _refused(worker, f"SELECT * FROM fanin_settle_v2('{bid}', 1, 0, NULL)")
+        _refused(worker, f"SELECT fanin_fail_up_v2('{bid}', 1, NULL)")
+        _refused(worker, f"SELECT fanin_create_successor_v2('{bid}', 'x', 'y', 'then', NULL)")
         _refused(worker, f"INSERT INTO fanin_successors (batch_id, step, task_id) VALUES ('{bid}', 'x', 'y')")
         _refused(worker, f"INSERT INTO fanin_outbox (batch_id, step) VALUES ('{bid}', 'x')")
         # Through the function, a report that does not match its child moves nothing, even from a session that
@@ -532,9 +537,9 @@ def test_counters_move_only_through_the_definer_functions(cluster: Cluster) -> N
 
         producer_url, relay = cluster.url("producer"), cluster.url("relay")
         for url in (producer_url, relay):
-            _refused(url, f"SELECT fanin_create_successor('{bid}', 'x', 'y', 'then')")
-            _refused(url, f"SELECT fanin_fail_up('{bid}', 1)")
-        _refused(producer_url, f"SELECT * FROM fanin_settle('{bid}', 1, 0)")
+            _refused(url, f"SELECT fanin_create_successor_v2('{bid}', 'x', 'y', 'then', NULL)")
+            _refused(url, f"SELECT fanin_fail_up_v2('{bid}', 1, NULL)")
+        _refused(producer_url, f"SELECT * FROM fanin_settle_v2('{bid}', 1, 0, NULL)")
         _refused(producer_url, _report_sql(ids[1], bid, 1, "roles.child"))
         # A role granted nothing (PUBLIC's default EXECUTE is revoked by the migration itself).
         _refused(cluster.url("maintenance"), _report_sql(ids[1], bid, 1, "roles.child"))
@@ -771,7 +776,7 @@ def test_the_dashboard_serves_every_page_as_a_select_only_role(cluster: Cluster)
         _refused(viewer_url, "UPDATE fanin_batches SET state = 'complete'")
         _refused(viewer_url, "DELETE FROM fanin_sagas")
         _refused(viewer_url, f"INSERT INTO fanin_outbox (batch_id, step) VALUES ('{flat.batch_id}', 'x')")
-        _refused(viewer_url, f"SELECT * FROM fanin_settle('{flat.batch_id}', 1, 0)")
+        _refused(viewer_url, f"SELECT * FROM fanin_settle_v2('{flat.batch_id}', 1, 0, NULL)")
         _refused(viewer_url, _report_sql(ids[2], flat.batch_id, 2, "roles.child"))
         _refused(viewer_url, "CREATE TABLE fanin_extra (id int)")
         assert flat.batch_status().remaining == 1

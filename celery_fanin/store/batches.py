@@ -409,8 +409,9 @@ def insert_successor(conn: Connection, batch_id: uuid.UUID, kind: str) -> int | 
 # placeholders because the worker hooks send them over a psycopg connection of their own (`store.reports`, which
 # holds the function that sends each).
 # A worker's report names the child's batch, index and task name as its message carries them, and counts only
-# if the child row agrees (`fanin_report_terminal`, migration 0014). The recovery paths, which read the child from
-# the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by task id).
+# if the child row agrees (`fanin_report_terminal_v2`, from migration 0014). The recovery paths, which read the
+# child from the store rather than from a message, send RECOVERY_TERMINAL_SQL (`fanin_record_terminal_v2`, by
+# task id).
 RECORD_TERMINAL = q("report_terminal")
 RECOVERY_TERMINAL = q("record_terminal")
 # The same from a worker's main process about a copy that never ran: counted only while no copy started the child.
@@ -419,8 +420,6 @@ RECORD_TERMINAL_SQL, RECOVERY_TERMINAL_SQL = RECORD_TERMINAL.psycopg, RECOVERY_T
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
 RECORD_STARTS = q("record_starts")
 RECORD_STARTS_SQL = RECORD_STARTS.psycopg
-# Said once per report connection when its worker publishes the successors its reports create.
-SUCCESSOR_PUBLISHER_SQL = q("successor_publisher").psycopg
 # The relay woken by hand, for a successor such a connection created that its worker leaves to the relay.
 WAKE_RELAY = q("wake_relay")
 NOTE_TRACEBACK = q("note_traceback")
@@ -454,11 +453,14 @@ def terminal_params(
     exc_message: str | None,
     start: Start | None = None,
     claim: Claim | None = None,
+    handoff: float | None = None,
 ) -> dict[str, object]:
     """The parameters of RECORD_TERMINAL_SQL (with `claim`) or RECOVERY_TERMINAL_SQL; refuses a state that is not
     terminal before anything is sent.
 
     `start`: the child's start, when it was not written yet (see `celery_fanin.starts`): recorded with the outcome.
+    `handoff`: who publishes a successor the report creates (`fanin_create_successor_v2`): None, the relay; seconds
+    (0 or more), the reporting worker, which the relay leaves a completed batch's successor to for that long.
     """
     if state not in CHILD_TERMINAL_STATES:
         raise ValueError(f"not a terminal child state: {state!r}")
@@ -477,6 +479,7 @@ def terminal_params(
         "rce": result.content_encoding if result else None,
         "exc_type": exc_type,
         "exc_message": exc_message,
+        "handoff": None if handoff is None else max(0.0, float(handoff)),
     }
 
 

@@ -201,7 +201,7 @@ def reconcile_batch(conn: Connection, batch_id: uuid.UUID) -> Repair | None:
     Locks the batch row first: a terminal report in flight has updated its child row (or its leaf) but waits for
     this lock before decrementing, and its update is not visible to the counts below (uncommitted), so the
     counters written here are exactly what that report will then decrement. A batch whose children are all
-    terminal is finished through `fanin_settle`, the same path a last report takes (a leaf settles its root, a
+    terminal is finished through `fanin_settle_v2`, the same path a last report takes (a leaf settles its root, a
     root gets its successor exactly once). Missing child rows (planned > created: rows deleted by hand, a
     restored backup) are reported, never guessed at.
     """

@@ -1,6 +1,6 @@
 """The workers' reports (children's terminal outcomes, their starts) over a psycopg connection of their own.
 
-Each report is one statement, a whole transaction by itself (`fanin_report_terminal` and `fanin_record_starts` in
+Each report is one statement, a whole transaction by itself (`fanin_report_terminal_v2` and `fanin_record_starts` in
 sql/schema.sql), so they run in autocommit: one round trip, no
 BEGIN/COMMIT, no liveness ping. They are sent on a plain psycopg connection rather than through SQLAlchemy because
 they sit on every child's path: SQLAlchemy's pool checkout, statement compilation and result wrapping cost about
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +29,6 @@ from .batches import (
     RECORD_TERMINAL,
     RECOVERY_TERMINAL,
     REPORT_UNRUN,
-    SUCCESSOR_PUBLISHER_SQL,
     WAKE_RELAY,
     Claim,
     Encoded,
@@ -79,19 +78,9 @@ class ReportConnection:
     starts and traceback, below; a successor's admission, hand-over, lease renewals and end (`store.successors`);
     the successor handed to it (`store.outbox`). Every error is psycopg's own (the callers retry them)."""
 
-    def __init__(
-        self,
-        sqlalchemy_url: str,
-        publishes_successors: Callable[[], bool] = lambda: False,
-        handoff: Callable[[], float] = lambda: 0.0,
-    ) -> None:
+    def __init__(self, sqlalchemy_url: str) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
         self._local = threading.local()
-        # Whether this process publishes the successors its reports create (`fanin_worker_publishes_successors`):
-        # then each connection says so once, with the seconds the relay leaves a completed batch's successor to it
-        # (`fanin_successor_handoff`), and the report that creates a successor sends no NOTIFY for it.
-        self._publishes_successors = publishes_successors
-        self._handoff = handoff
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
         conn: psycopg.Connection[tuple[Any, ...]] | None = getattr(self._local, "conn", None)
@@ -99,12 +88,6 @@ class ReportConnection:
             return conn
         # An inherited connection's socket belongs to the parent: forget it without closing it.
         conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
-        if self._publishes_successors():
-            try:
-                conn.execute(SUCCESSOR_PUBLISHER_SQL, {"handoff": str(max(0.0, float(self._handoff())))})
-            except psycopg.Error:
-                conn.close()
-                raise
         self._local.conn, self._local.pid, self._local.cursor = conn, os.getpid(), conn.cursor()
         return conn
 
@@ -157,22 +140,24 @@ def record_terminal(
     start: Start | None = None,
     claim: Claim | None = None,
     unrun: bool = False,
+    handoff: float | None = None,
 ) -> TerminalRecord:
     """Count one child's terminal outcome, at most once however often it is reported: one round trip.
 
     With `claim` (what the message says the child is: the hooks always pass it), only if the child has the claimed
     batch, index and task name; without (a caller that read the child from the store), by task id. `unrun`: the
-    report is about a copy that never ran (`fanin_report_unrun`): a started child is not ended. `start`: the
-    child's start, when it was not written yet (see `worker.starts`), recorded with the outcome.
+    report is about a copy that never ran (`fanin_report_unrun_v2`): a started child is not ended. `start`: the
+    child's start, when it was not written yet (see `worker.starts`), recorded with the outcome. `handoff`: None when
+    a successor the report creates is the relay's (NOTIFY); else the calling worker publishes it, and the relay leaves
+    a completed batch's successor to it for `handoff` seconds (`FanIn.report_handoff`).
 
     Invariant (see `fanin_record_terminal_v2` and `fanin_settle` in sql/schema.sql): a child row moves from
     pending/started to a terminal state at most once (a concurrent or repeated report finds it terminal, is recorded
     as late and changes no counter); only the report that made that move decrements its batch, never below zero;
     exactly one transaction finishes a batch, and that one settles its parent (a leaf) or inserts its successor and
-    outbox row (a root). A successor handed to the runner's session (`fanin_successor_handoff`) comes back in
-    `handed_off`.
+    outbox row (a root). A successor handed to the caller (`handoff` over 0) comes back in `handed_off`.
     """
-    params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim)
+    params = terminal_params(task_id, state, result, exc_type, exc_message, start, claim, handoff)
     if unrun and claim is not None:
         row = runner.one(REPORT_UNRUN, params)
     else:

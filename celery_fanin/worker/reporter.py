@@ -75,7 +75,7 @@ def _note_successor_traceback(fanin: FanIn, marker: Marker, exc: BaseException |
             fanin,
             "successor",
             f"traceback of the successor of batch {marker.batch_id}",
-            lambda: successors.note_traceback(fanin.runs, uuid.UUID(marker.batch_id), marker.step or "", trace),
+            lambda: successors.note_traceback(fanin.reports, uuid.UUID(marker.batch_id), marker.step or "", trace),
         )
 
 
@@ -156,6 +156,7 @@ class Reporter:
                 start=start,
                 claim=claim,
                 unrun=unrun,
+                handoff=fanin.report_handoff,
             ),
             batch_id=marker.batch_id,
         )

@@ -1,9 +1,8 @@
 """A worker's successor runs: admitted by the store's run guard, kept alive by a heartbeat, handed over or finished.
 
 The Celery side (which signal or task method calls what) is in `hooks`, `guards` and `reporter`; the statements
-are in `store.successors`, each one round trip on the transport a child's report takes (`store.reports`), with no
-pool checkout: the admission on the report connection itself (`FanIn.reports`, open already), the rest on the
-runs' session (`FanIn.runs`, which hands no successor to this worker: see there).
+are in `store.successors`, each one round trip on the process's report connection (`FanIn.reports`), the one a
+child's report takes, with no pool checkout.
 A run belongs to one execution of the task (it hangs off that execution's request context), never to a task id or
 a process: with thread-based pools (threads, gevent, eventlet) a duplicate delivery of the same task id runs in
 the same process as the live run, and must neither see nor release it.
@@ -56,9 +55,9 @@ class LiveRun:
 
 
 def _store(fanin: FanIn, what: str, fn: Callable[[Runner], T]) -> T:
-    """One statement on the runs' connection (autocommit: one round trip), retried over transient errors for up
+    """One statement on the report connection (autocommit: one round trip), retried over transient errors for up
     to `fanin_report_timeout` seconds (`retry.GaveUp` after that; a permanent error at once)."""
-    return retry.call(lambda: fn(fanin.runs), what=what, timeout=float(fanin.settings.report_timeout))
+    return retry.call(lambda: fn(fanin.reports), what=what, timeout=float(fanin.settings.report_timeout))
 
 
 def _read(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
@@ -211,7 +210,7 @@ def count_refused(fanin: FanIn, batch_id: str, step: str) -> None:
         bid = uuid.UUID(batch_id)
     except ValueError:
         return  # names no batch: nothing to count it on
-    successors.count_duplicate(fanin.runs, bid, step)
+    successors.count_duplicate(fanin.reports, bid, step)
 
 
 def due_at(eta: datetime | None, countdown: float | None) -> datetime:
@@ -274,7 +273,7 @@ def end_replacement(
     """One attempt at ending a replaced successor for a part of its replacement that failed or was revoked
     (`store.successors.end_replacement`); the caller retries."""
     return successors.end_replacement(
-        fanin.runs, uuid.UUID(batch_id), step, task_id, carrier, state, exc_type=exc_type, exc_message=exc_message
+        fanin.reports, uuid.UUID(batch_id), step, task_id, carrier, state, exc_type=exc_type, exc_message=exc_message
     )
 
 
@@ -298,7 +297,7 @@ def record_final(
     successor's: one that ran in its pool process `ran_in` (a pid of this machine) or, without it, one that never
     ran (its `carrier` and `retries` say which copy it was)."""
     return successors.record_state(
-        fanin.runs,
+        fanin.reports,
         uuid.UUID(batch_id),
         step,
         state,
@@ -414,7 +413,7 @@ class _Heartbeat:
         fanin = group[0].fanin
         lease = fanin.settings.successor_lease
         try:
-            held = successors.renew_leases(fanin.runs, [live.run for live in group], lease)
+            held = successors.renew_leases(fanin.reports, [live.run for live in group], lease)
         except psycopg.Error as exc:
             logger.warning("could not renew successor leases (retrying): %s", exc.__class__.__name__)
             return False

@@ -7,15 +7,20 @@
 -- the checks of its own path. EXECUTE on one of them is the right to make that move, on its terms; no runtime
 -- role may UPDATE fanin_batches, fanin_children, fanin_successors or fanin_outbox, or INSERT into the last two.
 -- The migrations revoke PUBLIC's EXECUTE on them already; this repeats it for a database migrated before.
--- Internal (no role calls them): fanin_settle, fanin_fail_up, fanin_create_successor, fanin_record_terminal_v2.
-REVOKE EXECUTE ON FUNCTION fanin_settle(uuid, integer, integer),
-                           fanin_fail_up(uuid, integer),
-                           fanin_create_successor(uuid, text, text, text),
+-- Internal (no role calls them): fanin_settle_v2, fanin_fail_up_v2, fanin_create_successor_v2,
+-- fanin_record_terminal_v2. fanin_report_terminal and fanin_report_unrun are the entry points of the workers of
+-- version 31 and before, kept until a later migration (a role granted them before keeps them).
+REVOKE EXECUTE ON FUNCTION fanin_settle_v2(uuid, integer, integer, double precision),
+                           fanin_fail_up_v2(uuid, integer, double precision),
+                           fanin_create_successor_v2(uuid, text, text, text, double precision),
                            fanin_record_terminal_v2(text, text, bytea, text, text, text, text, timestamptz, integer,
                                                     text),
                            fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
                                                  timestamptz, integer, text),
                            fanin_report_unrun(text, uuid, integer, text, text, text, text),
+                           fanin_report_terminal_v2(text, uuid, integer, text, text, bytea, text, text, text, text,
+                                                    timestamptz, integer, text, double precision),
+                           fanin_report_unrun_v2(text, uuid, integer, text, text, text, text, double precision),
                            fanin_note_traceback(text, text),
                            fanin_note_successor_traceback(uuid, text, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
@@ -73,7 +78,7 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
                           fanin_outbox_failed(bigint, text, double precision),
                           fanin_abandon_after_threshold(uuid) TO fanin_producer;
 
--- Workers: a child's start and terminal outcome (fanin_report_terminal counts a report only if the child row
+-- Workers: a child's start and terminal outcome (fanin_report_terminal_v2 counts a report only if the child row
 -- matches its message; the last one creates the successor), and a successor's run: admitted only under its
 -- pre-assigned task id, every later write fenced to the run's number (or, from the main process, to that task
 -- id); a nested batch's successor reports its outer child inside fanin_finish_successor. The successor a report
@@ -85,9 +90,9 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- A replaced successor ends when a task of its replacement before the carrier fails (fanin_end_replacement).
 -- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_worker;
-GRANT EXECUTE ON FUNCTION fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text,
-                                                timestamptz, integer, text),
-                          fanin_report_unrun(text, uuid, integer, text, text, text, text),
+GRANT EXECUTE ON FUNCTION fanin_report_terminal_v2(text, uuid, integer, text, text, bytea, text, text, text, text,
+                                                   timestamptz, integer, text, double precision),
+                          fanin_report_unrun_v2(text, uuid, integer, text, text, text, text, double precision),
                           fanin_note_traceback(text, text),
                           fanin_note_successor_traceback(uuid, text, text),
                           fanin_record_starts(text[], integer[], text[], timestamptz[]),

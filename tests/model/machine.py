@@ -1,7 +1,7 @@
 """The counting protocol as a hypothesis state machine, run against the real PostgreSQL functions (issue 26).
 
 Every rule is one of the transactions the library runs, made of the library's own store calls
-(`celery_fanin.store.*`: the SQL functions `fanin_report_terminal`, `fanin_settle`, `fanin_seal`, ... and the
+(`celery_fanin.store.*`: the SQL functions `fanin_report_terminal_v2`, `fanin_settle_v2`, `fanin_seal`, ... and the
 statements in `batches`, `recovery`, `successors`, `outbox`, `admin`), in the composition its callers use
 (the producer's chunk in `producer/write.py:_fill`, the relay's claim in `dispatch/successors.py:publish_outbox`, the
 reaper's duties in `relay/maintenance.py`, prune's transaction in `ops/retention.py`). Nothing here re-implements
@@ -204,11 +204,11 @@ class ProtocolMachine(RuleBasedStateMachine):
             conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))  # constant names
         self.shared = Shared()
         self.sessions = [Session(self.engine, f"s{i}", self.shared) for i in range(SESSIONS)]
-        # Half the sessions are workers' report connections (`store.reports`): a batch that their statements
-        # complete gets an outbox row handed to the worker (`fanin_successor_handoff`), not due for the relay's claim.
+        # Half the sessions are workers' report connections (`store.reports`) whose worker publishes what its reports
+        # create: a batch that their reports complete gets an outbox row handed to the worker (`handoff`, the
+        # argument `FanIn.report_handoff` gives a worker's reports), not due for the relay's claim.
         for session in self.sessions[: SESSIONS // 2]:
-            session.conn.execute(q("successor_publisher").text, {"handoff": str(HANDOFF)})
-            session.conn.commit()
+            session.conn.info["handoff"] = HANDOFF
         self.monitor = psycopg.connect(self.url, autocommit=True)
         self.checker = self.engine.connect().execution_options(isolation_level="REPEATABLE READ")
         self.m = Model()
@@ -463,7 +463,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     )
     @_when(has_child)
     def report(self, which: int, state: str, claim: str, pick: int, hold: bool) -> None:
-        """A worker's terminal report (`fanin_report_terminal`), as its message names the child; the same child
+        """A worker's terminal report (`fanin_report_terminal_v2`), as its message names the child; the same child
         may be reported any number of times (duplicates, redeliveries, a late report after it was abandoned)."""
         child: Child = self._pick(list(self.m.children.values()), which)
         named = batches.Claim(
@@ -473,7 +473,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         )
 
         def fn(conn: Connection) -> batches.TerminalRecord:
-            return record_terminal(Held(conn), child.task_id, state, exc_type=None, claim=named)
+            handoff = conn.info.get("handoff")  # this session's worker's (`__init__`)
+            return record_terminal(Held(conn), child.task_id, state, exc_type=None, claim=named, handoff=handoff)
 
         def done(rec: batches.TerminalRecord) -> None:
             if claim != "right" and rec.counted:

@@ -12,7 +12,7 @@ was replaced reaches the function's check, a race too narrow for the CI budget;
 tests/store/test_successor_guard.py checks the function directly. Also not: mark-sent without
 `s.state = 'pending'` (fanin_outbox_sent), found by some runs and missed by others within the CI budget (it needs a
 successor to start running between the relay's claim and its mark, a narrow interleaving whose odds depend on the
-machine's timing), so it is not a reliable test; and dropping `remaining > 0` from `fanin_settle`. With the defects
+machine's timing), so it is not a reliable test; and dropping `remaining > 0` from `fanin_settle_v2`. With the defects
 the model found fixed, no interleaving it generates reaches a settle of a counter at zero (every path that zeroes a
 counter first makes its children terminal, under the locks their reports take), so the guard is defence in depth:
 300 examples of 40 steps found nothing (run on 2026-12-01).
@@ -38,9 +38,10 @@ from .conftest import SEARCHES, leaves, model_budget, model_settings
 from .machine import FAILURES, ProtocolMachine, SuccessorGuardMachine, Violation, dispose_engine, engine_for
 
 REPORT = (
-    "fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer, text)"
+    "fanin_report_terminal_v2(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer,"
+    " text, double precision)"
 )
-SETTLE = "fanin_settle(uuid, integer, integer)"
+SETTLE = "fanin_settle_v2(uuid, integer, integer, double precision)"
 CLAIM_RUN = "fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text, text, text, text)"
 FINISH = (
     "fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text, text, text, integer, text,"
@@ -75,8 +76,8 @@ BREAKAGES = [
     ),
     Breakage(
         "a leaf that finishes does not settle its root",
-        "SELECT * INTO r FROM fanin_settle(b.parent_id,",
-        "SELECT NULL::integer AS remaining, false AS successor_created INTO r FROM fanin_settle(NULL,",
+        "SELECT * INTO r FROM fanin_settle_v2(b.parent_id,",
+        "SELECT NULL::integer AS remaining, false AS successor_created INTO r FROM fanin_settle_v2(NULL,",
         function=SETTLE,
     ),
     Breakage(
@@ -95,7 +96,7 @@ BREAKAGES = [
         "the successor is inserted without ON CONFLICT (the one insert: settle's, reconciliation's, the deadline's)",
         "VALUES (p_batch, p_step, p_task_id, p_kind)\n    ON CONFLICT (batch_id, step) DO NOTHING;",
         "VALUES (p_batch, p_step, p_task_id, p_kind);",
-        function="fanin_create_successor(uuid, text, text, text)",
+        function="fanin_create_successor_v2(uuid, text, text, text, double precision)",
     ),
     Breakage(
         "a successor run is admitted without the guard (whatever the successor's state)",

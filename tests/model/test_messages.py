@@ -65,7 +65,7 @@ FINISH = (
     "fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text, text, text, integer, text,"
     " text)"
 )
-UNRUN = "fanin_report_unrun(text, uuid, integer, text, text, text, text)"
+UNRUN = "fanin_report_unrun_v2(text, uuid, integer, text, text, text, text, double precision)"
 
 
 def _old_transient(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -407,15 +407,18 @@ def test_a_tree_settles_its_root_once_per_leaf_and_the_last_leaf_creates_the_suc
     assert all(leaf["completed_at"] is not None for leaf in leaves)
 
 
-def _report_all(url: str, children: list[batches.NewChild], batch: batches.NewBatch, **conn_kwargs: Any) -> list[bool]:
-    """Report every child succeeded on one worker-like report connection; whether each created the successor."""
+def _report_all(
+    url: str, children: list[batches.NewChild], batch: batches.NewBatch, handoff: float | None = None
+) -> list[bool]:
+    """Report every child succeeded on one worker-like report connection, with the worker's `handoff` (None: it
+    does not publish its successors); whether each created the successor."""
     from celery_fanin.store.reports import ReportConnection
 
-    reports = ReportConnection(url, **conn_kwargs)
+    reports = ReportConnection(url)
     try:
         return [
             record_terminal(
-                reports, c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name)
+                reports, c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name), handoff=handoff
             ).successor_created
             for i, c in enumerate(children)
         ]
@@ -436,16 +439,16 @@ def _outbox_row(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
 def test_a_report_from_a_worker_that_publishes_its_successors_does_not_wake_the_relay(
     store_engine: Engine, listener: psycopg.Connection, clean_db: str
 ) -> None:
-    """`fanin_worker_publishes_successors`: the report connection says so once, and the report that creates the
-    successor sends no NOTIFY (the worker publishes it after the commit); the row is created all the same. With no
-    handoff (`fanin_successor_handoff = 0`) it is due at once and the worker claims it by its batch through the
-    relay's claim. Without the setting, the same report notifies as before."""
+    """`fanin_worker_publishes_successors`: the worker's report says so (`handoff` not None), and the report that
+    creates the successor sends no NOTIFY (the worker publishes it after the commit); the row is created all the
+    same. With no handoff (`fanin_successor_handoff = 0`) it is due at once and the worker claims it by its batch
+    through the relay's claim. Without the setting (`handoff` None), the same report notifies as before."""
     from celery_fanin.store import outbox
 
     url = store_engine.url.render_as_string(hide_password=False)
     for publishes in (True, False):
         batch, children, _ = create(store_engine, 2)
-        created = _report_all(url, children, batch, publishes_successors=lambda p=publishes: p)  # type: ignore[misc]
+        created = _report_all(url, children, batch, handoff=0.0 if publishes else None)
         assert created == [False, True]
         row = _outbox_row(store_engine, batch.id)
         assert not row["handed_off"], "no handoff: due for the relay at once"
@@ -472,7 +475,7 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
 
     url = store_engine.url.render_as_string(hide_password=False)
     batch, children, _ = create(store_engine, 3)
-    created = _report_all(url, children, batch, publishes_successors=lambda: True, handoff=lambda: 7.5)
+    created = _report_all(url, children, batch, handoff=7.5)
     assert created == [False, False, True]
     row = _outbox_row(store_engine, batch.id)
     assert row["handed_off"] and not row["sent"] and float(row["handoff"]) == pytest.approx(7.5, abs=0.5)
@@ -480,7 +483,7 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
     with store_engine.begin() as conn:
         assert outbox.claim(conn, 10) == [] and outbox.claim(conn, 10, batch_id=batch.id) == [], "not due yet"
 
-    reports = ReportConnection(url, lambda: True, lambda: 7.5)
+    reports = ReportConnection(url)
     try:
         [handed] = _handed_off(reports, batch.id)
         assert (handed.id, handed.batch_id, handed.step) == (row["id"], batch.id, batch.step)
@@ -528,19 +531,20 @@ def test_the_report_that_hands_off_a_successor_returns_it_as_a_claim_reads_it(st
     )
     with store_engine.begin() as conn:
         batches.create_batch(conn, batch, children)
-    reports = ReportConnection(url, lambda: True, lambda: 7.5)
+    reports = ReportConnection(url)
     try:
         recs = [
-            record_terminal(reports, c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name))
+            record_terminal(
+                reports, c.task_id, "succeeded", claim=batches.Claim(str(batch.id), i, c.task_name), handoff=7.5
+            )
             for i, c in enumerate(children)
         ]
         assert [r.handed_off for r in recs[:2]] == [None, None], "no successor created: nothing returned"
         returned = recs[2].handed_off
         assert returned is not None and len(returned) == 1
         read = _handed_off(reports, batch.id)
-        store_reports.wake_relay(
-            reports, batch.id
-        )  # due now: the relay's claim takes it, and reads its columns as SQLAlchemy does
+        # due now: the relay's claim takes it, and reads its columns as SQLAlchemy does
+        store_reports.wake_relay(reports, batch.id)
     finally:
         reports.reset()
     with store_engine.begin() as conn:
@@ -563,10 +567,14 @@ def test_a_batch_past_its_failure_threshold_is_not_handed_off(store_engine: Engi
     batch = dataclasses.replace(batch, max_failures=0)
     with store_engine.begin() as conn:
         batches.create_batch(conn, batch, children)
-    reports = ReportConnection(url, lambda: True, lambda: 7.5)
+    reports = ReportConnection(url)
     try:
         rec = record_terminal(
-            reports, children[0].task_id, "failed", claim=batches.Claim(str(batch.id), 0, children[0].task_name)
+            reports,
+            children[0].task_id,
+            "failed",
+            claim=batches.Claim(str(batch.id), 0, children[0].task_name),
+            handoff=7.5,
         )
         assert rec.successor_created
         assert _handed_off(reports, batch.id) == []
@@ -588,10 +596,10 @@ def test_wake_relay_makes_a_handed_off_row_due_at_once(
 
     url = store_engine.url.render_as_string(hide_password=False)
     batch, children, _ = create(store_engine, 1)
-    assert _report_all(url, children, batch, publishes_successors=lambda: True, handoff=lambda: 60.0) == [True]
+    assert _report_all(url, children, batch, handoff=60.0) == [True]
     assert _outbox_row(store_engine, batch.id)["handed_off"]
     assert notifications_until_sentinel(listener, clean_db) == []
-    reports = ReportConnection(url, lambda: True, lambda: 60.0)
+    reports = ReportConnection(url)
     try:
         store_reports.wake_relay(reports, batch.id)
     finally:
@@ -613,5 +621,5 @@ def test_the_report_connection_sends_named_statements_as_positional_ones() -> No
     assert names == ("a", "b", "a", "c")
     assert batches.RECORD_TERMINAL.positional[1] == (
         "batch_id", "task_id", "batch_id", "index", "task_name", "state", "result", "rct", "rce", "exc_type",
-        "exc_message", "started_at", "attempt", "worker",
+        "exc_message", "started_at", "attempt", "worker", "handoff",
     )  # fmt: skip

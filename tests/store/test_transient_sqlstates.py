@@ -163,9 +163,9 @@ def test_a_read_only_pooled_connection_is_discarded_and_the_statement_retried_on
 @pytest.mark.timeout(30)
 def test_a_successor_run_statement_on_a_read_only_session_is_retried_on_a_new_one(short_reports: FanIn) -> None:
     """A successor run's statements after its admission (`successor_runs._store`: hand-over, take-back, finish) go
-    on the runs' connection (`FanIn.runs`), which drops its session after 25006, so the retry reaches one that
+    on the report connection (`FanIn.reports`), which drops its session after 25006, so the retry reaches one that
     takes writes."""
-    runs = short_reports.runs
+    runs = short_reports.reports
     runs._connection().execute("SET default_transaction_read_only = on")
     stale = runs._connection().info.backend_pid
     pids: list[int] = []

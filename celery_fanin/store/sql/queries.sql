@@ -105,30 +105,24 @@ SELECT c.idx, c.task_id, c.task_name, c.state, c.message, c.content_type, c.cont
 -- --- store/batches.py ---------------------------------------------------------------------------------------------
 
 -- name: report_terminal
--- A worker's terminal report: counted once, only if the child row has the message's batch, index and task name;
--- with the successor it created, if that is handed to this session to publish (fanin_handed_off: no second read)
+-- A worker's terminal report, counted once if the child row has its message's batch, index, task name (+ handed_off)
 SELECT counted, late, remaining, successor_created, refused,
        CASE WHEN successor_created THEN fanin_handed_off(CAST(:batch_id AS uuid)) END AS handed_off
-  FROM fanin_report_terminal(:task_id, :batch_id, :index, :task_name, :state, :result, :rct, :rce, :exc_type,
-                             :exc_message, :started_at, :attempt, :worker);
+  FROM fanin_report_terminal_v2(:task_id, :batch_id, :index, :task_name, :state, :result, :rct, :rce, :exc_type,
+                                :exc_message, :started_at, :attempt, :worker, CAST(:handoff AS double precision));
 
 -- name: report_unrun
 -- A main-process event about a copy of a child that never ran: counted only while no copy has started the child
 SELECT counted, late, remaining, successor_created, refused,
        CASE WHEN successor_created THEN fanin_handed_off(CAST(:batch_id AS uuid)) END AS handed_off
-  FROM fanin_report_unrun(:task_id, :batch_id, :index, :task_name, :state, :exc_type, :exc_message);
+  FROM fanin_report_unrun_v2(:task_id, :batch_id, :index, :task_name, :state, :exc_type, :exc_message,
+                             CAST(:handoff AS double precision));
 
 -- name: record_terminal
 -- A child's terminal outcome by task id alone (tests and tools run as the owner; no runtime role may call it).
 SELECT counted, late, remaining, successor_created
   FROM fanin_record_terminal_v2(:task_id, :state, :result, :rct, :rce, :exc_type, :exc_message, :started_at,
                                 :attempt, :worker);
-
--- name: successor_publisher
--- This session publishes the successors its reports create (no NOTIFY for them), and the relay leaves a completed
--- batch's to it for `handoff` seconds (fanin_create_successor reads both)
-SELECT set_config('fanin.successor_publisher', 'worker', false),
-       set_config('fanin.successor_handoff', CAST(:handoff AS text), false);
 
 -- name: wake_relay
 -- Make a batch's successor this session created, and will not publish itself, due now, and wake the relay

@@ -317,7 +317,9 @@ SELECT b.id, b.step, b.state, b.planned,
 
 -- Functions
 
-CREATE FUNCTION fanin_settle(p_batch uuid, p_succeeded integer, p_failed integer)
+-- fanin_settle_v2(uuid,integer,integer,double precision)
+CREATE FUNCTION fanin_settle_v2(p_batch uuid, p_succeeded integer, p_failed integer,
+                                p_handoff double precision)
 RETURNS TABLE (remaining integer, successor_created boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -351,7 +353,7 @@ BEGIN
     END IF;
     IF NOT b.moved THEN
         IF b.fail_up AND p_failed > 0 THEN
-            RETURN QUERY SELECT b.remaining, fanin_fail_up(b.parent_id, p_failed);
+            RETURN QUERY SELECT b.remaining, fanin_fail_up_v2(b.parent_id, p_failed, p_handoff);
             RETURN;
         END IF;
         RETURN QUERY SELECT b.remaining, false;
@@ -359,15 +361,16 @@ BEGIN
     END IF;
     -- This call finished the batch: a leaf hands its totals to its root; a root gets its one successor.
     IF b.parent_id IS NOT NULL THEN
-        SELECT * INTO r FROM fanin_settle(b.parent_id, b.succeeded,
-                                          CASE WHEN b.fail_up THEN p_failed ELSE b.failed END);
+        SELECT * INTO r FROM fanin_settle_v2(b.parent_id, b.succeeded,
+                                             CASE WHEN b.fail_up THEN p_failed ELSE b.failed END,
+                                             p_handoff);
         RETURN QUERY SELECT b.remaining, coalesce(r.successor_created, false);
         RETURN;
     END IF;
     RETURN QUERY SELECT b.remaining,
-        fanin_create_successor(b.id, b.step, b.successor_task_id,
-                               CASE WHEN b.state = 'failed_threshold' AND b.has_on_failure
-                                    THEN 'on_failure' ELSE 'then' END);
+        fanin_create_successor_v2(b.id, b.step, b.successor_task_id,
+                                  CASE WHEN b.state = 'failed_threshold' AND b.has_on_failure
+                                       THEN 'on_failure' ELSE 'then' END, p_handoff);
 END
 $$;
 
@@ -386,7 +389,7 @@ BEGIN
         RETURN QUERY SELECT NULL::integer, false;
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM fanin_settle(p_batch, 0, 0);
+    RETURN QUERY SELECT * FROM fanin_settle_v2(p_batch, 0, 0, NULL);
 END
 $$;
 
@@ -428,18 +431,23 @@ BEGIN
     SELECT f.batch_id, f.idx, f.task_name INTO c FROM fanin_children f WHERE f.task_id = p_task_id;
     RETURN QUERY
     SELECT r.counted, r.late, r.remaining, r.successor_created
-      FROM fanin_report_terminal(p_task_id, c.batch_id, c.idx, c.task_name, p_state, p_result, p_rct, p_rce,
-                                 p_exc_type, p_exc_message, p_started_at, p_attempt, p_worker) r;
+      FROM fanin_report_terminal_v2(p_task_id, c.batch_id, c.idx, c.task_name, p_state, p_result, p_rct,
+                                    p_rce, p_exc_type, p_exc_message, p_started_at, p_attempt, p_worker,
+                                    NULL) r;
 END
 $$;
 
-CREATE FUNCTION fanin_create_successor(p_batch uuid, p_step text, p_task_id text, p_kind text)
+-- The batch's one successor and its outbox row, once per (batch, step). p_handoff says who publishes it: NULL, the
+-- relay (woken by NOTIFY); a number, the worker whose report created it, after its commit (no NOTIFY: the relay's
+-- scan is the fallback), and a completed batch's row is not due for the relay for that many seconds (version 32:
+-- an argument, where it was a setting of the worker's session).
+-- fanin_create_successor_v2(uuid,text,text,text,double precision)
+CREATE FUNCTION fanin_create_successor_v2(p_batch uuid, p_step text, p_task_id text, p_kind text,
+                                          p_handoff double precision)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     v_outbox bigint;
-    v_worker boolean := coalesce(current_setting('fanin.successor_publisher', true), '') = 'worker';
-    v_handoff double precision := coalesce(nullif(current_setting('fanin.successor_handoff', true), ''), '0');
 BEGIN
     INSERT INTO fanin_successors (batch_id, step, task_id, kind)
     VALUES (p_batch, p_step, p_task_id, p_kind)
@@ -447,16 +455,16 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF v_worker AND v_handoff > 0 AND p_kind = 'then'
+    IF p_handoff > 0 AND p_kind = 'then'
        AND EXISTS (SELECT 1 FROM fanin_batches b WHERE b.id = p_batch AND b.state = 'complete') THEN
         -- Handed to the worker that reported: not due for the relay before the handoff has passed.
         INSERT INTO fanin_outbox (batch_id, step, available_at)
-        VALUES (p_batch, p_step, now() + make_interval(secs => v_handoff)) RETURNING id INTO v_outbox;
+        VALUES (p_batch, p_step, now() + make_interval(secs => p_handoff)) RETURNING id INTO v_outbox;
     ELSE
         INSERT INTO fanin_outbox (batch_id, step) VALUES (p_batch, p_step) RETURNING id INTO v_outbox;
     END IF;
     -- The worker that reported publishes it after this commits: no need to wake the relay (its scan is the fallback).
-    IF NOT v_worker THEN
+    IF p_handoff IS NULL THEN
         PERFORM pg_notify('fanin_outbox', v_outbox::text);
     END IF;
     RETURN true;
@@ -506,7 +514,8 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION fanin_fail_up(p_root uuid, p_failed integer)
+-- fanin_fail_up_v2(uuid,integer,double precision)
+CREATE FUNCTION fanin_fail_up_v2(p_root uuid, p_failed integer, p_handoff double precision)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -529,16 +538,19 @@ BEGIN
     IF NOT FOUND OR NOT b.moved THEN
         RETURN false;
     END IF;
-    RETURN fanin_create_successor(b.id, b.step, b.successor_task_id,
-                                  CASE WHEN b.has_on_failure THEN 'on_failure' ELSE 'then' END);
+    RETURN fanin_create_successor_v2(b.id, b.step, b.successor_task_id,
+                                     CASE WHEN b.has_on_failure THEN 'on_failure' ELSE 'then' END,
+                                     p_handoff);
 END
 $$;
 
--- fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)
-CREATE FUNCTION fanin_report_terminal(p_task_id text, p_batch uuid, p_index integer, p_task_name text,
-                                      p_state text, p_result bytea, p_rct text, p_rce text, p_exc_type text,
-                                      p_exc_message text, p_started_at timestamptz, p_attempt integer,
-                                      p_worker text)
+-- A worker's terminal report; p_handoff: see fanin_create_successor_v2 (NULL from every caller but a worker's
+-- report statement).
+-- fanin_report_terminal_v2(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,text,double precision)
+CREATE FUNCTION fanin_report_terminal_v2(p_task_id text, p_batch uuid, p_index integer, p_task_name text,
+                                         p_state text, p_result bytea, p_rct text, p_rce text,
+                                         p_exc_type text, p_exc_message text, p_started_at timestamptz,
+                                         p_attempt integer, p_worker text, p_handoff double precision)
 RETURNS TABLE (counted boolean, late boolean, remaining integer, successor_created boolean, refused boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -561,8 +573,8 @@ BEGIN
        AND idx = p_index AND (p_task_name IS NULL OR task_name = p_task_name)
     RETURNING batch_id INTO v_batch;
     IF FOUND THEN
-        SELECT * INTO r FROM fanin_settle(v_batch, CASE WHEN v_ok THEN 1 ELSE 0 END,
-                                          CASE WHEN v_ok THEN 0 ELSE 1 END);
+        SELECT * INTO r FROM fanin_settle_v2(v_batch, CASE WHEN v_ok THEN 1 ELSE 0 END,
+                                             CASE WHEN v_ok THEN 0 ELSE 1 END, p_handoff);
         RETURN QUERY SELECT true, false, r.remaining, r.successor_created, false;
         RETURN;
     END IF;
@@ -586,9 +598,29 @@ BEGIN
 END
 $$;
 
--- fanin_report_unrun(text,uuid,integer,text,text,text,text)
-CREATE FUNCTION fanin_report_unrun(p_task_id text, p_batch uuid, p_index integer, p_task_name text, p_state text,
-                                   p_exc_type text, p_exc_message text)
+-- The entry point of the workers of version 31 and before, kept so that a worker not yet restarted after this
+-- migration goes on reporting: such a worker said once per session that it publishes the successors its reports
+-- create (the two settings read here, which nothing else reads any more). A later migration drops it.
+-- fanin_report_terminal(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,integer,text)
+CREATE FUNCTION fanin_report_terminal(p_task_id text, p_batch uuid, p_index integer, p_task_name text,
+                                      p_state text, p_result bytea, p_rct text, p_rce text, p_exc_type text,
+                                      p_exc_message text, p_started_at timestamptz, p_attempt integer,
+                                      p_worker text)
+RETURNS TABLE (counted boolean, late boolean, remaining integer, successor_created boolean, refused boolean)
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM fanin_report_terminal_v2(
+        p_task_id, p_batch, p_index, p_task_name, p_state, p_result, p_rct, p_rce, p_exc_type, p_exc_message,
+        p_started_at, p_attempt, p_worker,
+        CASE WHEN coalesce(current_setting('fanin.successor_publisher', true), '') = 'worker'
+             THEN coalesce(nullif(current_setting('fanin.successor_handoff', true), ''), '0')::double precision END);
+END
+$$;
+
+-- fanin_report_unrun_v2(text,uuid,integer,text,text,text,text,double precision)
+CREATE FUNCTION fanin_report_unrun_v2(p_task_id text, p_batch uuid, p_index integer, p_task_name text,
+                                      p_state text, p_exc_type text, p_exc_message text,
+                                      p_handoff double precision)
 RETURNS TABLE (counted boolean, late boolean, remaining integer, successor_created boolean, refused boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -606,8 +638,23 @@ BEGIN
         RETURN QUERY SELECT false, false, NULL::integer, false, false;
         RETURN;
     END IF;
-    RETURN QUERY SELECT * FROM fanin_report_terminal(p_task_id, p_batch, p_index, p_task_name, p_state, NULL, NULL,
-                                                     NULL, p_exc_type, p_exc_message, NULL, NULL, NULL);
+    RETURN QUERY SELECT * FROM fanin_report_terminal_v2(p_task_id, p_batch, p_index, p_task_name, p_state,
+                                                        NULL, NULL, NULL, p_exc_type, p_exc_message, NULL,
+                                                        NULL, NULL, p_handoff);
+END
+$$;
+
+-- The same for a worker of version 31 and before (see fanin_report_terminal).
+-- fanin_report_unrun(text,uuid,integer,text,text,text,text)
+CREATE FUNCTION fanin_report_unrun(p_task_id text, p_batch uuid, p_index integer, p_task_name text, p_state text,
+                                   p_exc_type text, p_exc_message text)
+RETURNS TABLE (counted boolean, late boolean, remaining integer, successor_created boolean, refused boolean)
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM fanin_report_unrun_v2(
+        p_task_id, p_batch, p_index, p_task_name, p_state, p_exc_type, p_exc_message,
+        CASE WHEN coalesce(current_setting('fanin.successor_publisher', true), '') = 'worker'
+             THEN coalesce(nullif(current_setting('fanin.successor_handoff', true), ''), '0')::double precision END);
 END
 $$;
 
@@ -622,7 +669,7 @@ BEGIN
        AND ((p_kind = 'then' AND x.state IN ('complete', 'partial', 'failed_threshold'))
             OR (p_kind = 'on_failure' AND x.state = 'failed_threshold' AND x.on_failure_message IS NOT NULL)
             OR (p_kind = 'on_expire' AND x.state IN ('expired', 'cancelled') AND x.on_expire_message IS NOT NULL));
-    IF NOT FOUND OR NOT fanin_create_successor(b.id, b.step, b.successor_task_id, p_kind) THEN
+    IF NOT FOUND OR NOT fanin_create_successor_v2(b.id, b.step, b.successor_task_id, p_kind, NULL) THEN
         RETURN NULL;
     END IF;
     RETURN (SELECT o.id FROM fanin_outbox o WHERE o.batch_id = b.id AND o.step = b.step);
@@ -809,13 +856,13 @@ BEGIN
             actions := actions || 'batch finished'::text;
         END IF;
         IF cardinality(problems) > 0 THEN
-            -- Leave one unit for fanin_settle to take, so that finishing goes the way a last report's would.
+            -- Leave one unit for fanin_settle_v2 to take, so that finishing goes the way a last report's would.
             UPDATE fanin_batches t
                SET remaining = c.open + v_token + CASE WHEN v_finish THEN 1 ELSE 0 END,
                    succeeded = c.succeeded, failed = c.failed
              WHERE t.id = p_batch;
             IF v_finish THEN
-                PERFORM fanin_settle(p_batch, 0, 0);
+                PERFORM fanin_settle_v2(p_batch, 0, 0, NULL);
             END IF;
         END IF;
     END IF;
