@@ -29,6 +29,12 @@ def main(contender: str, n: int, run: str) -> dict[str, float]:
         job = group(sigs)
         start = time.time()
         job.apply_async()
+    elif contender == "group_ff":
+        # Fire and forget: the same group with no result kept, as a user writes it when nothing waits on it.
+        sigs = [child.s(i, run, n).set(ignore_result=True) for i in range(n)]
+        job = group(sigs)
+        start = time.time()
+        job.apply_async()
     elif contender == "chord":
         sigs = [child.s(i, run, n) for i in range(n)]
         job = chord(sigs, mark.s(run))

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,6 +40,7 @@ THROUGHPUT_KEYS = (
 )
 TARGET_KEYS = (
     "dispatch_speedup_vs_group",
+    "e2e_ratio_vs_group_ff",
     "e2e_ratio_vs_group",
     "e2e_ratio_vs_chord",
     "successor_p50_ms",
@@ -71,10 +73,16 @@ def test_smoke_run_writes_every_figure(broker: str, tmp_path: Path) -> None:
     assert report["errors"] == []
     assert report["broker"] == broker
     assert {"nproc", "memory_gib", "versions"} <= report["machine"].keys()
-    for contender in ("group", "chord", "fanin"):
+    for contender in ("group", "group_ff", "chord", "fanin"):
         figures = report["contenders"][contender]["20"]
         for key in CONTENDER_KEYS:
             assert figures[key]["median"] > 0, (contender, key)
+        assert figures["reps"] == [0], contender  # the smoke run's one repeat
+    for name in ("e2e_ratio_vs_group_ff", "e2e_ratio_vs_group", "e2e_ratio_vs_chord", "dispatch_speedup_vs_group"):
+        target = report["targets"][name]  # paired within the one repeat: its own ratio, no spread
+        assert target["value"] > 0 and target["min"] == target["max"] == target["value"] and target["repeats"] == 1
+    fanin, chord = report["contenders"]["fanin"]["20"]["e2e_s"], report["contenders"]["chord"]["20"]["e2e_s"]
+    assert report["targets"]["e2e_ratio_vs_chord"]["value"] == fanin["runs"][0] / chord["runs"][0]
     for contender in ("chord", "fanin"):
         assert set(LATENCY_KEYS) <= report["latency"][contender].keys()
     assert set(DB_KEYS) <= report["db"].keys()
@@ -168,3 +176,26 @@ def test_scaling_smoke_writes_every_series(tmp_path: Path) -> None:
     assert all(f["median"] > 0 for f in relays.values()), relays
     assert report["relay"]["successors_per_phase"] == 20
     assert "| reporters |" in out.stdout and "| relays |" in out.stdout  # the printed tables
+
+
+def test_a_ratio_of_two_contenders_is_paired_within_each_repeat() -> None:
+    """`bench.run.paired` divides the two contenders' figures of one repeat, never medians of different repeats; a
+    repeat in which either failed is left out; a report before the repeats were recorded pairs its runs in order
+    only when both have one per repeat."""
+    from bench.run import paired
+
+    def fig(values: list[float], reps: list[int] | None) -> dict[str, Any]:
+        f: dict[str, Any] = {"e2e_s": {"runs": values}}
+        if reps is not None:
+            f["reps"] = reps
+        return f
+
+    c = {"fanin": {"10": fig([1.0, 3.0, 2.0], [0, 1, 2])}, "chord": {"10": fig([2.0, 2.0], [0, 2])}}
+    got = paired(c, "10", "fanin", "chord")
+    assert got is not None and got["runs"] == [0.5, 1.0] and got["median"] == 0.75  # repeat 1: chord failed
+    # Medians of the repeats would say 2.0 / 2.0 = 1.0.
+    old = {"fanin": {"10": fig([1.0, 4.0], None)}, "chord": {"10": fig([2.0, 2.0], None)}}
+    assert paired(old, "10", "fanin", "chord") == {"median": 1.25, "min": 0.5, "max": 2.0, "runs": [0.5, 2.0]}
+    uneven = {"fanin": {"10": fig([1.0, 4.0], None)}, "chord": {"10": fig([2.0], None)}}
+    assert paired(uneven, "10", "fanin", "chord") is None
+    assert paired(c, "10", "fanin", "group_ff") is None  # a contender this run did not have
