@@ -227,3 +227,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     model = parser.getgroup("model")
     model.addoption("--model-examples", type=int, default=None, help="protocol model: cases to run (default: CI's)")
     model.addoption("--model-steps", type=int, default=None, help="protocol model: steps per case")
+
+
+@pytest.fixture
+def direct(clean_db: str) -> Iterator[Engine]:
+    """An engine of its own on the test database, beside the app's (whose pool a test may break or proxy)."""
+    from tests.store.helpers import make_engine
+
+    engine = make_engine(clean_db)
+    yield engine
+    engine.dispose()

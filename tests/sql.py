@@ -1,15 +1,20 @@
 """Reading and editing the test database from a test: through an app's engine (`rows`), or a connection of its own
-(`env_rows`); the store's runtime statements in a transaction the test holds (`Held`)."""
+(`env_rows`); a batch's children and successor, whatever names the database (`children`, `successor`); the store's
+runtime statements in a transaction the test holds (`Held`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, text
+from psycopg import sql as psycopg_sql
+from psycopg.rows import dict_row
+from sqlalchemy import Connection, Engine, text
 
 from celery_fanin import FanIn
+from celery_fanin.store.reports import libpq_conninfo
 from celery_fanin.store.statements import Statement
 
 
@@ -64,3 +69,56 @@ class Held:
 
     def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in self.conn.exec_driver_sql(statement.psycopg, dict(params))]
+
+
+def notes(env: dict[str, str]) -> list[tuple[str, Any]]:
+    """What the test app's tasks noted (`e2e_notes`: label, value), in order."""
+    return [(r[0], r[1]) for r in env_rows(env, "SELECT label, value FROM e2e_notes ORDER BY id")]
+
+
+def _conninfo(db: Any) -> str:
+    """A libpq conninfo for `db`: a URL, an environment (`FANIN_DATABASE_URL`), an engine, or an app wired with
+    FanIn."""
+    if isinstance(db, str):
+        url = db
+    elif isinstance(db, dict):
+        url = db["FANIN_DATABASE_URL"]
+    elif isinstance(db, Engine):
+        url = db.url.render_as_string(hide_password=False)
+    else:
+        url = FanIn.of(db).database_url
+    return libpq_conninfo(url)
+
+
+def _select(db: Any, table: str, columns: tuple[str, ...], where: str, order: str, params: tuple[Any, ...]) -> Any:
+    query = psycopg_sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {}").format(
+        psycopg_sql.SQL(", ").join(psycopg_sql.Identifier(c) for c in columns),
+        psycopg_sql.Identifier(table),
+        psycopg_sql.SQL(where),  # a constant of this module's
+        psycopg_sql.SQL(order),
+    )
+    with psycopg.connect(_conninfo(db), autocommit=True, row_factory=dict_row) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def children(
+    db: Any, batch_id: Any = None, *columns: str, task_ids: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """These columns of a batch's child rows (a tree's leaves' children too), in child order; or of the children
+    with these `task_ids`. `db`: a URL, an environment, an engine or an app."""
+    if task_ids is not None:
+        return list(_select(db, "fanin_children", columns, "task_id = ANY(%s)", "idx", (list(task_ids),)))
+    where = "batch_id IN (SELECT id FROM fanin_batches WHERE id = %s OR parent_id = %s)"
+    return list(_select(db, "fanin_children", columns, where, "idx", (str(batch_id), str(batch_id))))
+
+
+def successor(db: Any, batch_id: Any, *columns: str) -> dict[str, Any] | None:
+    """These columns of a batch's successor row, or None before it was created. `db` as for `children`."""
+    found = _select(db, "fanin_successors", columns, "batch_id = %s", "created_at", (str(batch_id),))
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def child_states(db: Any, batch_id: Any) -> dict[str, int]:
+    """How many of a batch's children are in each state. `db` as for `children`."""
+    return dict(Counter(r["state"] for r in children(db, batch_id, "state")))

@@ -3,21 +3,11 @@ counts once its row's counter moves (a child's late report, a successor's refuse
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import psycopg
-import pytest
 from sqlalchemy import Engine
 
 from tests.chaos import copies
-from tests.store.helpers import create, make_engine
-
-
-@pytest.fixture
-def direct(clean_db: str) -> Iterator[Engine]:
-    engine = make_engine(clean_db)
-    yield engine
-    engine.dispose()
+from tests.store.helpers import create
 
 
 def _report(conn: psycopg.Connection[tuple[object, ...]], task_id: str) -> None:

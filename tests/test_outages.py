@@ -28,7 +28,8 @@ from celery_fanin.store.reports import record_terminal
 from celery_fanin.worker import hooks, report, runtime, successor_runs
 from tests.faults import TcpProxy, proxy_for, release_producer_app
 from tests.sql import Held
-from tests.store.helpers import create, make_engine
+from tests.sql import children as child_rows
+from tests.store.helpers import create
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,13 +41,6 @@ AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 def pg_proxy(clean_db: str) -> Iterator[TcpProxy]:
     with proxy_for(clean_db, 5432) as proxy:
         yield proxy
-
-
-@pytest.fixture
-def direct(clean_db: str) -> Iterator[Engine]:
-    engine = make_engine(clean_db)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture
@@ -107,12 +101,6 @@ def _report(app: Celery, task_id: str, batch_id: uuid.UUID, index: int) -> Any:
     )
 
 
-def _states(engine: Engine, batch_id: uuid.UUID) -> list[str]:
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT state FROM fanin_children WHERE batch_id = :b ORDER BY idx"), {"b": batch_id})
-        return [r.state for r in rows]
-
-
 def _given_up(kind: str) -> float:
     return report.REPORTS_GIVEN_UP.labels(kind=kind)._value.get()
 
@@ -135,7 +123,7 @@ def test_reports_wait_out_a_database_cut(proxied_app: Celery, pg_proxy: TcpProxy
         pg_proxy.restore()
     assert time.monotonic() - started >= 3.5  # it did wait for the store
     assert pg_proxy.refused > 0
-    assert _states(direct, batch.id) == ["succeeded"] * 3
+    assert [r["state"] for r in child_rows(direct, batch.id, "state")] == ["succeeded"] * 3
     assert _given_up("terminal") == given_up
 
 
@@ -162,7 +150,7 @@ def test_a_report_is_given_up_after_report_timeout(
     assert any("gave up recording terminal outcome" in r.getMessage() for r in caplog.records)
     pg_proxy.restore()
     # Nothing was recorded: the child stays open for child_timeout and reconciliation to settle.
-    assert _states(direct, batch.id) == ["pending"]
+    assert [r["state"] for r in child_rows(direct, batch.id, "state")] == ["pending"]
 
 
 def test_a_successor_state_given_up_by_its_pool_process_is_counted(
@@ -208,7 +196,7 @@ def test_a_permanent_error_is_not_retried(
     assert (len(report_attempts), retry_clock.sleeps) == (1, [])  # one attempt, no wait
     assert any("not a transient error" in r.getMessage() for r in caplog.records)
     assert _given_up("terminal") == given_up + 1
-    assert _states(direct, batch.id) == ["pending"]
+    assert [r["state"] for r in child_rows(direct, batch.id, "state")] == ["pending"]
 
 
 def _terminate_backends(url: str) -> int:
@@ -375,10 +363,14 @@ def test_a_main_process_report_does_not_hold_the_event_loop(
         hooks.worker_hooks.task_revoked(sender=sender, request=_Request(children[0].task_id, batch.id, 0), expired=True)
         # One attempt, then it returned: any other so far is the reports thread's, which retries meanwhile.
         assert report_attempts[0] == handler and report_attempts.count(handler) == 1
-        assert _states(direct, batch.id) == ["pending"]
+        assert [r["state"] for r in child_rows(direct, batch.id, "state")] == ["pending"]
     finally:
         pg_proxy.restore()
-    wait_for(lambda: _states(direct, batch.id) == ["revoked"], 20, message="the revoked report recorded")
+    wait_for(
+        lambda: [r["state"] for r in child_rows(direct, batch.id, "state")] == ["revoked"],
+        20,
+        message="the revoked report recorded",
+    )
     assert report.background.flush(5)
     # The handler made no other attempt: the reports thread's last one recorded it.
     assert report_attempts.count(handler) == 1 and report_attempts[-1] == "celery-fanin-reports"

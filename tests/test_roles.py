@@ -86,7 +86,7 @@ def _app(cluster: Cluster, role: str, **conf: object) -> Celery:
     app.conf.update(fanin_database_url=cluster.url(role), fanin_record_attempts=1, fanin_pool_size=2, **conf)
     FanIn(app)
     app.task(name="roles.child")(_child)
-    app.task(name="roles.successor")(_successor)
+    app.task(name="roles.successor")(_successor_task)
     return app
 
 
@@ -99,7 +99,7 @@ def _child(i: int) -> int:
     return i
 
 
-def _successor(outcome: dict[str, int]) -> int:
+def _successor_task(outcome: dict[str, int]) -> int:
     return outcome["succeeded"]
 
 

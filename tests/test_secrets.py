@@ -4,8 +4,6 @@ including a driver error that quotes the connection string back (psycopg's "inva
 from __future__ import annotations
 
 import logging
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from celery_fanin import FanIn, FanInDatabaseError, FanInNotConfigured, fan_in_g
 from celery_fanin.cli import fanin as fanin_cli
 from celery_fanin.redact import MASK, redact, remember
 from celery_fanin.worker import runtime
+from tests import http_get
 from tests.cluster import free_port
 from tests.workers import CeleryProcess, wait_for
 
@@ -208,10 +207,10 @@ def test_the_relay_and_dashboard_processes_keep_the_password_out(clean_redis: st
     )
     try:
         dashboard.wait_ready(60)
-        page = _get(f"http://127.0.0.1:{web}/batches")
+        page = http_get.get(f"http://127.0.0.1:{web}/batches")
         assert page[0] == 503 and "could not be read" in page[1] and SECRET not in page[1], page
         wait_for(lambda: "relay round failed" in relay.output() or "cannot" in relay.output(), 60, message="an error")
-        scraped = wait_for(lambda: _get(f"http://127.0.0.1:{metrics}/metrics"), 60, message="metrics")
+        scraped = wait_for(lambda: http_get.get(f"http://127.0.0.1:{metrics}/metrics"), 60, message="metrics")
         assert "fanin_" in scraped[1] and SECRET not in scraped[1]
     finally:
         relay.stop()
@@ -220,14 +219,3 @@ def test_the_relay_and_dashboard_processes_keep_the_password_out(clean_redis: st
         output = proc.output()
         assert "127.0.0.1" in output or "connect" in output, output
         assert SECRET not in output, output
-
-
-def _get(url: str) -> tuple[int, str] | None:
-    """(status, body) of a GET, or None while nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - a local test server
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except (urllib.error.URLError, ConnectionError):
-        return None

@@ -34,6 +34,7 @@ from tests.app import (
     tsum,
 )
 from tests.app import values as collect
+from tests.sql import notes
 from tests.workers import wait_for
 
 TIMEOUT = 60
@@ -60,11 +61,6 @@ def _batches(env: dict[str, str]) -> list[tuple[str, str]]:
     with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
         rows = conn.execute("SELECT id::text, step FROM fanin_batches WHERE parent_id IS NULL ORDER BY created_at")
         return [(r[0], r[1]) for r in rows]
-
-
-def _notes(env: dict[str, str]) -> list[tuple[str, Any]]:
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        return [(r[0], r[1]) for r in conn.execute("SELECT label, value FROM e2e_notes ORDER BY id")]
 
 
 def test_a_fan_in_in_a_chain_first_middle_and_last(canvas: dict[str, str], producer: Any) -> None:
@@ -257,8 +253,8 @@ def test_link_and_link_error(canvas: dict[str, str], producer: Any) -> None:
     on_failure.link_error(fan_in_group([ok.si(7)], then=record_run.s("as-errback", with_values=True)))
     on_failure.apply_async()
 
-    notes = wait_for(lambda: len(_notes(canvas)) >= 2 and _notes(canvas), TIMEOUT, message="the callbacks")
-    assert sorted(notes, key=lambda n: str(n[0])) == [("errback", "fan-in failed"), ("link", [10, 20])]
+    noted = wait_for(lambda: len(notes(canvas)) >= 2 and notes(canvas), TIMEOUT, message="the callbacks")
+    assert sorted(noted, key=lambda n: str(n[0])) == [("errback", "fan-in failed"), ("link", [10, 20])]
 
     def runs() -> dict[str, Any]:
         with psycopg.connect(canvas["FANIN_DATABASE_URL"], autocommit=True) as conn:

@@ -24,6 +24,9 @@ from kombu import Connection
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.exceptions import InvalidFanIn
 from tests.app import NOTES_TABLE_DDL
+from tests.e2e.helpers import sig
+from tests.sql import children as child_rows
+from tests.sql import notes
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -61,20 +64,6 @@ def app(broker_env: dict[str, str]) -> Iterator[Celery]:
     FanIn.of(application).dispose()
 
 
-def _sig(app: Celery, name: str, *args: Any, **kwargs: Any) -> Any:
-    return app.signature(f"tests.app.{name}", args=args, kwargs=kwargs)
-
-
-def _children(env: dict[str, str], batch_id: str) -> list[dict[str, Any]]:
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT idx, state, exc_type, exc_message, late_reports FROM fanin_children c "
-            "WHERE batch_id = %s ORDER BY idx",
-            (uuid.UUID(batch_id),),
-        ).fetchall()
-    return [dict(zip(("idx", "state", "exc_type", "exc_message", "late_reports"), r, strict=True)) for r in rows]
-
-
 def _all_expired(env: dict[str, str], batch_id: str) -> bool:
     """Every expiring child's `expires` has passed, by the database's clock (as the relay reads it)."""
     with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
@@ -85,30 +74,25 @@ def _all_expired(env: dict[str, str], batch_id: str) -> bool:
     return bool(row and row[0])
 
 
-def _notes(env: dict[str, str]) -> list[tuple[str, Any]]:
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        return [(r[0], r[1]) for r in conn.execute("SELECT label, value FROM e2e_notes ORDER BY id")]
-
-
 def test_link_countdown_and_chain_children_are_counted_once_with_the_right_outcome(
     app: Celery, broker_env: dict[str, str], processes: Any, successor_runs: Any
 ) -> None:
     processes.worker(broker_env)
     processes.relay(broker_env)
-    ok, fail = (lambda *a: _sig(app, "ok", *a)), (lambda *a: _sig(app, "fail", *a))
+    ok, fail = (lambda *a: sig(app, "ok", *a)), (lambda *a: sig(app, "fail", *a))
     children = [
         chain(ok(1), ok(), ok()),  # 0: 1 -> 10 -> 100 -> 1000
         chain(ok(1), fail(), ok()),  # 1: the middle task fails; the last never runs
         chain(ok(2), fail()),  # 2: the last task fails
-        ok(3).set(link=_sig(app, "note", label="link")),  # 3: its callback runs with its value, uncounted
-        fail(4).set(link_error=_sig(app, "note", label="errback")),  # 4: its errback runs with its task id
+        ok(3).set(link=sig(app, "note", label="link")),  # 3: its callback runs with its value, uncounted
+        fail(4).set(link_error=sig(app, "note", label="errback")),  # 4: its errback runs with its task id
         ok(5).set(countdown=2),  # 5: runs once due
         ok(6).set(countdown=9),  # 6: due after child_timeout would have passed since the batch's creation
         chain(ok(7), ok()).set(countdown=1),  # 7: the chain's options go to its first task
     ]
     started = time.time()
     handle = fan_in_group(
-        children, then=_sig(app, "record_run", "children", with_values=True), app=app, child_timeout=6
+        children, then=sig(app, "record_run", "children", with_values=True), app=app, child_timeout=6
     ).apply_async()
     status = handle.wait_batch(timeout=60)
     assert status.successor_state == "succeeded", status
@@ -123,18 +107,18 @@ def test_link_countdown_and_chain_children_are_counted_once_with_the_right_outco
     assert failures[2]["exc_message"] == "child 20 failed on purpose"
     assert failures[4]["exc_message"] == "child 4 failed on purpose"
     assert values == [1000, 30, 50, 60, 700]  # children 0, 3, 5, 6, 7: the chains' last tasks' values
-    rows = _children(broker_env, handle.batch_id)
+    rows = child_rows(broker_env, handle.batch_id, "idx", "state", "exc_type", "exc_message", "late_reports")
     assert [r["late_reports"] for r in rows] == [0] * 8, rows  # each reported once: earlier tasks report nothing
     assert time.time() - started >= 9  # child 6 ran when due, and was not counted lost before
-    notes = wait_for(lambda: len(_notes(broker_env)) >= 2 and _notes(broker_env), 20, message="both callbacks")
-    labels = dict(notes)
+    noted = wait_for(lambda: len(notes(broker_env)) >= 2 and notes(broker_env), 20, message="both callbacks")
+    labels = dict(noted)
     assert labels["link"] == 30
     with psycopg.connect(broker_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
         failed_id = conn.execute(
             "SELECT task_id FROM fanin_children WHERE batch_id = %s AND idx = 4", (uuid.UUID(handle.batch_id),)
         ).fetchone()
     assert failed_id is not None and labels["errback"] == failed_id[0]  # the errback got the failed child's id
-    assert len(notes) == 2
+    assert len(noted) == 2
 
 
 def test_a_child_expired_before_any_worker_took_it_is_counted_revoked(
@@ -146,11 +130,11 @@ def test_a_child_expired_before_any_worker_took_it_is_counted_revoked(
     processes.relay({**broker_env, "FANIN_TEST_EXPIRES_GRACE": "1", "FANIN_TEST_REPORT_TIMEOUT": "1"})
     handle = fan_in_group(
         [
-            _sig(app, "ok", 1).set(expires=1),
-            _sig(app, "ok", 2),
-            chain(_sig(app, "ok", 3), _sig(app, "ok")).set(expires=1),
+            sig(app, "ok", 1).set(expires=1),
+            sig(app, "ok", 2),
+            chain(sig(app, "ok", 3), sig(app, "ok")).set(expires=1),
         ],
-        then=_sig(app, "record_run", "expired"),
+        then=sig(app, "record_run", "expired"),
         app=app,
         child_timeout=None,
     ).apply_async()
@@ -158,7 +142,7 @@ def test_a_child_expired_before_any_worker_took_it_is_counted_revoked(
     processes.worker(broker_env)  # only now: the expiring messages were never taken by a worker in time
     status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded", status
-    rows = _children(broker_env, handle.batch_id)
+    rows = child_rows(broker_env, handle.batch_id, "idx", "state", "exc_type", "exc_message", "late_reports")
     assert [r["state"] for r in rows] == ["revoked", "succeeded", "revoked"], rows
     assert rows[0]["exc_message"] == rows[2]["exc_message"] == "expired"
     assert len(successor_runs(handle.batch_id)) == 1
@@ -168,13 +152,13 @@ def test_a_chain_child_holding_a_group_is_refused_before_anything_is_written(app
     from celery import group
 
     bad = [
-        chain(_sig(app, "ok", 1), group(_sig(app, "ok"), _sig(app, "ok"))),
+        chain(sig(app, "ok", 1), group(sig(app, "ok"), sig(app, "ok"))),
         chain(),
     ]
     for child in bad:
         with pytest.raises(InvalidFanIn, match="chain"):
-            fan_in_group([_sig(app, "ok", 0), child], then=_sig(app, "record_run", "x"), app=app).apply_async()
+            fan_in_group([sig(app, "ok", 0), child], then=sig(app, "record_run", "x"), app=app).apply_async()
     with pytest.raises(InvalidFanIn, match="expires"):
-        fan_in_group([_sig(app, "ok", 0).set(expires="soon")], then=_sig(app, "record_run", "x"), app=app).apply_async()
+        fan_in_group([sig(app, "ok", 0).set(expires="soon")], then=sig(app, "record_run", "x"), app=app).apply_async()
     with psycopg.connect(app.conf.fanin_database_url, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM fanin_batches").fetchone() == (0,)

@@ -18,6 +18,7 @@ from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e.brokers import BROKERS, broker_env
 from tests.session_roles import SessionRole, session_role
+from tests.sql import child_states
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e]
@@ -42,14 +43,6 @@ def _worker_as(role: SessionRole, processes: Any, e2e_env: dict[str, str]) -> An
     return worker
 
 
-def _states(role: SessionRole, batch_id: str) -> dict[str, int]:
-    with role.admin() as conn:
-        rows = conn.execute(
-            "SELECT state, count(*) FROM fanin_children WHERE batch_id = %s GROUP BY state", (batch_id,)
-        ).fetchall()
-    return {state: n for state, n in rows}
-
-
 def _met(worker: Any, error: str, times: int) -> bool:
     """The worker's reports met `error` `times` times, or one was dropped as permanent (what this test catches)."""
     log = worker.output()
@@ -60,7 +53,7 @@ def _done(role: SessionRole, handle: Any, runs: Runs, worker: Any, error: str) -
     """The batch finished with its one child succeeded, its successor ran once, and the report met `error` and
     was retried, never given up."""
     wait_for(
-        lambda: _states(role, handle.batch_id) == {"succeeded": 1},
+        lambda: child_states(role.database_url, handle.batch_id) == {"succeeded": 1},
         30,
         message="the child's report to count (a report dropped as permanent leaves it 'started')",
     )
@@ -89,7 +82,9 @@ def test_a_report_that_times_out_on_a_held_row_lock_counts_once_the_lock_is_gone
     worker = _worker_as(role, processes, e2e_env)
     processes.relay()
     handle = fan_in_group([tasks.sleepy.s(1)], then=tasks.record_run.s("lock")).apply_async()
-    wait_for(lambda: _states(role, handle.batch_id) == {"started": 1}, 30, message="the child started")
+    wait_for(
+        lambda: child_states(role.database_url, handle.batch_id) == {"started": 1}, 30, message="the child started"
+    )
     # Another session holds the child's row while the child ends: its report waits for the lock past the role's
     # timeout, and the server cancels it (55P03 for lock_timeout, 57014 for statement_timeout).
     holder = psycopg.connect(role.database_url)
@@ -97,7 +92,8 @@ def test_a_report_that_times_out_on_a_held_row_lock_counts_once_the_lock_is_gone
         holder.execute("SELECT 1 FROM fanin_children WHERE batch_id = %s FOR UPDATE", (handle.batch_id,))
         wait_for(lambda: error in worker.output(), 30, message=f"the report to meet {error}")
         wait_for(lambda: _met(worker, error, 2), 10, message="a second attempt to meet it too (or a report dropped)")
-        assert _states(role, handle.batch_id) == {"started": 1}  # not counted while the row is held...
+        # not counted while the row is held...
+        assert child_states(role.database_url, handle.batch_id) == {"started": 1}
     finally:
         holder.rollback()
         holder.close()
@@ -114,13 +110,15 @@ def test_a_report_that_meets_a_read_only_session_reconnects_and_counts_once_writ
     worker = _worker_as(role, processes, e2e_env)
     processes.relay()
     handle = fan_in_group([tasks.sleepy.s(3)], then=tasks.record_run.s("read-only")).apply_async()
-    wait_for(lambda: _states(role, handle.batch_id) == {"started": 1}, 30, message="the child started")
+    wait_for(
+        lambda: child_states(role.database_url, handle.batch_id) == {"started": 1}, 30, message="the child started"
+    )
     role.set("default_transaction_read_only", "on")
     try:
         assert role.terminate_sessions() >= 1  # the worker's sessions, read-write, end with the old primary
         wait_for(lambda: "ReadOnlySqlTransaction" in worker.output(), 30, message="the report to meet 25006")
         wait_for(lambda: _met(worker, "ReadOnlySqlTransaction", 2), 10, message="a second 25006 (or a report dropped)")
-        assert _states(role, handle.batch_id) == {"started": 1}
+        assert child_states(role.database_url, handle.batch_id) == {"started": 1}
     finally:
         role.set("default_transaction_read_only", None)
     _done(role, handle, successor_runs, worker, "ReadOnlySqlTransaction")

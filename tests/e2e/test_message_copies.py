@@ -23,23 +23,17 @@ from celery_fanin.protocol import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADE
 from tests import app as tasks
 from tests.e2e.brokers import broker_env  # noqa: F401 - the fixture, on Redis: RabbitMQ drops an expired copy unseen
 from tests.sql import attempts, rows
+from tests.sql import successor as successor_row
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
+# A successor's row as these tests read it.
+COPIES = ("state", "runs", "duplicates", "task_id", "step", "carrier")
+
 
 def _open(producer: Any, key: str) -> None:
     rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{key}:open")
-
-
-def _successor(producer: Any, batch_id: str) -> Any:
-    [row] = rows(
-        producer,
-        "SELECT s.state, s.runs, s.duplicates, s.task_id, s.step, s.carrier FROM fanin_successors s "
-        "WHERE s.batch_id = :b",
-        b=batch_id,
-    )
-    return row
 
 
 def test_a_successor_replaced_by_a_slow_chain_runs_once_past_the_stall_timeout(
@@ -72,15 +66,19 @@ def test_a_copy_of_a_replaced_successors_message_is_refused(producer: Any, proce
     canvas = chain(tasks.gated_step.s(key), tasks.record_run.s("carried"))
     handle = fan_in_group([tasks.ok.s(1)], then=canvas).apply_async()
     wait_for(lambda: attempts(producer, key) == 1, 60, message="the replacement's first task to start")
-    row = _successor(producer, handle.batch_id)
-    assert (row.state, row.carrier is not None) == ("replaced", True)
+    row = successor_row(producer, handle.batch_id, *COPIES)
+    assert (row["state"], row["carrier"] is not None) == ("replaced", True)
     # The relay's copy: its outbox row made unsent and due (the relay is woken by its scan).
     rows(
         producer,
         "UPDATE fanin_outbox SET sent_at = NULL, available_at = now() WHERE batch_id = :b",
         b=handle.batch_id,
     )
-    wait_for(lambda: _successor(producer, handle.batch_id).duplicates == 1, 30, message="the copy to be refused")
+    wait_for(
+        lambda: successor_row(producer, handle.batch_id, *COPIES)["duplicates"] == 1,
+        30,
+        message="the copy to be refused",
+    )
     _open(producer, key)
     status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
@@ -112,22 +110,23 @@ def test_a_lost_replacement_ends_its_successor_after_the_replaced_timeout(
         60,
         message="the bound to end the successor",
     )
-    row = rows(
-        producer,
-        "SELECT exc_type, exc_message, runs, duplicates FROM fanin_successors WHERE batch_id = :b",
-        b=handle.batch_id,
-    )[0]
-    assert row.exc_type == "ReplacementLost" and "fanin_replaced_timeout" in row.exc_message
-    assert (row.runs, row.duplicates) == (1, 0)
+    row = successor_row(producer, handle.batch_id, "exc_type", "exc_message", "runs", "duplicates")
+    assert row is not None and row["exc_type"] == "ReplacementLost"
+    assert "fanin_replaced_timeout" in row["exc_message"]
+    assert (row["runs"], row["duplicates"]) == (1, 0)
     status = handle.wait_batch(timeout=10)
     assert status.successor_state == "failed"
     # The lost replacement turns up: its first task runs, its carrier is refused, its body never runs.
     _open(producer, key)
     processes.worker(extra=["-Q", elsewhere])
     wait_for(lambda: attempts(producer, key) == 1, 60, message="the late replacement's first task")
-    wait_for(lambda: _successor(producer, handle.batch_id).duplicates == 1, 60, message="the late carrier refused")
+    wait_for(
+        lambda: successor_row(producer, handle.batch_id, *COPIES)["duplicates"] == 1,
+        60,
+        message="the late carrier refused",
+    )
     assert successor_runs(handle.batch_id) == [], "a carrier after the bound ran"
-    assert _successor(producer, handle.batch_id).state == "failed"
+    assert successor_row(producer, handle.batch_id, *COPIES)["state"] == "failed"
 
 
 def _expired_copy(producer: Any, name: str, task_id: str, headers: dict[str, Any], args: list[Any]) -> None:
@@ -150,16 +149,20 @@ def test_an_expired_copy_does_not_end_a_running_successor(producer: Any, process
     key = f"succ-{producer.conf.task_default_queue}"
     handle = fan_in_group([tasks.ok.s(1)], then=tasks.gated_successor.s("live", key)).apply_async()
     wait_for(lambda: attempts(producer, key) == 1, 60, message="the successor to start")
-    row = _successor(producer, handle.batch_id)
+    row = successor_row(producer, handle.batch_id, *COPIES)
     _expired_copy(
         producer,
         tasks.gated_successor.name,
-        row.task_id,
-        {HEADER_SUCCESSOR: handle.batch_id, HEADER_STEP: row.step},
+        row["task_id"],
+        {HEADER_SUCCESSOR: handle.batch_id, HEADER_STEP: row["step"]},
         [{}, "copy", key],
     )
-    wait_for(lambda: _successor(producer, handle.batch_id).duplicates == 1, 30, message="the copy to be counted")
-    assert _successor(producer, handle.batch_id).state == "running"
+    wait_for(
+        lambda: successor_row(producer, handle.batch_id, *COPIES)["duplicates"] == 1,
+        30,
+        message="the copy to be counted",
+    )
+    assert successor_row(producer, handle.batch_id, *COPIES)["state"] == "running"
     _open(producer, key)
     status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)

@@ -18,6 +18,7 @@ from sqlalchemy import text
 from celery_fanin import FanIn, fan_in_group
 from tests import app as tasks
 from tests.faults import TcpProxy, proxy_for
+from tests.sql import child_states
 from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e]
@@ -36,14 +37,6 @@ def _through(proxy: TcpProxy, e2e_env: dict[str, str]) -> dict[str, str]:
     its runs goes straight to the database: it is the test's witness, not the system under test)."""
     url = e2e_env["FANIN_DATABASE_URL"]
     return {"FANIN_DATABASE_URL": proxy.url(url), "FANIN_TEST_RUNS_URL": url}
-
-
-def _children(app: Any, batch_id: str) -> dict[str, int]:
-    with FanIn.of(app).engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT state, count(*) AS n FROM fanin_children WHERE batch_id = :b GROUP BY state"), {"b": batch_id}
-        )
-        return {r.state: r.n for r in rows}
 
 
 def _hold_cut(proxy: TcpProxy, seconds: float, procs: list[CeleryProcess]) -> None:
@@ -70,16 +63,16 @@ def test_a_database_outage_loses_no_report_and_runs_no_successor_twice(
     relay = processes.relay(extra_env=env)
     children = [tasks.fail.s(0)] + [tasks.sleepy.s(3) for _ in range(4)]
     handle = fan_in_group(children, then=tasks.record_run.s("outage")).apply_async()
-    wait_for(lambda: _children(producer, handle.batch_id).get("started") == 4, 30, message="4 children started")
-    assert _children(producer, handle.batch_id) == {"failed": 1, "started": 4}
+    wait_for(lambda: child_states(producer, handle.batch_id).get("started") == 4, 30, message="4 children started")
+    assert child_states(producer, handle.batch_id) == {"failed": 1, "started": 4}
     pg_proxy.cut()  # every child ends about 3 s from now, inside the outage
     _hold_cut(pg_proxy, seconds, [worker, relay])
-    assert _children(producer, handle.batch_id) == {"failed": 1, "started": 4}  # nothing got through meanwhile
+    assert child_states(producer, handle.batch_id) == {"failed": 1, "started": 4}  # nothing got through meanwhile
     assert pg_proxy.refused > 0  # the worker and relay kept trying
     pg_proxy.restore()
     status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.remaining, status.planned) == (4, 1, 0, 5)
-    assert _children(producer, handle.batch_id) == {"failed": 1, "succeeded": 4}  # nothing counted lost
+    assert child_states(producer, handle.batch_id) == {"failed": 1, "succeeded": 4}  # nothing counted lost
     assert status.successor_state == "succeeded" and status.successor_runs == 1
     runs = successor_runs(handle.batch_id)
     assert len(runs) == 1 and (runs[0]["outcome"]["succeeded"], runs[0]["outcome"]["failed"]) == (4, 1)
@@ -209,13 +202,13 @@ def test_a_start_held_up_by_a_short_cut_keeps_the_expiry_sweep_off_a_running_chi
     handle = fan_in_group([tasks.sleepy.s(24).set(expires=4)], then=tasks.record_run.s("expiring")).apply_async()
     wait_for(lambda: "writing start records failed" in worker.output(), 20, message="the start meeting the cut")
     _hold_cut(pg_proxy, 3, [worker, relay])
-    assert _children(producer, handle.batch_id) == {"pending": 1}  # nothing got through meanwhile
+    assert child_states(producer, handle.batch_id) == {"pending": 1}  # nothing got through meanwhile
     pg_proxy.restore()
-    wait_for(lambda: _children(producer, handle.batch_id) != {"pending": 1}, 15, message="the start written")
-    assert _children(producer, handle.batch_id) == {"started": 1}
+    wait_for(lambda: child_states(producer, handle.batch_id) != {"pending": 1}, 15, message="the start written")
+    assert child_states(producer, handle.batch_id) == {"started": 1}
     # The sweep may count it from 1 + 8 s past `expires`; two of its rounds later, the child still runs (24 s).
     wait_for(lambda: _past_expiry_by(producer, handle.batch_id, 11), 20, message="the sweep's grace to pass")
-    assert _children(producer, handle.batch_id) == {"started": 1}, "the sweep counted a running child"
+    assert child_states(producer, handle.batch_id) == {"started": 1}, "the sweep counted a running child"
     status = handle.wait_batch(timeout=30)
     assert (status.succeeded, status.failed, status.remaining) == (1, 0, 0), status
     assert status.successor_state == "succeeded" and status.successor_runs == 1

@@ -20,6 +20,7 @@ from celery_fanin import fan_in_group
 from celery_fanin.protocol import HEADER_INDEX
 from tests import app as tasks
 from tests.e2e.brokers import BROKERS, broker_env, worker_on
+from tests.e2e.helpers import finished
 from tests.sql import env_rows
 from tests.workers import wait_for
 
@@ -53,21 +54,6 @@ def _child(env: dict[str, str], batch_id: str, index: int) -> dict[str, Any]:
         "exc_type": exc_type,
         "exc_message": exc_message,
     }
-
-
-def _finish(handle: Any, successor_runs: Runs, timeout: float = 60) -> dict[str, Any]:
-    status = handle.wait_batch(timeout=timeout)
-    assert status.successor_state == "succeeded", status
-    runs = successor_runs(handle.batch_id)
-    assert len(runs) == 1, f"successor body ran {len(runs)} times"
-    outcome: dict[str, Any] = runs[0]["outcome"]
-    assert (status.planned, status.succeeded, status.failed, status.remaining) == (
-        outcome["planned"],
-        outcome["succeeded"],
-        outcome["failed"],
-        0,
-    )
-    return outcome
 
 
 # --- a message the worker cannot decode ----------------------------------------------------------------------------
@@ -121,7 +107,7 @@ def test_undecodable_children_are_counted_rejected(
     _republish(e2e_env, disallowed, pickle.dumps(((0,), {}, {})), "application/x-python-serialize", "binary")
     _republish(e2e_env, corrupt, b'{"not": json', "application/json", "utf-8")
 
-    outcome = _finish(handle, successor_runs)
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (3, 1, 2)
     failures = {f["index"]: (f["state"], f["exc_type"]) for f in outcome["failures"]}
     assert failures == {0: ("rejected", "ContentDisallowed"), 1: ("rejected", "DecodeError")}
@@ -147,7 +133,7 @@ def test_ignore_and_reject_requeue_without_acks_late_are_not_counted(
     )
     # One pool process: a batch sent now runs after both, so their task_postrun hooks have run when it is done.
     after = fan_in_group([tasks.ok.s(3)], then=tasks.record_run.s("after")).apply_async()
-    _finish(after, successor_runs)
+    finished(after, successor_runs)
 
     status = handle.batch_status()
     assert (status.planned, status.succeeded, status.failed, status.remaining) == (3, 1, 0, 2)
@@ -169,7 +155,7 @@ def test_reject_requeue_with_acks_late_counts_the_redelivered_success_once(
     key = f"requeue-once-{uuid.uuid4().hex[:8]}"
     children = [tasks.reject_requeue_once.s(key), tasks.ok.s(1)]
     handle = fan_in_group(children, then=tasks.record_run.s("requeued-once")).apply_async()
-    outcome = _finish(handle, successor_runs)
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (2, 2, 0)
     assert _attempts(e2e_env, key) == 2  # the rejected run and the redelivered one
     child = _child(e2e_env, handle.batch_id, 0)
@@ -187,7 +173,7 @@ def test_hard_time_limit_double_report_is_counted_once_and_the_second_recorded_l
     processes.relay()
     children = [tasks.sleepy.s(30).set(time_limit=1), tasks.ok.s(1)]
     handle = fan_in_group(children, then=tasks.record_run.s("hard-limit")).apply_async()
-    outcome = _finish(handle, successor_runs)
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (2, 1, 1)
     child = wait_for(
         lambda: (c := _child(e2e_env, handle.batch_id, 0))["late_reports"] >= 1 and c,
@@ -218,7 +204,7 @@ def test_revoke_terminate_of_a_started_child_counts_it_revoked_terminated(
         0
     ][0]
     producer.control.revoke(task_id, terminate=True)  # SIGTERM to the pool process running it
-    outcome = _finish(handle, successor_runs)
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (2, 1, 1)
     assert [(f["index"], f["state"], f["exc_message"]) for f in outcome["failures"]] == [(0, "revoked", "terminated")]
     assert _attempts(e2e_env, key) == 1

@@ -13,28 +13,12 @@ import pytest
 
 from celery_fanin import fan_in_group
 from tests import app as tasks
+from tests.e2e.helpers import finished
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 Runs = Callable[[str], list[dict[str, Any]]]
-
-
-def _finish(handle: Any, successor_runs: Runs, timeout: float = 60) -> dict[str, Any]:
-    status = handle.wait_batch(timeout=timeout)
-    assert status.successor_state == "succeeded", status
-    runs = successor_runs(handle.batch_id)
-    assert len(runs) == 1, f"successor body ran {len(runs)} times"
-    outcome: dict[str, Any] = runs[0]["outcome"]
-    assert outcome["batch_id"] == handle.batch_id
-    assert outcome["succeeded"] + outcome["failed"] == outcome["planned"]
-    assert (status.planned, status.succeeded, status.failed, status.remaining) == (
-        outcome["planned"],
-        outcome["succeeded"],
-        outcome["failed"],
-        0,
-    )
-    return runs[0]
 
 
 def test_all_succeed_with_results_in_child_order(producer: Any, processes: Any, successor_runs: Runs) -> None:
@@ -43,7 +27,7 @@ def test_all_succeed_with_results_in_child_order(producer: Any, processes: Any, 
     handle = fan_in_group(
         [tasks.ok.s(i) for i in range(50)], then=tasks.record_run.s("all", with_values=True), step="assemble"
     ).apply_async()
-    run = _finish(handle, successor_runs)
+    run = finished(handle, successor_runs)
     assert run["outcome"]["step"] == "assemble"
     assert (run["outcome"]["planned"], run["outcome"]["succeeded"], run["outcome"]["failed"]) == (50, 50, 0)
     assert run["outcome"]["failures"] == []
@@ -55,7 +39,7 @@ def test_mix_of_failures_lists_each_failed_child(producer: Any, processes: Any, 
     processes.relay()
     children = [tasks.fail.s(i) if i % 4 == 0 else tasks.ok.s(i) for i in range(20)]
     handle = fan_in_group(children, then=tasks.record_run.s("mix")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (15, 5)
     assert [f["index"] for f in outcome["failures"]] == [0, 4, 8, 12, 16]
     first = outcome["failures"][0]
@@ -70,7 +54,7 @@ def test_retries_then_success_count_once(producer: Any, processes: Any, successo
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.flaky.s(i, 2) for i in range(6)], then=tasks.record_run.s("flaky")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (6, 0)
 
 
@@ -79,7 +63,7 @@ def test_retries_exhausted_count_as_failure(producer: Any, processes: Any, succe
     processes.relay()
     children = [tasks.flaky.s(0, 10), tasks.always_retry.s(1), tasks.ok.s(2)]
     handle = fan_in_group(children, then=tasks.record_run.s("exhausted")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 2)
     by_index = {f["index"]: f for f in outcome["failures"]}
     assert by_index[0]["exc_type"] == "ConnectionError"  # autoretry re-raises the original error at the end
@@ -95,7 +79,7 @@ def test_hard_time_limit_and_soft_time_limit(producer: Any, processes: Any, succ
         tasks.ok.s(2),
     ]
     handle = fan_in_group(children, then=tasks.record_run.s("timelimit")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 2)
     by_index = {f["index"]: f for f in outcome["failures"]}
     assert by_index[0]["state"] == "time_limit" and by_index[0]["exc_type"] == "TimeLimitExceeded"
@@ -106,7 +90,7 @@ def test_pool_process_killed_counts_as_worker_lost(producer: Any, processes: Any
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.die.s(0), tasks.ok.s(1)], then=tasks.record_run.s("killed")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 1)
     assert outcome["failures"][0]["state"] == "worker_lost"
     assert outcome["failures"][0]["exc_type"] == "WorkerLostError"
@@ -119,7 +103,7 @@ def test_main_process_forgets_each_child_once_celery_lets_its_request_go(
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.ok.s(i) for i in range(200)], then=tasks.record_run.s("forget")).apply_async()
-    _finish(handle, successor_runs)
+    finished(handle, successor_runs)
 
     def markers() -> int:
         replies = producer.control.broadcast("fanin_received_markers", reply=True, timeout=5)
@@ -136,7 +120,7 @@ def test_pool_process_killed_with_acks_late_is_requeued_not_counted(
     processes.worker(extra_env={"FANIN_TEST_ACKS_LATE": "1"})
     processes.relay()
     handle = fan_in_group([tasks.die_once.s(7), tasks.ok.s(1)], then=tasks.record_run.s("requeued")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (2, 0)
 
 
@@ -165,7 +149,7 @@ def test_revoked_expired_and_terminated(producer: Any, processes: Any, successor
     # give the worker the time to start it; terminate works on a running task and revoke on a queued one alike
     wait_for(lambda: handle.batch_status().remaining <= 2, 20, message="the quick child to finish")
     producer.control.revoke(task_id, terminate=True, signal="SIGKILL")
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 2)
     states = {f["index"]: f["state"] for f in outcome["failures"]}
     assert states == {0: "revoked", 1: "revoked"}
@@ -175,7 +159,7 @@ def test_rejected_without_requeue(producer: Any, processes: Any, successor_runs:
     processes.worker()
     processes.relay()
     handle = fan_in_group([tasks.reject.s(0), tasks.ok.s(1)], then=tasks.record_run.s("reject")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 1)
     assert outcome["failures"][0]["state"] == "rejected"
 
@@ -185,7 +169,7 @@ def test_unregistered_task_name(producer: Any, processes: Any, successor_runs: R
     processes.relay()
     children = [producer.signature("tests.app.no_such_task", args=(1,)), tasks.ok.s(1)]
     handle = fan_in_group(children, then=tasks.record_run.s("unknown")).apply_async()
-    outcome = _finish(handle, successor_runs)["outcome"]
+    outcome = finished(handle, successor_runs)["outcome"]
     assert (outcome["succeeded"], outcome["failed"]) == (1, 1)
     assert outcome["failures"][0]["state"] == "unknown"
     assert outcome["failures"][0]["task_name"] == "tests.app.no_such_task"
@@ -194,7 +178,7 @@ def test_unregistered_task_name(producer: Any, processes: Any, successor_runs: R
 def test_empty_group_dispatches_successor_at_once(producer: Any, processes: Any, successor_runs: Runs) -> None:
     processes.worker()
     handle = fan_in_group([], then=tasks.record_run.s("empty")).apply_async()  # no relay: the producer sends it
-    outcome = _finish(handle, successor_runs, timeout=30)["outcome"]
+    outcome = finished(handle, successor_runs, timeout=30)["outcome"]
     assert (outcome["planned"], outcome["succeeded"], outcome["failed"]) == (0, 0, 0)
 
 

@@ -5,8 +5,6 @@ process publishing a real worker's batch's successor."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ import pytest
 from celery_fanin import fan_in_group
 from celery_fanin.producer import encoder
 from tests import app as tasks
+from tests import http_get
 from tests.cluster import free_port
 from tests.sql import rows
 from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
@@ -22,14 +21,9 @@ from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""  # not listening yet
+def _probe(port: int, path: str) -> tuple[int, str]:
+    """The relay's HTTP endpoint `path`: (0, "") while it is not listening yet."""
+    return http_get.get(f"http://127.0.0.1:{port}{path}", timeout=10, unanswered=(0, "")) or (0, "")
 
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:
@@ -60,18 +54,18 @@ def test_relay_with_a_json_logfile_metrics_and_probes(
         ready_marker=None,
     )
     try:
-        wait_for(lambda: _get(port, "/readyz")[0] == 200, 30, 0.1, "the relay's /readyz")
-        status, body = _get(port, "/healthz")
+        wait_for(lambda: _probe(port, "/readyz")[0] == 200, 30, 0.1, "the relay's /readyz")
+        status, body = _probe(port, "/healthz")
         assert status == 200 and json.loads(body) == {"status": "ok", "checks": {"relay_loop": "ok"}}
-        ready = json.loads(_get(port, "/readyz")[1])
+        ready = json.loads(_probe(port, "/readyz")[1])
         assert ready == {"status": "ok", "checks": {"relay_loop": "ok", "database": "ok"}}
-        assert "fanin_up 1.0" in _get(port, "/metrics")[1]
+        assert "fanin_up 1.0" in _probe(port, "/metrics")[1]
 
         processes.worker(RELAY_PUBLISHES)  # the relay's counter of successors it published
         handle = fan_in_group([tasks.ok.s(i) for i in range(3)], then=tasks.record_run.s("ops")).apply_async()
         assert handle.wait_batch(timeout=60).successor_state == "succeeded"
         wait_for(
-            lambda: "fanin_relay_successors_published_total 1.0" in _get(port, "/metrics")[1],
+            lambda: "fanin_relay_successors_published_total 1.0" in _probe(port, "/metrics")[1],
             30,
             0.1,
             "the relay's counter of published successors",

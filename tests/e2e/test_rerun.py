@@ -12,13 +12,14 @@ import pytest
 import redis
 from starlette.testclient import TestClient
 
-from celery_fanin import BatchNotFound, FanIn, FanInResult, fan_in_group
+from celery_fanin import BatchNotFound, FanInResult, fan_in_group
 from celery_fanin.exceptions import SuccessorNotRerunnable
 from celery_fanin.protocol import HEADER_STEP, HEADER_SUCCESSOR
 from celery_fanin.web import create_app
 from tests import app as tasks
 from tests.e2e.test_cli import celery, fanin
 from tests.sql import attempts, rows
+from tests.sql import successor as successor_row
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -26,12 +27,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 TIMEOUT = 60
 
 
-def _successor(app: Any, batch_id: str) -> tuple[Any, ...]:
-    with FanIn.of(app).engine.connect() as conn:
-        found = conn.exec_driver_sql(
-            "SELECT task_id, state, runs, duplicates FROM fanin_successors WHERE batch_id = %(b)s", {"b": batch_id}
-        ).one_or_none()
-    return tuple(found) if found is not None else (None, None, None, None)  # not created yet
+def _task_state_runs_duplicates(app: Any, batch_id: str) -> tuple[Any, ...]:
+    found = successor_row(app, batch_id, "task_id", "state", "runs", "duplicates")
+    return tuple(found.values()) if found is not None else (None, None, None, None)  # not created yet
 
 
 def test_a_failed_successor_runs_again_once_fixed_and_only_once(
@@ -43,7 +41,7 @@ def test_a_failed_successor_runs_again_once_fixed_and_only_once(
     handle = fan_in_group([tasks.ok.s(1), tasks.fail.s(2)], then=tasks.buggy_successor.s(key)).apply_async()
     with pytest.raises(RuntimeError, match="not fixed yet"):
         handle.get(timeout=TIMEOUT)
-    first_task, state, runs, _ = _successor(producer, handle.batch_id)
+    first_task, state, runs, _ = _task_state_runs_duplicates(producer, handle.batch_id)
     assert (first_task, state, runs) == (handle.id, "failed", 1)
 
     redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"]).set(f"e2e:fixed:{key}", 1)  # the bug is fixed
@@ -53,7 +51,7 @@ def test_a_failed_successor_runs_again_once_fixed_and_only_once(
     # The first handle answers with the rerun, read from PostgreSQL, as it would for a first run.
     assert handle.get(timeout=TIMEOUT) == {"succeeded": 1, "failed": 1}
     assert [r["label"] for r in successor_runs(handle.batch_id)] == [f"fixed:{key}"]
-    task_id, state, runs, duplicates = _successor(producer, handle.batch_id)
+    task_id, state, runs, duplicates = _task_state_runs_duplicates(producer, handle.batch_id)
     assert (task_id, state, runs) == (done["task_id"], "succeeded", 2), "the next run number, under the new task id"
 
     # A copy of the first delivery (its old task id) comes late: the run guard refuses it, the body does not run.
@@ -63,8 +61,15 @@ def test_a_failed_successor_runs_again_once_fixed_and_only_once(
         task_id=handle.id,
         headers={HEADER_SUCCESSOR: handle.batch_id, HEADER_STEP: "tests.app.buggy_successor"},
     )
-    wait_for(lambda: _successor(producer, handle.batch_id)[3] == duplicates + 1, TIMEOUT, message="the copy refused")
-    assert len(successor_runs(handle.batch_id)) == 1 and _successor(producer, handle.batch_id)[1] == "succeeded"
+    wait_for(
+        lambda: _task_state_runs_duplicates(producer, handle.batch_id)[3] == duplicates + 1,
+        TIMEOUT,
+        message="the copy refused",
+    )
+    assert (
+        len(successor_runs(handle.batch_id)) == 1
+        and _task_state_runs_duplicates(producer, handle.batch_id)[1] == "succeeded"
+    )
 
     # status shows it; a succeeded successor is not run again.
     data = json.loads(fanin(producer, "status", handle.batch_id, "--json").stdout)
@@ -105,10 +110,14 @@ def test_a_revoked_successor_runs_again_under_its_new_task_id(
     wait_for(lambda: attempts(producer, key) == 1, TIMEOUT, message="the gated child to start")
     handle.revoke()  # the successor's task id: a worker discards its message when it comes
     rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{key}:open")
-    wait_for(lambda: _successor(producer, handle.batch_id)[1] == "revoked", TIMEOUT, message="the successor revoked")
+    wait_for(
+        lambda: _task_state_runs_duplicates(producer, handle.batch_id)[1] == "revoked",
+        TIMEOUT,
+        message="the successor revoked",
+    )
     assert successor_runs(handle.batch_id) == []
     done = handle.rerun(requested_by="test")
     assert (done.previous_state, done.rerun, done.requested_by) == ("revoked", 1, "test")
     assert handle.get(timeout=TIMEOUT) == {"label": "after-revoke", "succeeded": 1, "failed": 0}
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["after-revoke"]
-    assert _successor(producer, handle.batch_id)[:3] == (done.task_id, "succeeded", 1)
+    assert _task_state_runs_duplicates(producer, handle.batch_id)[:3] == (done.task_id, "succeeded", 1)

@@ -26,7 +26,9 @@ from kombu.serialization import registry
 from celery_fanin import FanIn, fan_in_group, protocol
 from celery_fanin.cli import fanin as fanin_cli
 from tests.e2e.brokers import on_broker
+from tests.e2e.helpers import sig
 from tests.signing import configure_signing, make_certificate
+from tests.sql import children as child_rows
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,17 +56,13 @@ def signed_app(app: Celery, signing_dir: Path, kombu_registry: None) -> Celery:
     return app
 
 
-def _sig(app: Celery, name: str, *args: Any, **kwargs: Any) -> Any:
-    return app.signature(f"tests.app.{name}", args=args, kwargs=kwargs)
-
-
 def test_signed_children_successor_and_relay(
     signed_app: Celery, signing_dir: Path, e2e_env: dict[str, str], processes: Any, successor_runs: Any
 ) -> None:
     env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
     app = signed_app
-    children = [_sig(app, "ok", 1), chain(_sig(app, "ok", 2), _sig(app, "ok")), _sig(app, "fail", 3)]
-    handle = fan_in_group(children, then=_sig(app, "record_run", "signed", with_values=True), app=app).apply_async()
+    children = [sig(app, "ok", 1), chain(sig(app, "ok", 2), sig(app, "ok")), sig(app, "fail", 3)]
+    handle = fan_in_group(children, then=sig(app, "record_run", "signed", with_values=True), app=app).apply_async()
     # What the producer's fast path put on the broker is signed.
     client = redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"])
     queued = [json.loads(m) for m in client.lrange("celery", 0, -1)]
@@ -97,8 +95,8 @@ def test_signed_replacements_whose_task_before_the_carrier_fails(
     their signed bodies too: a signing worker takes them, and their failure ends the child and the successor."""
     env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
     app = signed_app
-    then = chain(_sig(app, "values"), app.signature("tests.app.fail", args=(7,), immutable=True), _sig(app, "identity"))
-    handle = fan_in_group([_sig(app, "ok", 1), _sig(app, "replacing_child_failing", 2)], then=then, app=app)
+    then = chain(sig(app, "values"), app.signature("tests.app.fail", args=(7,), immutable=True), sig(app, "identity"))
+    handle = fan_in_group([sig(app, "ok", 1), sig(app, "replacing_child_failing", 2)], then=then, app=app)
     handle = handle.apply_async()
     processes.worker(env)
     processes.relay(env)
@@ -133,8 +131,8 @@ def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
         env = {**env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
         try:
             orphan = fan_in_group(
-                [_sig(app, "ok", 4), _sig(app, "ok", 5)],
-                then=_sig(app, "record_run", "orphan", with_values=True),
+                [sig(app, "ok", 4), sig(app, "ok", 5)],
+                then=sig(app, "record_run", "orphan", with_values=True),
                 app=app,
             ).apply_async()
             # Its producer "died" before publishing: its messages taken off the broker, the batch marked unpublished.
@@ -145,9 +143,9 @@ def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
                 assert redis.Redis.from_url(env["FANIN_TEST_BROKER"]).delete(queue) == 1
             with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
                 conn.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (uuid.UUID(orphan.batch_id),))
-            children = [_sig(app, "ok", 1), _sig(app, "always_retry", 2), chain(_sig(app, "ok", 3), _sig(app, "ok"))]
+            children = [sig(app, "ok", 1), sig(app, "always_retry", 2), chain(sig(app, "ok", 3), sig(app, "ok"))]
             handle = fan_in_group(
-                children, then=_sig(app, "record_run", "signed", with_values=True), app=app
+                children, then=sig(app, "record_run", "signed", with_values=True), app=app
             ).apply_async()
             worker = processes.worker(env)
             processes.relay(env)
@@ -185,12 +183,8 @@ def _reheaded(message: dict[str, Any], **headers: Any) -> str:
     return json.dumps(forged)
 
 
-def _children(e2e_env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"]) as conn:
-        return conn.execute(
-            "SELECT idx, state, starts, late_reports FROM fanin_children WHERE batch_id = %s ORDER BY idx",
-            (uuid.UUID(batch_id),),
-        ).fetchall()
+def _rows(env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
+    return [tuple(r.values()) for r in child_rows(env, batch_id, "idx", "state", "starts", "late_reports")]
 
 
 def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
@@ -199,7 +193,7 @@ def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
     app = signed_app
     env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
     handle = fan_in_group(
-        [_sig(app, "ok", i) for i in (1, 2, 3)], then=_sig(app, "record_run", "signed", with_values=True), app=app
+        [sig(app, "ok", i) for i in (1, 2, 3)], then=sig(app, "record_run", "signed", with_values=True), app=app
     ).apply_async()
     app.send_task("tests.app.ok", args=(7,))  # a signed message of no batch
     client = redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"])
@@ -223,7 +217,9 @@ def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
     worker = processes.worker(env)
     wait_for(lambda: handle.batch_status().refused_reports == 4, timeout=60, message="four refused reports")
     # Refused before they ran: no child started or finished, nothing was counted late.
-    assert _children(e2e_env, handle.batch_id) == [(0, "pending", 0, 0), (1, "pending", 0, 0), (2, "pending", 0, 0)]
+    assert [
+        tuple(r.values()) for r in child_rows(e2e_env, handle.batch_id, "idx", "state", "starts", "late_reports")
+    ] == [(0, "pending", 0, 0), (1, "pending", 0, 0), (2, "pending", 0, 0)]
     assert worker.output().count("report refused") == 4, worker.output()
     shown = CliRunner().invoke(fanin_cli, ["status", handle.batch_id], obj=SimpleNamespace(app=app))
     assert shown.exit_code == 0 and "refused reports" in shown.output and " 4" in shown.output, shown.output
@@ -233,7 +229,12 @@ def test_a_signed_body_under_another_childs_headers_is_refused_and_counted(
     status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.refused_reports, status.successor_state) == (3, 0, 4, "succeeded")
     assert [r["values"] for r in successor_runs(handle.batch_id)] == [[10, 20, 30]]
-    assert [row[1] for row in _children(e2e_env, handle.batch_id)] == ["succeeded"] * 3
+    assert [
+        row[1]
+        for row in [
+            tuple(r.values()) for r in child_rows(e2e_env, handle.batch_id, "idx", "state", "starts", "late_reports")
+        ]
+    ] == ["succeeded"] * 3
 
 
 def _successor_state(e2e_env: dict[str, str], batch_id: str) -> tuple[Any, ...] | None:
@@ -251,8 +252,8 @@ def test_a_signed_successor_replayed_or_reheaded_is_refused(
     by the claim; B1's message delivered again after B1's successor ran is refused by the run guard."""
     app = signed_app
     env = {**e2e_env, "FANIN_TEST_SIGNING_DIR": str(signing_dir)}
-    b1 = fan_in_group([], then=_sig(app, "record_run", "b1"), app=app).apply_async()
-    b2 = fan_in_group([], then=_sig(app, "record_run", "b2"), app=app).apply_async()
+    b1 = fan_in_group([], then=sig(app, "record_run", "b1"), app=app).apply_async()
+    b2 = fan_in_group([], then=sig(app, "record_run", "b2"), app=app).apply_async()
     client = redis.Redis.from_url(e2e_env["FANIN_TEST_BROKER"])
     genuine = _take_queue(client)
     by_batch = {json.loads(m)["headers"][protocol.HEADER_SUCCESSOR]: m for m in genuine}

@@ -21,6 +21,7 @@ from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e.brokers import BROKERS, broker_env, worker_on
 from tests.sql import env_rows
+from tests.sql import successor as successor_row
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -34,9 +35,9 @@ def _outbox(env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
     return env_rows(env, "SELECT sent_at IS NOT NULL, attempts FROM fanin_outbox WHERE batch_id = %s", batch_id)
 
 
-def _successor(env: dict[str, str], batch_id: str) -> tuple[Any, ...] | None:
-    rows = env_rows(env, "SELECT state, runs, kind FROM fanin_successors WHERE batch_id = %s", batch_id)
-    return rows[0] if rows else None
+def _state_runs_kind(env: dict[str, str], batch_id: str) -> tuple[Any, ...] | None:
+    found = successor_row(env, batch_id, "state", "runs", "kind")
+    return tuple(found.values()) if found is not None else None
 
 
 def _published_by(worker: Any) -> list[str]:
@@ -78,7 +79,7 @@ def test_without_a_relay_the_worker_publishes_every_kind_of_successor(
     outcome = successor_runs(failures.batch_id)[0]["outcome"]
     assert (outcome["succeeded"], outcome["failed"], [f["index"] for f in outcome["failures"]]) == (1, 1, [1])
     assert threshold.batch_status().state == "failed_threshold"
-    assert _successor(e2e_env, threshold.batch_id) == ("succeeded", 1, "on_failure")
+    assert _state_runs_kind(e2e_env, threshold.batch_id) == ("succeeded", 1, "on_failure")
     # The child still running when the threshold passed was abandoned by the worker's publish, as the relay does.
     assert env_rows(
         e2e_env, "SELECT state FROM fanin_children WHERE batch_id = %s AND idx = 1", threshold.batch_id
@@ -93,11 +94,11 @@ def test_with_the_setting_off_the_successor_waits_for_a_relay(
 ) -> None:
     worker = worker_on(processes, e2e_env, extra_env={"FANIN_TEST_WORKER_PUBLISHES": "0"})
     handle = fan_in_group([tasks.ok.s(i) for i in range(2)], then=tasks.record_run.s("relayed")).apply_async()
-    wait_for(lambda: _successor(e2e_env, handle.batch_id), 30, message="the last report to create the successor")
+    wait_for(lambda: _state_runs_kind(e2e_env, handle.batch_id), 30, message="the last report to create the successor")
     # Nothing publishes it without the relay: the worker that would have (test above) within milliseconds does not.
     _stays(
         lambda: (
-            _successor(e2e_env, handle.batch_id) == ("pending", 0, "then")
+            _state_runs_kind(e2e_env, handle.batch_id) == ("pending", 0, "then")
             and _outbox(e2e_env, handle.batch_id) == [(False, 0)]
         ),
         2.0,
@@ -126,7 +127,7 @@ def test_a_worker_killed_between_commit_and_publish_leaves_the_successor_to_the_
         message="the pool process to be killed",
     )
     assert handle.batch_status().state == "complete", "the report committed before the kill"
-    assert _successor(e2e_env, handle.batch_id) == ("pending", 0, "then")
+    assert _state_runs_kind(e2e_env, handle.batch_id) == ("pending", 0, "then")
     assert _outbox(e2e_env, handle.batch_id) == [(False, 0)], "nothing published it, nothing claims it"
     assert successor_runs(handle.batch_id) == []
 

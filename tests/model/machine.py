@@ -18,7 +18,6 @@ happen in between.
 from __future__ import annotations
 
 import functools
-import json
 import time
 import uuid
 from collections import Counter
@@ -37,6 +36,7 @@ from celery_fanin.store import admin, batches, outbox, recovery, successors
 from celery_fanin.store.reports import record_terminal
 from celery_fanin.store.statements import q
 from tests.sql import Held
+from tests.store.helpers import json_encoded
 
 from .sessions import SETTLE_TIMEOUT, Op, Rollback, Session, Shared, is_transient, settle
 
@@ -86,12 +86,10 @@ def dispose_engine(url: str) -> None:
         engine.dispose()
 
 
-def _encoded(value: Any) -> batches.Encoded:
-    return batches.Encoded("application/json", "utf-8", json.dumps(value).encode())
-
-
 def _signature(name: str) -> batches.Encoded:
-    return _encoded({"task": name, "args": [], "kwargs": {}, "options": {}, "subtask_type": None, "immutable": False})
+    return json_encoded(
+        {"task": name, "args": [], "kwargs": {}, "options": {}, "subtask_type": None, "immutable": False}
+    )
 
 
 class Violation(AssertionError):

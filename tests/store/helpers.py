@@ -184,6 +184,13 @@ def notifications_until_sentinel(listener: psycopg.Connection, notify_url: str, 
     raise AssertionError(f"the sentinel notification did not arrive within {timeout}s (got {payloads!r})")
 
 
+def report(engine: Engine, task_id: str, state: str = "succeeded", **kwargs: Any) -> batches.TerminalRecord:
+    """One child's terminal report in a transaction of its own, through the worker's statement
+    (`store.reports.record_terminal`; `kwargs`: its result, error, claim)."""
+    with engine.begin() as conn:
+        return record_terminal(Held(conn), task_id, state, **kwargs)
+
+
 # --- racing reporters --------------------------------------------------------------------------------------------
 
 Report = tuple[str, str]  # (task_id, terminal state)

@@ -24,6 +24,7 @@ from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.store.statements import q
 from tests.conftest import REDIS_CLAIM_KEY
+from tests.sql import children as child_rows
 
 from .helpers import (
     QUEUE,
@@ -84,15 +85,6 @@ def test_the_publish_lock_of_a_batch_is_found_by_its_id(store_engine: Engine) ->
         holder.commit()
 
 
-def _children(store_engine: Engine, batch_id: str) -> list[dict[str, Any]]:
-    with store_engine.connect() as conn:
-        return fetch_all(
-            conn,
-            "SELECT task_id, idx, task_name, state FROM fanin_children WHERE batch_id = :id ORDER BY idx",
-            id=batch_id,
-        )
-
-
 # --- creation --------------------------------------------------------------------------------------------------
 
 
@@ -119,7 +111,7 @@ def test_apply_async_writes_batch_and_every_child_then_publishes_them(
     )
     assert b["completed_at"] is None
 
-    rows = _children(store_engine, handle.batch_id)
+    rows = child_rows(store_engine, handle.batch_id, "task_id", "idx", "task_name", "state")
     assert [r["idx"] for r in rows] == list(range(planned))
     assert {(r["task_name"], r["state"]) for r in rows} == {("tests.store.add", "pending")}
     assert rows[3]["task_id"] == "my-own-child-id"
@@ -371,7 +363,7 @@ def test_unreachable_broker_after_commit_returns_the_handle_and_the_relay_publis
     status = handle.batch_status()
     assert (status.state, status.planned, status.remaining) == ("running", planned, planned)
     assert status.published < planned
-    assert len(_children(store_engine, handle.batch_id)) == planned
+    assert len(child_rows(store_engine, handle.batch_id, "idx")) == planned
     assert broker.llen(QUEUE) == 0
     assert _publish_locks_held(store_engine) == 0, "the producer gave up, so it must have let go of its lock"
 
@@ -382,7 +374,7 @@ def test_unreachable_broker_after_commit_returns_the_handle_and_the_relay_publis
     assert relay.stats.children_published == planned
     assert broker.llen(QUEUE) == planned
     assert handle.batch_status().published == planned
-    rows = _children(store_engine, handle.batch_id)
+    rows = child_rows(store_engine, handle.batch_id, "task_id", "idx", "task_name", "state")
     messages = queued_messages(broker)
     assert [m.headers["id"] for m in messages] == [r["task_id"] for r in rows]  # in index order
     assert [m.headers["fanin_index"] for m in messages] == list(range(planned))
@@ -496,7 +488,7 @@ def test_streamed_batch_stops_publishing_at_a_chunk_the_broker_refused_and_the_r
 
     assert len(calls) == 2, "after a refused chunk the producer leaves the rest to the relay"
     assert handle.batch_status().published == 3
-    assert len(_children(store_engine, handle.batch_id)) == 9, "every child is still recorded"
+    assert len(child_rows(store_engine, handle.batch_id, "idx")) == 9, "every child is still recorded"
     assert [m.headers["fanin_index"] for m in queued_messages(broker)] == [0, 1, 2]
 
     assert Relay(FanIn.of(app)).run_once() == 6

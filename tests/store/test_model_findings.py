@@ -20,7 +20,7 @@ from celery_fanin.store.reports import record_terminal
 from tests.model.sessions import Op, Session, Shared, settle
 from tests.sql import Held
 
-from .helpers import new_batch
+from .helpers import new_batch, report
 
 
 def _tree(engine: Engine, n: int, leaves: int, **options: Any) -> tuple[batches.NewBatch, list[batches.NewChild]]:
@@ -29,14 +29,6 @@ def _tree(engine: Engine, n: int, leaves: int, **options: Any) -> tuple[batches.
     with engine.begin() as conn:
         batches.create_batch(conn, batch, children, leaves=leaves)
     return batch, children
-
-
-def _report(engine: Engine, batch: batches.NewBatch, child: batches.NewChild, idx: int, state: str) -> None:
-    with engine.begin() as conn:
-        rec = record_terminal(
-            Held(conn), child.task_id, state, claim=batches.Claim(str(batch.id), idx, child.task_name)
-        )
-    assert rec.counted
 
 
 def _counters(engine: Engine, batch_id: uuid.UUID) -> list[tuple[int, int, int, int]]:
@@ -52,11 +44,17 @@ def _counters(engine: Engine, batch_id: uuid.UUID) -> list[tuple[int, int, int, 
     return [tuple(r) for r in rows]  # type: ignore[misc]
 
 
+def _claim(batch: batches.NewBatch, child: batches.NewChild, idx: int) -> batches.Claim:
+    return batches.Claim(str(batch.id), idx, child.task_name)
+
+
 def test_cancelling_a_tree_counts_its_abandoned_children_on_every_leaf(store_engine: Engine) -> None:
     """Model counterexample: create(1 child, 1 leaf); expire(cancel). The leaf ended with succeeded 0 + failed 0
     + remaining 0 for its 1 child: expire_batch set its leaves' state and remaining but not their counts."""
     batch, children = _tree(store_engine, 4, 2)
-    _report(store_engine, batch, children[0], 0, "succeeded")
+    assert report(
+        store_engine, children[0].task_id, "succeeded", claim=batches.Claim(str(batch.id), 0, children[0].task_name)
+    ).counted
     with store_engine.begin() as conn:
         expiry = recovery.expire_batch(conn, batch.id, reason="cancel")
     assert expiry is not None and len(expiry.abandoned) == 3
@@ -74,8 +72,12 @@ def test_status_counts_a_threshold_trees_failures_once(store_engine: Engine) -> 
     failures: a `fail_up` leaf's failures are in its root's `failed` already, and the node query added the
     unfinished leaf's again (the dashboard's query did not)."""
     batch, children = _tree(store_engine, 4, 2, max_failures=2)
-    _report(store_engine, batch, children[0], 0, "failed")
-    _report(store_engine, batch, children[1], 1, "succeeded")
+    assert report(
+        store_engine, children[0].task_id, "failed", claim=batches.Claim(str(batch.id), 0, children[0].task_name)
+    ).counted
+    assert report(
+        store_engine, children[1].task_id, "succeeded", claim=batches.Claim(str(batch.id), 1, children[1].task_name)
+    ).counted
     with store_engine.connect() as conn:
         node = admin.node(conn, batch.id)
         listed = [x.node for x in admin.list_batches(conn) if x.node.id == batch.id]

@@ -17,6 +17,7 @@ from celery_fanin.producer import actions
 from celery_fanin.store import batches, recovery
 from celery_fanin.store.reports import record_terminal
 from tests.sql import Held
+from tests.sql import successor as successor_row
 
 from .helpers import fetch_all, fetch_one, json_encoded, new_batch
 
@@ -58,12 +59,6 @@ def _finish(engine: Engine, children: list[batches.NewChild], state: str = "succ
     with engine.begin() as conn:
         for child in children:
             assert record_terminal(Held(conn), child.task_id, state).counted
-
-
-def _successor(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any] | None:
-    with engine.connect() as conn:
-        rows = fetch_all(conn, "SELECT * FROM fanin_successors WHERE batch_id = :id", id=batch_id)
-    return rows[0] if rows else None
 
 
 # --- the lease and the relay's grace ---------------------------------------------------------------------------
@@ -136,7 +131,7 @@ def test_seal_finishes_a_tree_with_the_children_it_has(store_engine: Engine) -> 
     _finish(store_engine, children[5:], "failed")
     row = _row(store_engine, batch.id)
     assert (row["state"], row["remaining"]) == ("complete", 0)
-    successor = _successor(store_engine, batch.id)
+    successor = successor_row(store_engine, batch.id, "kind", "state")
     assert successor is not None and successor["kind"] == "then"
 
 
@@ -178,7 +173,7 @@ def test_cancel_abandons_unfinished_children_and_runs_nothing(store_engine: Engi
     with store_engine.connect() as conn:
         excs = fetch_all(conn, "SELECT DISTINCT exc_type FROM fanin_children WHERE state = 'abandoned'")
     assert excs == [{"exc_type": "Cancelled"}]
-    assert _successor(store_engine, batch.id) is None
+    assert successor_row(store_engine, batch.id, "kind", "state") is None
     with store_engine.begin() as conn:
         assert recovery.expire_batch(conn, batch.id, reason="cancel") is None  # once
 
@@ -192,9 +187,9 @@ def test_cancel_runs_on_expire_or_with_proceed_the_successor(store_engine: Engin
         hooked = recovery.expire_batch(conn, with_hook.id, reason="cancel")
         proceeded = recovery.expire_batch(conn, running.id, reason="cancel", proceed=True)
     assert hooked is not None and hooked.successor_created
-    assert _successor(store_engine, with_hook.id)["kind"] == "on_expire"  # type: ignore[index]
+    assert successor_row(store_engine, with_hook.id, "kind", "state")["kind"] == "on_expire"
     assert proceeded is not None and (proceeded.state, proceeded.successor_created) == ("partial", True)
-    assert _successor(store_engine, running.id)["kind"] == "then"  # type: ignore[index]
+    assert successor_row(store_engine, running.id, "kind", "state")["kind"] == "then"
 
 
 def test_a_passed_deadline_ends_an_open_batch(store_engine: Engine) -> None:
@@ -210,8 +205,8 @@ def test_a_passed_deadline_ends_an_open_batch(store_engine: Engine) -> None:
         assert recovery.expire_batch(conn, future.id) is None
     assert {(e.batch_id, e.state) for e in expiries if e} == {(proceed.id, "partial"), (abandon.id, "expired")}
     assert _row(store_engine, proceed.id)["remaining"] == 0
-    assert _successor(store_engine, proceed.id) is not None
-    assert _successor(store_engine, abandon.id) is None
+    assert successor_row(store_engine, proceed.id, "kind", "state") is not None
+    assert successor_row(store_engine, abandon.id, "kind", "state") is None
     assert _row(store_engine, future.id)["state"] == "open"
 
 

@@ -14,6 +14,7 @@ from sqlalchemy import text
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import maintenance
 from tests.e2e import clock
+from tests.sql import children as child_rows
 
 from .helpers import define_tasks
 
@@ -35,11 +36,9 @@ def test_settings_are_read_on_use_so_an_app_configured_after_fanin_works(clean_d
         fanin.dispose()
 
 
-def _children(app: Celery, batch_id: str) -> Any:
-    with FanIn.of(app).engine.connect() as conn:
-        return conn.execute(
-            text("SELECT state, redrives FROM fanin_children WHERE batch_id = :b"), {"b": batch_id}
-        ).one()
+def _state_and_redrives(app: Celery, batch_id: str) -> tuple[str, int]:
+    [child] = child_rows(app, batch_id, "state", "redrives")
+    return child["state"], child["redrives"]
 
 
 def test_a_lost_child_is_redriven_max_redrives_times_then_counted_lost(app: Celery) -> None:
@@ -56,14 +55,14 @@ def test_a_lost_child_is_redriven_max_redrives_times_then_counted_lost(app: Cele
         clock.expire_child_timeout(app, handle.batch_id)
         report = maintenance.handle_lost_children(FanIn.of(app))
         assert (len(report.redriven), len(report.failed)) == (1, 0)
-        assert (_children(app, handle.batch_id).state, _children(app, handle.batch_id).redrives) == (
+        assert _state_and_redrives(app, handle.batch_id) == (
             "pending",
             redrives,
         )
     clock.expire_child_timeout(app, handle.batch_id)
     report = maintenance.handle_lost_children(FanIn.of(app))
     assert (len(report.redriven), len(report.failed)) == (0, 1)  # past max_redrives: lost, not redriven again
-    assert (_children(app, handle.batch_id).state, _children(app, handle.batch_id).redrives) == ("lost", 2)
+    assert _state_and_redrives(app, handle.batch_id) == ("lost", 2)
     status = handle.batch_status()
     assert (status.state, status.failed, status.remaining) == ("complete", 1, 0)
 

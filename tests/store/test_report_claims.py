@@ -15,16 +15,15 @@ from sqlalchemy import Engine
 from celery_fanin import protocol
 from celery_fanin.store import batches, queries
 from celery_fanin.store.reports import record_terminal
-from tests.sql import Held
 
-from .helpers import create, json_encoded, new_batch, snapshot
+from .helpers import create, json_encoded, new_batch, report, snapshot
 
 
-def _report(
+def _claimed(
     engine: Engine, task_id: str, claim: batches.Claim, state: str = "succeeded", result: object = 1
 ) -> batches.TerminalRecord:
-    with engine.begin() as conn:
-        return record_terminal(Held(conn), task_id, state, result=json_encoded(result), claim=claim)
+    """A report whose message claims `claim` (its batch, index, task name)."""
+    return report(engine, task_id, state, result=json_encoded(result), claim=claim)
 
 
 def _refused_metric() -> float:
@@ -59,30 +58,30 @@ def test_a_report_whose_message_disagrees_with_the_child_is_refused_and_changes_
     forged = batches.Claim(**{**good.__dict__, **wrong})  # type: ignore[arg-type]
     before = snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"}))
 
-    rec = _report(store_engine, child.task_id, forged, result="forged")
+    rec = report(store_engine, child.task_id, result=json_encoded("forged"), claim=forged)
 
     assert rec == batches.TerminalRecord(counted=False, remaining=None, successor_created=False, refused=True)
     assert snapshot(store_engine, batch.id, ignore=frozenset({"refused_reports"})) == before
     assert _refused(store_engine, batch.id) == 1  # counted on the child's own batch
     # The genuine report still counts the child.
-    assert _report(store_engine, child.task_id, good).counted
-    assert _report(store_engine, children[1].task_id, batches.Claim(str(batch.id), 1, "t.child")).successor_created
+    assert report(store_engine, child.task_id, result=json_encoded(1), claim=good).counted
+    assert _claimed(store_engine, children[1].task_id, batches.Claim(str(batch.id), 1, "t.child")).successor_created
 
 
 def test_a_late_report_that_disagrees_is_refused_not_recorded_late(store_engine: Engine) -> None:
     batch, children, _ = create(store_engine, 2)
     good = batches.Claim(str(batch.id), 0, "t.child")
-    assert _report(store_engine, children[0].task_id, good).counted
-    late = _report(store_engine, children[0].task_id, good, state="failed")
+    assert _claimed(store_engine, children[0].task_id, good).counted
+    late = _claimed(store_engine, children[0].task_id, good, state="failed")
     assert (late.late, late.refused) == (True, False)
-    refused = _report(store_engine, children[0].task_id, batches.Claim(str(batch.id), 0, "t.other"), state="failed")
+    refused = _claimed(store_engine, children[0].task_id, batches.Claim(str(batch.id), 0, "t.other"), state="failed")
     assert (refused.counted, refused.late, refused.refused) == (False, False, True)
     assert _refused(store_engine, batch.id) == 1
 
 
 def test_an_unknown_task_id_is_neither_counted_nor_refused(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 1)
-    rec = _report(store_engine, f"nobody-{uuid.uuid4()}", batches.Claim(str(batch.id), 0, "t.child"))
+    rec = _claimed(store_engine, f"nobody-{uuid.uuid4()}", batches.Claim(str(batch.id), 0, "t.child"))
     assert (rec.counted, rec.late, rec.refused) == (False, False, False)
     assert _refused(store_engine, batch.id) == 0
 
@@ -90,8 +89,8 @@ def test_an_unknown_task_id_is_neither_counted_nor_refused(store_engine: Engine)
 def test_a_claim_without_a_task_name_checks_batch_and_index(store_engine: Engine) -> None:
     """A chain child published before HEADER_TASK existed: its earlier task's failure names no child task."""
     batch, children, _ = create(store_engine, 2)
-    assert _report(store_engine, children[0].task_id, batches.Claim(str(batch.id), 1, None)).refused
-    assert _report(store_engine, children[0].task_id, batches.Claim(str(batch.id), 0, None), state="failed").counted
+    assert _claimed(store_engine, children[0].task_id, batches.Claim(str(batch.id), 1, None)).refused
+    assert _claimed(store_engine, children[0].task_id, batches.Claim(str(batch.id), 0, None), state="failed").counted
 
 
 def test_the_report_connection_sends_the_claim(store_engine: Engine, app: object) -> None:
@@ -124,16 +123,16 @@ def test_a_tree_child_is_claimed_by_its_root_and_index(store_engine: Engine) -> 
     with store_engine.begin() as conn:
         batches.create_batch(conn, batch, children, leaves=2)
     other, _, _ = create(store_engine, 1)
-    assert _report(store_engine, children[3].task_id, batches.Claim(str(other.id), 3, "t.child")).refused
-    assert _report(store_engine, children[3].task_id, batches.Claim(str(batch.id), 2, "t.child")).refused
+    assert _claimed(store_engine, children[3].task_id, batches.Claim(str(other.id), 3, "t.child")).refused
+    assert _claimed(store_engine, children[3].task_id, batches.Claim(str(batch.id), 2, "t.child")).refused
     claims = [batches.Claim(str(batch.id), i, "t.child") for i in range(4)]
-    recs = [_report(store_engine, c.task_id, claim) for c, claim in zip(children, claims, strict=True)]
+    recs = [_claimed(store_engine, c.task_id, claim) for c, claim in zip(children, claims, strict=True)]
     assert all(r.counted for r in recs) and recs[-1].successor_created
     # Counted on the child's own batch (the tree's root, which `status` reads), not on the batch the message named.
     assert (_refused(store_engine, batch.id), _refused(store_engine, other.id)) == (2, 0)
 
 
-def test_the_worker_hook_logs_a_refused_report(
+def test_the_worker_hook_logs_a_refused_claimed(
     store_engine: Engine, app: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     from celery_fanin import FanIn

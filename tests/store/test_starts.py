@@ -19,20 +19,11 @@ from celery_fanin.store.reports import ReportConnection, record_starts, record_t
 from celery_fanin.worker import starts
 from celery_fanin.worker.starts import StartRecorder
 from tests.sql import Held
+from tests.sql import children as child_rows
 
 from .helpers import create, fetch_all, json_encoded, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _children(engine: Engine, batch_id: object) -> list[dict[str, object]]:
-    with engine.connect() as conn:
-        return fetch_all(
-            conn,
-            "SELECT task_id, state, attempt, starts, worker, started_at FROM fanin_children WHERE batch_id = :b "
-            "ORDER BY idx",
-            b=batch_id,
-        )
 
 
 def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> None:
@@ -46,7 +37,7 @@ def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> 
             reports, [batches.Start(c.task_id, 1, "w1@host", at + timedelta(seconds=i)) for i, c in enumerate(children)]
         )
         assert moved == 3
-        rows = _children(engine, batch.id)
+        rows = child_rows(engine, batch.id, "task_id", "state", "attempt", "starts", "worker", "started_at")
         # The finished child keeps its state; its run is still counted, with when and where it started.
         assert [(r["state"], r["attempt"], r["starts"], r["worker"]) for r in rows] == [
             ("started", 1, 1, "w1@host"),
@@ -56,7 +47,7 @@ def test_record_starts_moves_open_children_only(app: Celery, engine: Engine) -> 
         assert rows[1]["started_at"] == at + timedelta(seconds=1)
         # A second attempt of child 0 (a retry) starts it again; its counters are untouched.
         assert record_starts(reports, [batches.Start(children[0].task_id, 2, "w2@host", at)]) == 1
-        assert _children(engine, batch.id)[0]["starts"] == 2
+        assert child_rows(engine, batch.id, "starts")[0]["starts"] == 2
         with engine.connect() as conn:
             counters = fetch_all(
                 conn, "SELECT remaining, succeeded, failed FROM fanin_batches WHERE id = :b", b=batch.id
@@ -82,7 +73,7 @@ def test_recorder_writes_many_starts_per_statement(app: Celery, engine: Engine) 
     assert writes == []
     assert recorder.flush(timeout=30)
     assert writes == [50]  # one stretch, one statement
-    assert {r["state"] for r in _children(engine, batch.id)} == {"started"}
+    assert {r["state"] for r in child_rows(engine, batch.id, "state")} == {"started"}
 
 
 class _CountingCondition(threading.Condition):
@@ -136,7 +127,7 @@ def test_short_children_wake_the_writer_once_per_stretch_and_write_nothing(app: 
     wait_for(lambda: recorder._idle, 10, "the stretch to end", interval=0.005)  # every start taken back
     assert writes == []
     assert recorder.flush(timeout=10)
-    assert {r["state"] for r in _children(engine, batch.id)} == {"pending"}
+    assert {r["state"] for r in child_rows(engine, batch.id, "state")} == {"pending"}
 
 
 def test_recorder_waits_for_its_interval_unless_flushed(app: Celery, engine: Engine) -> None:
@@ -147,9 +138,9 @@ def test_recorder_waits_for_its_interval_unless_flushed(app: Celery, engine: Eng
     cond = recorder._cond = _TimedWaitsCondition()
     recorder.add(batches.Start(children[0].task_id, 0, "w@host", datetime.now(timezone.utc)))
     wait_for(lambda: cond.waiting_out(60), 10, "the writer to wait out its interval", interval=0.005)
-    assert _children(engine, batch.id)[0]["state"] == "pending"
+    assert child_rows(engine, batch.id, "state")[0]["state"] == "pending"
     assert recorder.flush(timeout=30), "flush waited out the interval instead of writing at once"
-    assert _children(engine, batch.id)[0]["state"] == "started"
+    assert child_rows(engine, batch.id, "state")[0]["state"] == "started"
 
 
 class _TimedWaitsCondition(threading.Condition):
@@ -185,7 +176,7 @@ def test_recorder_reconnects_after_the_connection_is_killed(app: Celery, engine:
         )
     recorder.add(batches.Start(children[1].task_id, 0, "w@host", datetime.now(timezone.utc)))
     assert recorder.flush(timeout=20)
-    assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started"]
+    assert [r["state"] for r in child_rows(engine, batch.id, "state")] == ["started", "started"]
 
 
 def test_child_that_ends_before_its_start_is_written_carries_it(app: Celery, engine: Engine) -> None:
@@ -201,7 +192,7 @@ def test_child_that_ends_before_its_start_is_written_carries_it(app: Celery, eng
     rec = record_terminal(fanin.reports, children[0].task_id, "succeeded", result=json_encoded(0), start=taken)
     assert rec.counted and rec.remaining == 1
     assert recorder.flush(timeout=10)  # writes child 1's start only
-    rows = _children(engine, batch.id)
+    rows = child_rows(engine, batch.id, "task_id", "state", "attempt", "starts", "worker", "started_at")
     assert [(r["state"], r["starts"], r["worker"]) for r in rows] == [
         ("succeeded", 1, "w@host"),
         ("started", 1, "w@host"),
@@ -246,7 +237,7 @@ def test_a_start_outlives_an_outage_shorter_than_report_timeout(app: Celery, eng
     recorder.add(batches.Start(children[1].task_id, 0, "w@host", now))  # queued during the outage
     recorder.add(batches.Start(children[2].task_id, 0, "w@host", now))
     assert recorder.flush(timeout=30)
-    assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started", "started"]
+    assert [r["state"] for r in child_rows(engine, batch.id, "state")] == ["started", "started", "started"]
     assert len(outage.attempts) == 5
     assert outage.attempts[-1] == [c.task_id for c in children]  # one statement for all of them after the outage
 
@@ -266,7 +257,7 @@ def test_a_child_that_ends_during_an_outage_takes_its_start_back_between_attempt
     back.set()
     assert recorder.flush(timeout=30)
     assert outage.attempts[-1] == [children[1].task_id]
-    assert [r["state"] for r in _children(engine, batch.id)] == ["pending", "started"]
+    assert [r["state"] for r in child_rows(engine, batch.id, "state")] == ["pending", "started"]
 
 
 def test_a_start_is_dropped_after_report_timeout(app: Celery, engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
@@ -278,7 +269,7 @@ def test_a_start_is_dropped_after_report_timeout(app: Celery, engine: Engine, ca
         assert recorder.flush(timeout=30)
     assert len(outage.attempts) > 1
     assert "dropped 1 children's start records: the store was unreachable for fanin_report_timeout" in caplog.text
-    assert _children(engine, batch.id)[0]["state"] == "pending"
+    assert child_rows(engine, batch.id, "state")[0]["state"] == "pending"
 
 
 def test_queued_starts_are_bounded_and_the_bound_is_logged(
@@ -299,7 +290,7 @@ def test_queued_starts_are_bounded_and_the_bound_is_logged(
         assert recorder.flush(timeout=30)
         wait_for(lambda: "were dropped meanwhile" in caplog.text, 10, "the bound's end logged", interval=0.005)
     assert outage.attempts[-1] == [c.task_id for c in children[:2]]
-    assert [r["state"] for r in _children(engine, batch.id)] == ["started", "started", "pending"]
+    assert [r["state"] for r in child_rows(engine, batch.id, "state")] == ["started", "started", "pending"]
 
 
 def test_starts_left_at_shutdown_are_logged(
@@ -319,4 +310,4 @@ def test_starts_left_at_shutdown_are_logged(
     assert "1 children's start records not written at shutdown" in caplog.text
     back.set()
     assert recorder.flush(timeout=30)  # the thread lives on in this process: let it finish before the next test
-    assert _children(engine, batch.id)[0]["state"] == "started"
+    assert child_rows(engine, batch.id, "state")[0]["state"] == "started"

@@ -25,6 +25,7 @@ from celery_fanin.context import FanIn
 from celery_fanin.store import batches, successors
 from celery_fanin.worker import successor_runs
 from tests.sql import Held
+from tests.sql import successor as successor_row
 
 from .helpers import create, fetch_one, new_batch
 
@@ -32,12 +33,8 @@ LIVE = {"lease": 60.0, "grace": 60.0, "owner": "test", "owner_key": "key-of-work
 DEAD = {"lease": 0.0, "grace": 0.0, "owner": "test"}  # a lease that has lapsed as soon as it is taken
 OTHER_WORKER = {**LIVE, "owner_key": "key-of-worker-b"}
 
-
-def _successor(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
-    with engine.connect() as conn:
-        return fetch_one(
-            conn, "SELECT state, runs, duplicates, attempt FROM fanin_successors WHERE batch_id = :id", id=batch_id
-        )
+# What the run guard moves on a successor's row.
+GUARD = ("state", "runs", "duplicates", "attempt")
 
 
 def _claim(
@@ -76,16 +73,26 @@ def test_one_delivery_runs_a_duplicate_is_refused_and_counted_and_nothing_runs_a
     batch, _, _ = create(store_engine, 0)
     run = _claim(store_engine, batch)
     assert run == successors.Run(batch.id, batch.step, 1, 0)
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 0, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "running",
+        "runs": 1,
+        "duplicates": 0,
+        "attempt": 0,
+    }
 
     assert _claim(store_engine, batch) is None  # a second delivery while the first run is alive
-    assert _successor(store_engine, batch.id)["duplicates"] == 1
+    assert successor_row(store_engine, batch.id, *GUARD)["duplicates"] == 1
 
     assert _in(
         store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, "succeeded", run=run.number)
     )
     assert _claim(store_engine, batch, **DEAD) is None  # a late copy, even of a dead-looking run: final is final
-    assert _successor(store_engine, batch.id) == {"state": "succeeded", "runs": 1, "duplicates": 2, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "succeeded",
+        "runs": 1,
+        "duplicates": 2,
+        "attempt": 0,
+    }
     # ... and a final state is never left or overwritten.
     assert not _in(store_engine, lambda c: successors.record_state(Held(c), batch.id, batch.step, "failed"))
 
@@ -101,7 +108,7 @@ def test_a_live_run_does_not_depend_on_the_session_that_started_it(store_engine:
     conn.invalidate()  # the session is gone
     conn.close()
     assert _claim(store_engine, batch) is None
-    assert _successor(store_engine, batch.id)["state"] == "running"
+    assert successor_row(store_engine, batch.id, *GUARD)["state"] == "running"
 
 
 def test_a_dead_run_is_taken_over_and_fenced_off(store_engine: Engine) -> None:
@@ -137,7 +144,7 @@ def test_a_retry_is_admitted_and_a_republished_copy_resumes_the_retry_count(stor
     assert first is not None
     due = datetime.now(timezone.utc) + timedelta(seconds=30)
     assert _in(store_engine, lambda c: successors.hand_over(Held(c), first, "retrying", due))
-    assert _successor(store_engine, batch.id)["attempt"] == 1
+    assert successor_row(store_engine, batch.id, *GUARD)["attempt"] == 1
     # Celery's retry message (retries=1), delivered before the first attempt's task_postrun: admitted.
     second = _claim(store_engine, batch, retries=1)
     assert second == successors.Run(batch.id, batch.step, 2, 1)
@@ -155,7 +162,12 @@ def test_a_hand_over_that_published_nothing_is_taken_back(store_engine: Engine) 
     assert run is not None
     assert _in(store_engine, lambda c: successors.hand_over(Held(c), run, "retrying"))
     assert _in(store_engine, lambda c: successors.take_back(Held(c), run, 60.0))
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 0, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "running",
+        "runs": 1,
+        "duplicates": 0,
+        "attempt": 0,
+    }
     assert _claim(store_engine, batch) is None
 
 
@@ -196,7 +208,12 @@ def test_only_final_and_hand_over_states_are_accepted(store_engine: Engine) -> N
 def test_a_delivery_with_another_task_id_or_for_no_successor_is_refused(store_engine: Engine) -> None:
     batch, _, _ = create(store_engine, 0)
     assert _claim(store_engine, batch, task_id="forged") is None
-    assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 1, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "pending",
+        "runs": 0,
+        "duplicates": 1,
+        "attempt": 0,
+    }
     with store_engine.begin() as conn:
         assert successors.claim_run(Held(conn), uuid.uuid4(), "merge", "x", 0, **LIVE) == successors.Refusal(None, None)
 
@@ -238,7 +255,7 @@ def test_another_workers_credential_can_neither_see_nor_take_over_a_live_run(sto
                 dead_owner="host:1:42:7",
             )
             assert isinstance(forged, successors.Refusal), f"key {key!r} took over a live run"
-    assert _successor(store_engine, batch.id)["runs"] == 1
+    assert successor_row(store_engine, batch.id, *GUARD)["runs"] == 1
     with store_engine.begin() as conn:
         stored = conn.execute(
             text("SELECT run_owner_key FROM fanin_successors WHERE batch_id = :id"), {"id": batch.id}
@@ -263,7 +280,12 @@ def test_a_replaced_successor_admits_only_its_carrier_and_is_never_republished(s
     assert carried is not None and carried.number == 2
     assert _claim(store_engine, batch) is None
     assert _claim(store_engine, batch, carrier="carrier-1") is None, "a second copy of the carrier ran beside it"
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 2, "duplicates": 4, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "running",
+        "runs": 2,
+        "duplicates": 4,
+        "attempt": 0,
+    }
     # The carrier's run hands over again (a replacement of the replacement): only the newest carrier is admitted.
     assert _in(store_engine, lambda c: successors.hand_over(Held(c), carried, "replaced", carrier="carrier-2"))
     assert _claim(store_engine, batch, carrier="carrier-1") is None
@@ -319,7 +341,7 @@ def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_nev
         )
     assert row == {"state": "failed", "exc_type": "ReplacementLost", "exc_message": message}
     assert _claim(store_engine, never, carrier="c1") is None, "the carrier after the bound was admitted"
-    assert _successor(store_engine, never.id)["duplicates"] == 1
+    assert successor_row(store_engine, never.id, *GUARD)["duplicates"] == 1
     assert lost(0.0) == []
 
     # Nested: the inner batch's lost replacement counts its outer child failed, and the outer batch completes.
@@ -338,7 +360,7 @@ def test_a_lost_replacement_is_failed_after_its_bound_and_a_live_carrier_run_nev
         counts = fetch_one(conn, "SELECT failed, succeeded FROM fanin_batches WHERE id = :id", id=outer.id)
     assert child == {"state": "failed", "exc_type": "ReplacementLost"}
     assert counts == {"failed": 1, "succeeded": 0}
-    assert _successor(store_engine, outer.id)["state"] in ("pending", "sent")
+    assert successor_row(store_engine, outer.id, *GUARD)["state"] in ("pending", "sent")
 
 
 def test_an_event_about_a_copy_never_admitted_ends_no_live_run(store_engine: Engine) -> None:
@@ -361,9 +383,14 @@ def test_an_event_about_a_copy_never_admitted_ends_no_live_run(store_engine: Eng
     assert not event("revoked"), "an expired copy ended the live run"
     assert not event("failed", ran_in="host:m:43:", owner_key="key-of-worker-a"), "another process's time limit"
     assert not event("failed", ran_in="host:m:42:", owner_key="key-of-worker-b"), "another worker's event"
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 3, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "running",
+        "runs": 1,
+        "duplicates": 3,
+        "attempt": 0,
+    }
     assert event("failed", ran_in="host:m:42:", owner_key="key-of-worker-a")
-    assert _successor(store_engine, batch.id)["state"] == "failed"
+    assert successor_row(store_engine, batch.id, *GUARD)["state"] == "failed"
 
 
 def test_an_event_about_a_copy_never_run_ends_a_successor_no_run_holds(store_engine: Engine) -> None:
@@ -420,7 +447,7 @@ def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_ca
     assert not end(waiting, "c0"), "another replacement's part ended it"
     assert not end(waiting, "c1", task_id="someone-else")
     assert end(waiting, "c1")
-    row = _successor(store_engine, waiting.id)
+    row = successor_row(store_engine, waiting.id, *GUARD)
     assert row["state"] == "failed"
     assert not end(waiting, "c1"), "ended twice"
     assert _claim(store_engine, waiting, carrier="c1") is None, "the carrier ran after its part ended it"
@@ -428,7 +455,7 @@ def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_ca
     carried, _ = replaced()
     assert _claim(store_engine, carried, carrier="c1") is not None
     assert not end(carried, "c1"), "a late part's failure ended the run its carrier holds"
-    assert _successor(store_engine, carried.id)["state"] == "running"
+    assert successor_row(store_engine, carried.id, *GUARD)["state"] == "running"
 
     again, _ = replaced()
     second = _claim(store_engine, again, carrier="c1")
@@ -441,7 +468,7 @@ def test_a_failed_part_of_a_replacement_ends_only_a_successor_waiting_for_its_ca
     )
     assert not end(again, "c1"), "the first replacement's part ended the second replacement's successor"
     assert end(again, "c2", state="revoked")
-    assert _successor(store_engine, again.id)["state"] == "revoked"
+    assert successor_row(store_engine, again.id, *GUARD)["state"] == "revoked"
 
     refused, _ = replaced()
     with pytest.raises(Exception, match="not a state a part ends it with"):
@@ -468,7 +495,12 @@ def test_racing_deliveries_admit_exactly_one(store_engine: Engine) -> None:
     for t in threads:
         t.join(30)
     assert len(admitted) == 1
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 7, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "running",
+        "runs": 1,
+        "duplicates": 7,
+        "attempt": 0,
+    }
 
 
 def _stalled(conn: Connection, timeout: float = 0.0, grace: float = 0.0) -> list[tuple[uuid.UUID, str]]:
@@ -498,7 +530,7 @@ def test_stalled_successors_are_lost_messages_and_dead_runs_only(store_engine: E
         assert successors.republish(conn, dead.id, dead.step, 0.0, 0.0)
         assert not successors.republish(conn, live.id, live.step, 0.0, 0.0), "a live run is left alone"
         assert fetch_one(conn, "SELECT sent_at FROM fanin_outbox WHERE batch_id = :id", id=dead.id)["sent_at"] is None
-    assert _successor(store_engine, dead.id)["state"] == "sent"
+    assert successor_row(store_engine, dead.id, *GUARD)["state"] == "sent"
     assert _claim(store_engine, dead) is not None
 
 
@@ -513,7 +545,12 @@ def test_a_guard_that_cannot_get_the_row_raises_the_stores_error(store_engine: E
             with pytest.raises(OperationalError, match="lock timeout"):
                 successors.claim_run(Held(conn), batch.id, batch.step, batch.successor_task_id, 0, **LIVE)
             conn.rollback()
-    assert _successor(store_engine, batch.id) == {"state": "pending", "runs": 0, "duplicates": 0, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "pending",
+        "runs": 0,
+        "duplicates": 0,
+        "attempt": 0,
+    }
 
 
 def test_the_worker_admits_on_its_report_connection_without_a_pool_checkout(app: Any, store_engine: Engine) -> None:
@@ -533,7 +570,12 @@ def test_the_worker_admits_on_its_report_connection_without_a_pool_checkout(app:
     assert live is not None and live.run == successors.Run(batch.id, batch.step, 1, 0)
     assert successor_runs.admit(fanin, str(batch.id), batch.step, batch.successor_task_id, 0) is None
     assert checkouts == []
-    assert _successor(store_engine, batch.id) == {"state": "running", "runs": 1, "duplicates": 1, "attempt": 0}
+    assert successor_row(store_engine, batch.id, *GUARD) == {
+        "state": "running",
+        "runs": 1,
+        "duplicates": 1,
+        "attempt": 0,
+    }
     successor_runs.abandon(live)
 
 

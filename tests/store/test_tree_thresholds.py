@@ -27,8 +27,6 @@ from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, queries, recovery
 from celery_fanin.store.outcomes import build_outcome
-from celery_fanin.store.reports import record_terminal
-from tests.sql import Held
 
 from .helpers import (
     QUEUE,
@@ -42,6 +40,7 @@ from .helpers import (
     notifications_until_sentinel,
     queued_messages,
     race_threads,
+    report,
 )
 
 
@@ -81,9 +80,9 @@ def _row(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
         )
 
 
-def _report(engine: Engine, task_id: str, state: str) -> batches.TerminalRecord:
-    with engine.begin() as conn:
-        return record_terminal(Held(conn), task_id, state, exc_type=None if state == "succeeded" else "E")
+def _reported(engine: Engine, task_id: str, state: str) -> batches.TerminalRecord:
+    """A child's report, with an error when it did not succeed."""
+    return report(engine, task_id, state, exc_type=None if state == "succeeded" else "E")
 
 
 @pytest.mark.parametrize("on_failure", [False, True])
@@ -93,14 +92,14 @@ def test_a_failure_on_any_leaf_counts_at_the_root_and_the_one_that_passes_the_th
     batch, children, leaf_ids = _tree(
         store_engine, 12, 4, max_failures=1, on_failure=json_encoded("undo") if on_failure else None
     )
-    assert _report(store_engine, children[4].task_id, "succeeded").counted  # leaf 0: not finished, not handed up
-    first = _report(store_engine, children[0].task_id, "failed")  # leaf 0
+    assert _reported(store_engine, children[4].task_id, "succeeded").counted  # leaf 0: not finished, not handed up
+    first = _reported(store_engine, children[0].task_id, "failed")  # leaf 0
     assert (first.counted, first.successor_created) == (True, False)
     root = _row(store_engine, batch.id)
     # The failure is at the root at once; the success waits for its leaf to finish.
     assert (root["state"], root["remaining"], root["succeeded"], root["failed"]) == ("running", 4, 0, 1)
 
-    second = _report(store_engine, children[1].task_id, "failed")  # leaf 1: no leaf has finished
+    second = _reported(store_engine, children[1].task_id, "failed")  # leaf 1: no leaf has finished
     assert (second.counted, second.successor_created) == (True, True)
     root = _row(store_engine, batch.id)
     kind = "on_failure" if on_failure else "then"
@@ -112,7 +111,7 @@ def test_a_failure_on_any_leaf_counts_at_the_root_and_the_one_that_passes_the_th
 
     # Reports after the threshold (before the relay stopped the batch) count once and create nothing.
     for i in (2, 5, 6, 10):
-        rec = _report(store_engine, children[i].task_id, "failed" if i == 2 else "succeeded")
+        rec = _reported(store_engine, children[i].task_id, "failed" if i == 2 else "succeeded")
         assert rec.counted and not rec.successor_created
     root = _row(store_engine, batch.id)
     assert (root["state"], root["failed"], root["successors"], root["outbox"]) == ("failed_threshold", 3, [kind], 1)
@@ -122,11 +121,11 @@ def test_a_tree_without_a_threshold_leaves_its_root_alone_until_a_leaf_finishes(
     """The hot path: without a threshold a leaf's failures reach the root with the leaf's totals, as before."""
     batch, children, _ = _tree(store_engine, 6, 3)
     for i in (0, 1, 2):
-        _report(store_engine, children[i].task_id, "failed")
+        _reported(store_engine, children[i].task_id, "failed")
     root = _row(store_engine, batch.id)
     assert (root["state"], root["remaining"], root["failed"]) == ("running", 3, 0)
     for i in (3, 4, 5):
-        _report(store_engine, children[i].task_id, "succeeded")
+        _reported(store_engine, children[i].task_id, "succeeded")
     root = _row(store_engine, batch.id)
     assert (root["state"], root["remaining"], root["succeeded"], root["failed"]) == ("complete", 0, 3, 3)
 
@@ -135,7 +134,7 @@ def test_a_tree_under_its_threshold_completes_with_every_failure_counted_once(st
     batch, children, _ = _tree(store_engine, 9, 3, max_failures=5)
     states = ["failed", "succeeded", "failed", "succeeded", "failed", "failed", "succeeded", "failed", "succeeded"]
     for child, state in zip(children, states, strict=True):
-        _report(store_engine, child.task_id, state)
+        _reported(store_engine, child.task_id, state)
     root = _row(store_engine, batch.id)
     assert (root["state"], root["remaining"], root["succeeded"], root["failed"]) == ("complete", 0, 4, 5)
     assert root["successors"] == ["then"]
@@ -182,9 +181,9 @@ def test_the_relay_abandons_the_unfinished_children_of_every_leaf_and_their_repo
     store_engine: Engine,
 ) -> None:
     batch, children, leaf_ids = _tree(store_engine, 12, 3, max_failures=1)
-    _report(store_engine, children[0].task_id, "failed")
-    _report(store_engine, children[3].task_id, "succeeded")
-    assert _report(store_engine, children[1].task_id, "failed").successor_created
+    _reported(store_engine, children[0].task_id, "failed")
+    _reported(store_engine, children[3].task_id, "succeeded")
+    assert _reported(store_engine, children[1].task_id, "failed").successor_created
 
     with store_engine.begin() as conn:
         abandoned = recovery.abandon_after_threshold(conn, batch.id)
@@ -203,7 +202,7 @@ def test_the_relay_abandons_the_unfinished_children_of_every_leaf_and_their_repo
 
     # The revoked copies (and a running one that still succeeded) report late: recorded, not counted.
     for i, state in ((2, "revoked"), (4, "succeeded"), (11, "revoked")):
-        rec = _report(store_engine, children[i].task_id, state)
+        rec = _reported(store_engine, children[i].task_id, state)
         assert (rec.counted, rec.late, rec.successor_created) == (False, True, False)
     assert _row(store_engine, batch.id) == root
     with store_engine.connect() as conn:
@@ -219,7 +218,7 @@ def test_abandoning_beside_racing_reporters_counts_each_child_once(store_engine:
     """Reports still arriving while the relay abandons: no deadlock, every child counted once, counters exact."""
     leaves, per_leaf = 8, 40
     batch, children, _ = _tree(store_engine, leaves * per_leaf, leaves, max_failures=0)
-    assert _report(store_engine, children[0].task_id, "failed").successor_created
+    assert _reported(store_engine, children[0].task_id, "failed").successor_created
     reports = [(c.task_id, "succeeded" if i % 3 else "failed") for i, c in enumerate(children[1:])]
     abandoned: list[str] = []
 
@@ -263,15 +262,15 @@ def test_reconcile_and_status_agree_with_failures_handed_up(app: Celery, tasks: 
             text("SELECT bool_and(fail_up) FROM fanin_batches WHERE parent_id = :id"), {"id": batch_id}
         ).scalar_one()
     for i in (0, 1, 2):
-        _report(store_engine, ids[i], "failed" if i < 2 else "succeeded")
+        _reported(store_engine, ids[i], "failed" if i < 2 else "succeeded")
     with store_engine.begin() as conn:
         assert recovery.reconcile_batch(conn, batch_id) is None  # nothing to repair
     status = handle.batch_status()
     assert (status.state, status.failed, status.succeeded, status.remaining) == ("running", 2, 1, 5)
     for i in (3, 4):  # the fifth failure of eight passes 0.5 * 8 = 4 on another leaf
-        _report(store_engine, ids[i], "failed")
+        _reported(store_engine, ids[i], "failed")
     assert handle.batch_status().state == "running"
-    assert _report(store_engine, ids[5], "failed").successor_created
+    assert _reported(store_engine, ids[5], "failed").successor_created
     status = handle.batch_status()
     assert (status.state, status.failed) == ("failed_threshold", 5)
 
@@ -286,7 +285,7 @@ def _stream_until(app: Celery, tasks: Tasks, engine: Engine, fail_after: int, to
                 with engine.connect() as conn:
                     written = [r[0] for r in conn.execute(text("SELECT task_id FROM fanin_children")).all()]
                 for task_id in written:
-                    _report(engine, task_id, "failed")
+                    _reported(engine, task_id, "failed")
             consumed.append(i)
             yield tasks.add.s(i, i)
 
@@ -369,7 +368,7 @@ def test_the_relay_publishes_only_orphaned_children_still_pending_and_marks_the_
     with store_engine.begin() as conn:  # written by a producer that died before publishing anything
         batches.create_batch(conn, batch, children, leaves=2)
     for i, state in ((0, "succeeded"), (3, "failed"), (4, "succeeded"), (5, "failed"), (9, "revoked")):
-        _report(store_engine, children[i].task_id, state)
+        _reported(store_engine, children[i].task_id, state)
     with store_engine.begin() as conn:
         conn.execute(text("UPDATE fanin_children SET state = 'started' WHERE task_id = :t"), {"t": children[7].task_id})
         conn.execute(
@@ -392,7 +391,7 @@ def test_the_relay_moves_the_mark_past_a_batch_with_nothing_left_to_publish(
         batches.create_batch(conn, batch, children)
         batches.mark_published(conn, batch.id, 1)
     for child in children[1:]:
-        _report(store_engine, child.task_id, "failed")
+        _reported(store_engine, child.task_id, "failed")
     assert child_dispatch.publish_orphaned_children(FanIn.of(app)) == 0
     assert broker.llen(QUEUE) == 0
     assert _published_upto(store_engine, batch.id) == 5
@@ -413,9 +412,9 @@ def test_publishing_a_tree_s_threshold_successor_abandons_and_revokes_every_leaf
     batch, children = _encoded_batch(app, tasks, 9, max_failures=1)
     with store_engine.begin() as conn:
         batches.create_batch(conn, batch, children, leaves=3)
-    _report(store_engine, children[0].task_id, "failed")
-    _report(store_engine, children[4].task_id, "succeeded")
-    assert _report(store_engine, children[2].task_id, "failed").successor_created
+    _reported(store_engine, children[0].task_id, "failed")
+    _reported(store_engine, children[4].task_id, "succeeded")
+    assert _reported(store_engine, children[2].task_id, "failed").successor_created
 
     assert successor_dispatch.publish_outbox(FanIn.of(app)) == 1
     [message] = queued_messages(broker)
@@ -444,7 +443,7 @@ def test_the_outcome_lists_failures_up_to_a_byte_budget_and_the_rest_stream_from
     with store_engine.begin() as conn:
         batches.create_batch(conn, batch, children)
     for i, child in enumerate(children):
-        _report(store_engine, child.task_id, "succeeded" if i % 3 == 0 else "failed")
+        _reported(store_engine, child.task_id, "succeeded" if i % 3 == 0 else "failed")
     with store_engine.connect() as conn:
         row = queries.batch(conn, batch.id)
         assert row is not None

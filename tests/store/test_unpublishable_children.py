@@ -21,6 +21,7 @@ from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.relay import maintenance
 from celery_fanin.store import batches
 from tests.e2e import clock
+from tests.sql import children as child_rows
 
 from .helpers import Tasks, collecting_batch, fetch_all, queued_messages
 
@@ -39,16 +40,6 @@ def _json(sig: Any) -> batches.Encoded:
     return batches.Encoded("application/json", "utf-8", json.dumps(dict(sig)).encode())
 
 
-def _children(engine: Engine, task_ids: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
-    with engine.connect() as conn:
-        rows = fetch_all(
-            conn,
-            "SELECT task_id, state, exc_type, exc_message FROM fanin_children WHERE task_id = ANY(:ids)",
-            ids=task_ids,
-        )
-    return {r["task_id"]: (r["state"], r["exc_type"], r["exc_message"]) for r in rows}
-
-
 def _batch_of(engine: Engine, task_id: str) -> dict[str, Any]:
     with engine.connect() as conn:
         rows = fetch_all(
@@ -59,6 +50,11 @@ def _batch_of(engine: Engine, task_id: str) -> dict[str, Any]:
             t=task_id,
         )
     return rows[0]
+
+
+def _outcomes(db: Any, task_ids: list[str]) -> dict[str, tuple[str, str | None, str | None]]:
+    rows = child_rows(db, None, "task_id", "state", "exc_type", "exc_message", task_ids=task_ids)
+    return {r["task_id"]: (r["state"], r["exc_type"], r["exc_message"]) for r in rows}
 
 
 def test_one_child_that_cannot_be_published_is_rejected_and_the_rest_of_the_round_goes_out(
@@ -113,7 +109,7 @@ def test_one_child_that_cannot_be_published_is_rejected_and_the_rest_of_the_roun
         [record] = [r for r in caplog.records if task_id in r.getMessage()]
         assert str(batch["id"]) in record.getMessage() and why in record.getMessage()
     assert "positional argument" in messages[first[1]].args[0]
-    assert _children(store_engine, list(bad)) == {t: ("pending", None, None) for t in bad}  # a worker counts them
+    assert _outcomes(store_engine, list(bad)) == {t: ("pending", None, None) for t in bad}  # a worker counts them
 
     # Done with: the next round finds nothing to publish, and publishes nothing twice.
     for task_id in first + second + third:
@@ -183,6 +179,6 @@ def test_a_lost_child_whose_message_cannot_be_built_is_redriven_as_a_rejection_a
     assert (stand_in.headers["fanin_batch"], stand_in.headers["fanin_index"]) == (str(batch.id), 0)
     assert stand_in.args[0].startswith("not published by the relay: ContentDisallowed: ")
     assert (redriven.headers["task"], redriven.args) == ("tests.store.add", [1, 1])
-    assert _children(store_engine, [c.task_id for c in children]) == {
+    assert _outcomes(store_engine, [c.task_id for c in children]) == {
         c.task_id: ("pending", None, None) for c in children
     }

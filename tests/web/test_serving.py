@@ -9,8 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +25,7 @@ from celery_fanin.cli import fanin as fanin_group
 from celery_fanin.web import MISSING_EXTRA, MissingExtra, create_app
 from celery_fanin.web.cli import is_loopback
 from celery_fanin.web.sql import parse, statements
+from tests import http_get
 from tests.workers import ROOT, CeleryProcess
 
 from .conftest import Store
@@ -201,13 +200,10 @@ def _serve(env: dict[str, str], tmp_path: Path, *args: str) -> tuple[CeleryProce
     return proc, found.group(1).rstrip("/")
 
 
-def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=20) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+def _page(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    got = http_get.get(url, headers)
+    assert got is not None, f"nothing answers at {url}"
+    return got
 
 
 def test_the_command_serves_the_pages_on_loopback(e2e_env: dict[str, str], tmp_path: Path, store: Store) -> None:
@@ -216,10 +212,10 @@ def test_the_command_serves_the_pages_on_loopback(e2e_env: dict[str, str], tmp_p
     try:
         assert base.startswith("http://127.0.0.1:"), "loopback unless told otherwise"
         assert "(token required)" in proc.output() and TOKEN not in proc.output()
-        assert _get(f"{base}/batches")[0] == 401
-        status, page = _get(f"{base}/batches", {"authorization": f"Bearer {TOKEN}"})
+        assert _page(f"{base}/batches")[0] == 401
+        status, page = _page(f"{base}/batches", {"authorization": f"Bearer {TOKEN}"})
         assert status == 200 and batch.id in page
-        status, page = _get(f"{base}/batches/{batch.id}", {"authorization": f"Bearer {TOKEN}"})
+        status, page = _page(f"{base}/batches/{batch.id}", {"authorization": f"Bearer {TOKEN}"})
         assert status == 200 and "0 / 3" in page
     finally:
         proc.stop()
@@ -238,11 +234,11 @@ def test_flowers_options_address_url_prefix_and_basic_auth(
     try:
         assert base.startswith("http://127.0.0.1:") and base.endswith("/fanin"), base
         assert "(basic auth required)" in proc.output() and "s3cret" not in proc.output()
-        assert _get(f"{base}/batches")[0] == 401
-        status, page = _get(f"{base}/batches", auth)
+        assert _page(f"{base}/batches")[0] == 401
+        status, page = _page(f"{base}/batches", auth)
         assert status == 200 and batch.id in page
         assert f'href="/fanin/batches/{batch.id}"' in page and 'action="/fanin/lookup"' in page, "links under it"
-        assert _get(base.removesuffix("/fanin") + "/batches", auth)[0] == 404, "nothing outside the prefix"
+        assert _page(base.removesuffix("/fanin") + "/batches", auth)[0] == 404, "nothing outside the prefix"
     finally:
         proc.stop()
     assert proc.proc.returncode == 0, proc.output()[-2000:]
