@@ -14,7 +14,7 @@ from sqlalchemy.dialects import postgresql
 
 from celery_fanin.store import migrate
 
-from .helpers import make_engine, process_migrator, run_spawned
+from .helpers import create, make_engine, process_migrator, run_spawned
 
 # The tables `store/sql/schema.sql` creates (the file every schema test reads; `fanin_migrations` is migrate's own).
 SCHEMA_TABLES = set(
@@ -211,6 +211,71 @@ def test_0025_lets_every_role_that_reported_before_report_after(fresh_db_url: st
                 )
             ).scalar_one()
         assert may == {worker: True, other: False} and public == 0
+    finally:
+        with engine.begin() as conn:
+            for role in (worker, other):
+                if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
+                    conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+                    conn.exec_driver_sql(f'DROP ROLE "{role}"')
+        engine.dispose()
+
+
+def test_0032_keeps_the_workers_of_the_version_before_reporting_and_handing_off(fresh_db_url: str) -> None:
+    """0032 makes the hand-off an argument of `fanin_report_terminal_v2`. Between the migration and their restart,
+    the workers of version 31 go on: a role granted the old report functions may call the new ones (before
+    grants.sql runs again), and the old `fanin_report_terminal`, which those workers still call with their session
+    settings, hands a completed batch's successor to them as it did; without the settings it leaves it to the
+    relay, due at once."""
+    suffix = uuid.uuid4().hex[:8]
+    worker, other = f"fanin_upgrade_w_{suffix}", f"fanin_upgrade_o_{suffix}"
+    old = (
+        "fanin_report_terminal(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer,"
+        " text)"
+    )
+    old_unrun = "fanin_report_unrun(text, uuid, integer, text, text, text, text)"
+    new = {
+        "fanin_report_terminal_v2(text, uuid, integer, text, text, bytea, text, text, text, text, timestamptz, integer,"
+        " text, double precision)",
+        "fanin_report_unrun_v2(text, uuid, integer, text, text, text, text, double precision)",
+    }
+    engine = make_engine(fresh_db_url)
+    try:
+        _migrated_by_an_older_release(engine, 31)
+        with engine.begin() as conn:
+            for role in (worker, other):
+                conn.exec_driver_sql(f'CREATE ROLE "{role}"')  # generated identifiers
+            conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {old} TO "{worker}"')
+            conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {old_unrun} TO "{worker}"')
+        assert [m.version for m in migrate.migrate(engine)] == [v for v in EXPECTED_VERSIONS if v > 31]
+        with engine.connect() as conn:
+            for fn in new:
+                may = {
+                    role: conn.execute(
+                        text("SELECT has_function_privilege(:r, :f, 'EXECUTE')"), {"r": role, "f": fn}
+                    ).scalar_one()
+                    for role in (worker, other)
+                }
+                assert may == {worker: True, other: False}, fn
+
+        due: dict[bool, bool] = {}
+        for publishes in (True, False):
+            batch, children, _ = create(engine, 1)
+            with engine.begin() as conn:
+                if publishes:  # what a worker of version 31 said once per session
+                    conn.execute(text("SELECT set_config('fanin.successor_publisher', 'worker', true)"))
+                    conn.execute(text("SELECT set_config('fanin.successor_handoff', '30', true)"))
+                counted, created = conn.execute(
+                    text(
+                        "SELECT counted, successor_created FROM fanin_report_terminal(:t, :b, 0, :n, 'succeeded',"
+                        " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+                    ),
+                    {"t": children[0].task_id, "b": batch.id, "n": children[0].task_name},
+                ).one()
+                assert counted and created
+                due[publishes] = conn.execute(
+                    text("SELECT available_at <= now() FROM fanin_outbox WHERE batch_id = :b"), {"b": batch.id}
+                ).scalar_one()
+        assert due == {True: False, False: True}, "handed to the old worker for 30 s; else the relay's at once"
     finally:
         with engine.begin() as conn:
             for role in (worker, other):
