@@ -61,10 +61,11 @@ def _store(fanin: FanIn, what: str, fn: Callable[[Runner], T]) -> T:
 
 
 def _read(fanin: FanIn, what: str, fn: Callable[[Connection], T]) -> T:
-    """A read through the app's engine (the outcome's queries are SQLAlchemy's), retried as `_store` is."""
+    """A read through the app's engine (the outcome's queries are SQLAlchemy's), in autocommit (no BEGIN and
+    ROLLBACK around it), retried as `_store` is."""
 
     def once() -> T:
-        with fanin.engine.connect() as conn:
+        with fanin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             return fn(conn)
 
     return retry.call(once, what=what, timeout=float(fanin.settings.report_timeout))
