@@ -76,7 +76,8 @@ def connect_options(url: str) -> dict[str, int]:
 class ReportConnection:
     """The worker's one transport for its runtime statements (a `statements.Runner`): a child's terminal outcome,
     starts and traceback, below; a successor's admission, hand-over, lease renewals and end (`store.successors`);
-    the successor handed to it (`store.outbox`). Every error is psycopg's own (the callers retry them)."""
+    the successor handed to it (`store.outbox`). A statement that raises, whatever the exception, drops the
+    connection; the callers retry psycopg's errors."""
 
     def __init__(self, sqlalchemy_url: str) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
@@ -98,9 +99,11 @@ class ReportConnection:
         text, names = statement.positional
         try:
             row = cursor.execute(text, [params[name] for name in names]).fetchone()
-        except psycopg.Error:
+        except BaseException:
             # Whatever the error: a broken connection, but also a read-only session (25006, a failover), which
-            # stays on that server until it reconnects; the next attempt opens a new one.
+            # stays on that server until it reconnects; the next attempt opens a new one. Not only psycopg's: an
+            # exception raised into the wait (a soft time limit, a gevent Timeout) leaves the connection busy with a
+            # result nobody reads, and the thread's next statement would fail on it.
             self.reset()
             raise
         assert row is not None  # every statement sent through `one` returns exactly one row
@@ -113,7 +116,7 @@ class ReportConnection:
         text, names = statement.positional
         try:
             return cursor.execute(text, [params[name] for name in names]).fetchall()
-        except psycopg.Error:
+        except BaseException:  # as in `one`
             self.reset()
             raise
 

@@ -21,7 +21,7 @@ import functools
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
@@ -155,6 +155,11 @@ class Model:
     aborted: Counter[str] = field(default_factory=Counter)
     # Trees prune has begun to delete (leaf by leaf): between its transactions, the root has lost children.
     pruning: set[uuid.UUID] = field(default_factory=set)
+    # Children that stand for a nested batch (its `parent_task_id`): its successor's end reports them.
+    nested: set[str] = field(default_factory=set)
+    # Batches whose successor a report of a worker that publishes its successors created (`handoff` not None): the
+    # only successors that may be handed to a worker (their outbox row not yet due for the relay).
+    handed: set[uuid.UUID] = field(default_factory=set)
 
 
 OPTIONS = st.fixed_dictionaries(
@@ -320,11 +325,31 @@ class ProtocolMachine(RuleBasedStateMachine):
         for batch_id, child, idx in placed:
             self.m.children[child.task_id] = Child(child.task_id, root.batch.id, batch_id, idx)
 
-    @rule(n=st.integers(0, 4), opts=OPTIONS, leaves=st.sampled_from([0, 0, 1, 2, 3]), pick=PICK, hold=HOLD)
+    def _outer_child(self, pick: int) -> Child | None:
+        """A child not counted yet that no nested batch stands for: one a nested batch may stand for. The last such
+        child of its batch first, so that the nested successor's end completes the outer batch in a few steps."""
+        free = [c for c in self.m.children.values() if not self.m.counted[c.task_id] and c.task_id not in self.m.nested]
+        per_root = Counter(c.root for c in free)
+        last = [c for c in free if per_root[c.root] == 1]
+        return self._pick(last or free, pick) if free else None
+
+    @rule(
+        n=st.integers(0, 4),
+        opts=OPTIONS,
+        leaves=st.sampled_from([0, 0, 1, 2, 3]),
+        pick=PICK,
+        hold=HOLD,
+        nest=st.sampled_from([False, False, True]),
+    )
     @_when(has_idle)
-    def create(self, n: int, opts: dict[str, Any], leaves: int, pick: int, hold: bool) -> None:
-        """A list: the batch and its children in one transaction (`create_batch`), flat or as a tree."""
+    def create(self, n: int, opts: dict[str, Any], leaves: int, pick: int, hold: bool, nest: bool = False) -> None:
+        """A list: the batch and its children in one transaction (`create_batch`), flat or as a tree; `nest`, a
+        nested fan-in standing for a child of another batch, which its successor's end reports (`record_state`)."""
         batch = self._new_batch(opts)
+        outer = self._outer_child(pick) if nest else None
+        if outer is not None:
+            batch = replace(batch, parent_task_id=outer.task_id)
+            self.m.nested.add(outer.task_id)
         children = self._new_children(batch, 0, n, opts["expires"])
         leaves = min(leaves, n)
         root = Root(batch, "tree" if leaves else "flat")
@@ -470,11 +495,15 @@ class ProtocolMachine(RuleBasedStateMachine):
             "t.other" if claim == "task_name" else child.task_name,
         )
 
+        said: dict[str, float | None] = {}
+
         def fn(conn: Connection) -> batches.TerminalRecord:
-            handoff = conn.info.get("handoff")  # this session's worker's (`__init__`)
+            handoff = said["handoff"] = conn.info.get("handoff")  # this session's worker's (`__init__`)
             return record_terminal(Held(conn), child.task_id, state, exc_type=None, claim=named, handoff=handoff)
 
         def done(rec: batches.TerminalRecord) -> None:
+            if rec.successor_created and said.get("handoff") is not None:
+                self.m.handed.add(child.root)
             if claim != "right" and rec.counted:
                 raise Violation(f"a report naming the wrong {claim} counted child {child.task_id}")
             if claim == "right" and not rec.counted and not rec.late and self._exists(child.task_id):
@@ -1065,16 +1094,26 @@ class SuccessorGuardMachine(ProtocolMachine):
     after its children are counted, so the states these rules need (a replaced successor, a live run and a copy's
     event) come up too rarely in a CI budget to find a breakage of them; here a few dozen steps do."""
 
-    @initialize(opts=OPTIONS, n=st.integers(1, 2), start=st.sampled_from(["carried", "replaced", "sent"]))
-    def seed(self, opts: dict[str, Any], n: int, start: str) -> None:
+    @initialize(
+        opts=OPTIONS,
+        n=st.integers(1, 2),
+        start=st.sampled_from(["carried", "replaced", "sent"]),
+        nested=st.sampled_from([False, False, True]),
+    )
+    def seed(self, opts: dict[str, Any], n: int, start: str, nested: bool = False) -> None:
         """The batches, the first one's successor already `start`: `replaced` (its first run handed over to a
         carrier) or `carried` (that carrier's run live). Those states take three steps that each draw one option of
-        many, so a search of a CI budget reached them in too few examples (2026-12-04) to find breakages of them."""
-        for _ in range(n):
-            self.create.__wrapped__(self, n=0, opts=opts, leaves=0, pick=0, hold=False)  # type: ignore[attr-defined]
+        many, so a search of a CI budget reached them in too few examples (2026-12-04) to find breakages of them.
+        `nested`: the first batch is a nested fan-in standing for the one child of an outer batch, so that its
+        successor's end completes that batch (the whole model reaches that in too few examples as well)."""
+        create = self.create.__wrapped__  # type: ignore[attr-defined]
+        if nested:
+            create(self, n=1, opts=opts, leaves=0, pick=0, hold=False)
+        for i in range(n):
+            create(self, n=0, opts=opts, leaves=0, pick=0, hold=False, nest=nested and i == 0)
         if start == "sent":
             return
-        first = list(self.m.roots.values())[0]
+        first = list(self.m.roots.values())[1 if nested else 0]
         claim = getattr(ProtocolMachine.claim_run, "__wrapped__")  # noqa: B009 - the rule's own function
         roots = [r.batch.id for r in self._successor_roots()]
         if first.batch.id not in roots:
@@ -1246,6 +1285,15 @@ def check_database(conn: Connection, m: Model) -> None:
             problems.append(f"successor of {s.batch_id} has runs = {s.runs}, the model admitted {runs.admitted}")
     if orphan_outbox:
         problems.append(f"outbox rows without a successor: {[r[0] for r in orphan_outbox]}")
+    # Handed to a worker (not yet due for the relay, never tried): only a successor that a report of a worker that
+    # publishes it created. Any other (a nested successor's end completing the outer batch, a seal, reconciliation,
+    # recovery) is the relay's at once, or nobody publishes it for the handoff's length.
+    handed = conn.execute(
+        text("SELECT batch_id FROM fanin_outbox WHERE sent_at IS NULL AND attempts = 0 AND available_at > now()")
+    ).scalars()
+    for bid in handed:
+        if bid not in m.handed and bid not in m.pruning:
+            problems.append(f"batch {bid}'s successor is handed to a worker, but no worker's report created it")
     for task_id, n in m.counted.items():
         if n > 1:
             problems.append(f"child {task_id} counted {n} times")

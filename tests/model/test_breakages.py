@@ -166,6 +166,14 @@ BREAKAGES = [
         "OR (s.run_owner = p_dead_owner)",
         function=CLAIM_RUN,
     ),
+    Breakage(
+        "a nested successor's end hands the outer batch's successor to a worker (a handoff, not NULL, in the report"
+        " a successor's end makes)",
+        "p_started_at, p_attempt, p_worker,\n                                    NULL) r;",
+        "p_started_at, p_attempt, p_worker,\n                                    3600) r;",
+        function="fanin_record_terminal_v2(text, text, bytea, text, text, text, text, timestamptz, integer, text)",
+        machine=SuccessorGuardMachine,
+    ),
 ]
 
 

@@ -506,6 +506,52 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
         assert state.scalar_one() == "sent"
 
 
+def test_a_nested_successor_s_end_on_a_handing_off_worker_leaves_the_outer_successor_to_the_relay_at_once(
+    store_engine: Engine, listener: psycopg.Connection, clean_db: str
+) -> None:
+    """Migration 0032's reason: a worker that publishes its successors hands off only those its child reports
+    create. A nested batch's successor ends on the same report connection (`successors.record_state`), and that end
+    reports the outer child; when it completes the outer batch, nobody on this worker will publish the outer
+    successor, so its outbox row is due for the relay now and the relay is woken (NOTIFY). Before 0032 a session
+    setting made every statement of that connection hand off, and the outer successor waited out the handoff."""
+    from celery_fanin.store import successors
+    from celery_fanin.store.reports import ReportConnection
+
+    url = store_engine.url.render_as_string(hide_password=False)
+    outer, (outer_child,), _ = create(store_engine, 1)
+    inner, (inner_child,) = new_batch(1)
+    inner = dataclasses.replace(inner, parent_task_id=outer_child.task_id)
+    with store_engine.begin() as conn:
+        batches.create_batch(conn, inner, [inner_child])
+    reports = ReportConnection(url)
+    try:
+        # The inner child's report, as a worker that publishes its successors makes it: handed off, no NOTIFY.
+        done = record_terminal(
+            reports, inner_child.task_id, "succeeded", claim=batches.Claim(str(inner.id), 0, "t.child"), handoff=60.0
+        )
+        assert done.successor_created
+        assert _outbox_row(store_engine, inner.id)["handed_off"]
+        assert notifications_until_sentinel(listener, clean_db) == []
+        # The inner successor runs on this worker and ends, on the same connection: the outer batch completes.
+        run = successors.claim_run(
+            reports, inner.id, inner.step, inner.successor_task_id, 0, lease=60.0, grace=60.0, owner="h:m:1:1"
+        )
+        assert isinstance(run, successors.Run)
+        assert successors.record_state(
+            reports, inner.id, inner.step, "succeeded", run=run.number, result=json_encoded({"inner": "done"})
+        )
+    finally:
+        reports.reset()
+    with store_engine.connect() as conn:
+        counted = fetch_one(conn, "SELECT state FROM fanin_children WHERE task_id = :t", t=outer_child.task_id)
+    assert counted == {"state": "succeeded"}
+    row = _outbox_row(store_engine, outer.id)
+    assert not row["sent"] and not row["handed_off"], (
+        "the outer successor was handed to a worker that will not publish it"
+    )
+    assert notifications_until_sentinel(listener, clean_db) == [str(row["id"])], "the relay was not woken"
+
+
 def test_the_report_that_hands_off_a_successor_returns_it_as_a_claim_reads_it(store_engine: Engine) -> None:
     """Migration 0025: the completing report's statement returns the successor it handed to its session
     (`fanin_handed_off`, called after the report function in the same statement, sees what that function

@@ -228,3 +228,53 @@ def test_a_successor_admission_that_meets_a_lock_timeout_is_retried_not_refused(
             if admitted and admitted[0] is not None:
                 successor_runs.abandon(admitted[0])
             fanin.dispose()
+
+
+class _SoftTimeLimit(Exception):
+    """Stands for Celery's `SoftTimeLimitExceeded`: raised by a SIGUSR1 handler, not a psycopg error."""
+
+
+def test_a_statement_interrupted_by_another_exception_leaves_the_next_statement_a_working_connection(
+    store_engine: Engine, clean_db: str
+) -> None:
+    """A soft time limit (SIGUSR1 in a prefork pool process) can raise while a report waits for its reply. The
+    connection is then busy with a result nobody reads: it is dropped, so that the thread's next statement (a
+    mark-sent or a relay wake-up, tried once) runs on a new one instead of failing with "another command is already
+    in progress". The interrupted report itself was committed by the server."""
+    import os
+    import signal
+
+    from celery_fanin.store import batches
+    from celery_fanin.store.reports import ReportConnection, note_traceback, record_terminal
+
+    batch, (child,), _ = create(store_engine, 1)
+    reports = ReportConnection(clean_db)
+    holder = psycopg.connect(clean_db)  # holds the batch's row, so that the report waits for its reply
+    holder.execute("SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE", (batch.id,))
+
+    def interrupt(*_: object) -> None:
+        raise _SoftTimeLimit("soft time limit")
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(_SoftTimeLimit):
+            record_terminal(reports, child.task_id, "succeeded", claim=batches.Claim(str(batch.id), 0, child.task_name))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        holder.rollback()
+        holder.close()
+
+    def state() -> str:
+        with store_engine.connect() as conn:
+            return str(
+                conn.execute(text("SELECT state FROM fanin_batches WHERE id = :i"), {"i": batch.id}).scalar_one()
+            )
+
+    wait_for(lambda: state() == "complete", 10, message="the interrupted report committed by the server")
+    try:
+        note_traceback(reports, "no-such-task", "tb")  # the thread's next statement, tried once by its callers
+    finally:
+        reports.reset()
