@@ -371,7 +371,7 @@ def test_a_main_process_report_does_not_hold_the_event_loop(
         20,
         message="the revoked report recorded",
     )
-    assert report.background.flush(5)
+    assert report.background().flush(5)
     # The handler made no other attempt: the reports thread's last one recorded it.
     assert report_attempts.count(handler) == 1 and report_attempts[-1] == "celery-fanin-reports"
     with direct.connect() as conn:

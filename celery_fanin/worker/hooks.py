@@ -217,7 +217,7 @@ class WorkerHooks(middleware.Middleware):
     def worker_shutdown(self, **_: Any) -> None:
         """Give the starts and the reports still queued a few seconds to reach the store."""
         starts.flush_all(timeout=5.0)
-        if not report.background.flush(timeout=10.0):
+        if not report.background().flush(timeout=10.0):
             logger.warning(
                 "reports still waiting for the store at shutdown: reconciliation and child_timeout settle them"
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -20,6 +19,7 @@ from .. import retry
 from ..context import FanIn
 from ..store import reports
 from ..store.reports import ReportConnection
+from . import process
 
 logger = logging.getLogger("celery_fanin.hooks")
 
@@ -78,7 +78,7 @@ def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any], batch_id: 
             _permanent(kind, what)
             return None
         logger.warning("cannot record %s now (%s); retrying off the event loop", what, retry.brief(exc))
-        background.submit(lambda: _wake_if_created(fanin, batch_id, _send_waiting(kind, what, once, timeout)))
+        background().submit(lambda: _wake_if_created(fanin, batch_id, _send_waiting(kind, what, once, timeout)))
         return None
 
 
@@ -115,14 +115,10 @@ class BackgroundReports:
         self._queue: queue.Queue[Callable[[], Any]] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._pid: int | None = None
 
     def submit(self, job: Callable[[], Any]) -> None:
         with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                if self._pid != os.getpid():
-                    self._queue = queue.Queue()  # a forked copy: the parent's queued reports are the parent's
-                self._pid = os.getpid()
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="celery-fanin-reports", daemon=True)
                 self._thread.start()
             self._queue.put(job)
@@ -140,8 +136,6 @@ class BackgroundReports:
 
     def flush(self, timeout: float) -> bool:
         """Wait until every report queued so far was sent or given up; False if `timeout` passed first."""
-        if self._pid != os.getpid():
-            return True  # nothing submitted in this process (a pool process inherits the parent's queue object)
         deadline = time.monotonic() + timeout
         jobs = self._queue
         with jobs.all_tasks_done:
@@ -153,7 +147,11 @@ class BackgroundReports:
         return True
 
 
-background = BackgroundReports()
+def background() -> BackgroundReports:
+    """This process's background reports (`worker.process`: made anew in a forked pool process)."""
+    return process.held(BackgroundReports)
+
+
 _loop = threading.local()  # `active` while a main-process (event loop) signal handler runs
 
 

@@ -8,7 +8,6 @@ the relay's expiry sweep reads a child with no start as one no worker took (docs
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -20,6 +19,7 @@ from .. import retry
 from ..context import FanIn
 from ..store import reports
 from ..store.batches import Start
+from . import process
 
 logger = logging.getLogger("celery_fanin.starts")
 
@@ -60,18 +60,12 @@ class StartRecorder:
         self._cond = threading.Condition()
         self._idle = False  # the writer waits for a stretch's first start: only then must `add` wake it
         self._thread: threading.Thread | None = None
-        self._pid: int | None = None
 
     def add(self, start: Start) -> None:
         with self._cond:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                # First start in this process (or a forked copy, whose parent's thread does not exist here).
-                self._pending.clear()
-                self._inflight = []
+            if self._thread is None or not self._thread.is_alive():  # the first start (this object is per process)
                 self._sending = False
-                self._refused = 0
                 self._idle = False
-                self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._run, name="celery-fanin-starts", daemon=True)
                 self._thread.start()
             if len(self._pending) + len(self._inflight) >= MAX_QUEUED:
@@ -97,8 +91,6 @@ class StartRecorder:
         A start in a statement being retried is taken too, between attempts; one in a statement on its way is not
         (both would count the run): that statement records it, even after the terminal report."""
         with self._cond:
-            if self._pid != os.getpid():
-                return None
             for i in range(len(self._pending) - 1, -1, -1):  # the newest first: it is almost always the last one
                 if self._pending[i].start.task_id == task_id:
                     queued = self._pending[i]
@@ -114,7 +106,7 @@ class StartRecorder:
     def queued(self) -> int:
         """How many starts are waiting to be written (in this process)."""
         with self._cond:
-            return len(self._pending) + len(self._inflight) if self._pid == os.getpid() else 0
+            return len(self._pending) + len(self._inflight)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every start added so far is written (or dropped); False if `timeout` passed first."""
@@ -125,7 +117,7 @@ class StartRecorder:
             try:
                 while self._pending or self._inflight:
                     left = deadline - time.monotonic()
-                    if left <= 0 or self._pid != os.getpid():
+                    if left <= 0:
                         return False
                     self._cond.wait(left)
                 return True
@@ -215,16 +207,28 @@ class StartRecorder:
             )
 
 
-_recorders: weakref.WeakKeyDictionary[FanIn, StartRecorder] = weakref.WeakKeyDictionary()
-_recorders_lock = threading.Lock()
+class _Recorders:
+    """This process's recorders, one per app (`worker.process`: made anew in a forked pool process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_app: weakref.WeakKeyDictionary[FanIn, StartRecorder] = weakref.WeakKeyDictionary()
 
 
 def recorder(fanin: FanIn) -> StartRecorder:
-    with _recorders_lock:
-        found = _recorders.get(fanin)
+    held = process.held(_Recorders)
+    with held.lock:
+        found = held.by_app.get(fanin)
         if found is None:
-            found = _recorders[fanin] = StartRecorder(fanin, float(fanin.settings.start_write_interval))
+            found = held.by_app[fanin] = StartRecorder(fanin, float(fanin.settings.start_write_interval))
         return found
+
+
+def recorders() -> list[StartRecorder]:
+    """This process's recorders."""
+    held = process.held(_Recorders)
+    with held.lock:
+        return list(held.by_app.values())
 
 
 def note_start(fanin: FanIn, task_id: str, attempt: int, worker: str | None) -> None:
@@ -234,8 +238,9 @@ def note_start(fanin: FanIn, task_id: str, attempt: int, worker: str | None) -> 
 
 def take_start(fanin: FanIn, task_id: str) -> Start | None:
     """The child's start if this process queued it and has not written it yet (see `StartRecorder.take`)."""
-    with _recorders_lock:
-        found = _recorders.get(fanin)
+    held = process.held(_Recorders)
+    with held.lock:
+        found = held.by_app.get(fanin)
     return found.take(task_id) if found is not None else None
 
 
@@ -247,9 +252,7 @@ def flush_all(timeout: float = 5.0) -> None:
     only the start details of children already counted are lost; a child killed mid-run (a cold shutdown) keeps
     no start, as if it had never been taken: see docs/concepts/worker.md.
     """
-    with _recorders_lock:
-        recorders = list(_recorders.values())
-    for rec in recorders:
+    for rec in recorders():
         if not rec.flush(timeout):
             left = rec.queued()
             if left:

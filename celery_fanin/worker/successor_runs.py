@@ -30,6 +30,7 @@ from ..protocol import SuccessorState
 from ..store import outcomes, queries, successors
 from ..store.batches import Encoded
 from ..store.statements import Runner
+from . import process
 from .report import REPORTS_GIVEN_UP
 
 logger = logging.getLogger("celery_fanin.successors")
@@ -200,7 +201,7 @@ def admit(
     if run is None:
         return None
     live = LiveRun(fanin, run, carrier)
-    _heartbeat.add(live)
+    _heartbeat().add(live)
     return live
 
 
@@ -224,7 +225,7 @@ def due_at(eta: datetime | None, countdown: float | None) -> datetime:
 def hand_over(live: LiveRun, state: str, due_at: datetime | None = None, carrier: str | None = None) -> bool:
     """End the run and leave the successor to its next delivery (see `store.successors.hand_over`): for a
     replacement, only the delivery bringing `carrier`."""
-    _heartbeat.remove(live)
+    _heartbeat().remove(live)
     try:
         moved = _store(
             live.fanin,
@@ -252,12 +253,12 @@ def take_back(live: LiveRun) -> None:
         back = False
     if back:
         live.ended = False
-        _heartbeat.add(live)
+        _heartbeat().add(live)
 
 
 def abandon(live: LiveRun) -> None:
     """Stop renewing the run's lease without recording anything: the relay republishes it once it is dead."""
-    _heartbeat.remove(live)
+    _heartbeat().remove(live)
     live.ended = True
 
 
@@ -323,7 +324,7 @@ def finish(
     exc_message: str | None = None,
 ) -> bool:
     """Record the final state of the pool process's own run, fenced to it, retried like any report."""
-    _heartbeat.remove(live)
+    _heartbeat().remove(live)
     live.ended = True
     run = live.run
     try:
@@ -375,15 +376,14 @@ class _Heartbeat:
         self._lock = threading.Lock()
         self._runs: dict[int, LiveRun] = {}
         self._wake = threading.Event()
-        self._pid: int | None = None
+        self._thread: threading.Thread | None = None
 
     def add(self, live: LiveRun) -> None:
         with self._lock:
             self._runs[id(live)] = live
-            if self._pid != os.getpid():  # first run in this process (or a forked one): the thread is not here
-                self._pid = os.getpid()
-                self._wake = threading.Event()
-                threading.Thread(target=self._loop, name="fanin-successor-heartbeat", daemon=True).start()
+            if self._thread is None:  # the first run (this object is per process: `worker.process`)
+                self._thread = threading.Thread(target=self._loop, name="fanin-successor-heartbeat", daemon=True)
+                self._thread.start()
 
     def remove(self, live: LiveRun) -> None:
         with self._lock:
@@ -394,9 +394,8 @@ class _Heartbeat:
             return list(self._runs.values())
 
     def _loop(self) -> None:
-        pid = os.getpid()
         delay = 0.0
-        while self._pid == pid:
+        while True:
             self._wake.wait(delay)
             runs = self.live()
             if not runs:
@@ -434,7 +433,8 @@ class _Heartbeat:
         return True
 
 
-_heartbeat = _Heartbeat()
+def _heartbeat() -> _Heartbeat:
+    return process.held(_Heartbeat)
 
 
 def request_run(request: Any) -> LiveRun | None:

@@ -210,9 +210,7 @@ TWIN = Twin()
 
 def starts_written(timeout: float) -> bool:
     """Whether every start this process queued was written within `timeout` seconds (False: the store is cut)."""
-    with starts._recorders_lock:
-        recorders = list(starts._recorders.values())
-    return all(rec.flush(timeout) for rec in recorders)
+    return all(rec.flush(timeout) for rec in starts.recorders())
 
 
 # --- the app and its tasks ------------------------------------------------------------------------------------
@@ -382,7 +380,7 @@ class MessageMachine(RuleBasedStateMachine):
         for d in self.running:
             if d.thread is not None:
                 d.thread.join(WAIT)
-        report.background.flush(WAIT)
+        report.background().flush(WAIT)
         self._drain("teardown")
 
     # --- the broker -----------------------------------------------------------------------------------------
@@ -633,7 +631,7 @@ class MessageMachine(RuleBasedStateMachine):
                 )
         finally:
             FAULTS.local.worker = False
-        if not report.background.flush(WAIT):
+        if not report.background().flush(WAIT):
             raise Violation("a main-process report retried off the event loop did not end")
         STATS[f"event {event}"] += 1
         self._drain(f"event {event}")

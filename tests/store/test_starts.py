@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 from celery_fanin import FanIn
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection, record_starts, record_terminal
-from celery_fanin.worker import starts
+from celery_fanin.worker import process, starts
 from celery_fanin.worker.starts import StartRecorder
 from tests.sql import Held
 from tests.sql import children as child_rows
@@ -301,7 +301,7 @@ def test_starts_left_at_shutdown_are_logged(
     batch, children, _ = create(engine, 1)
     fanin = FanIn.of(app)
     recorder = StartRecorder(fanin, interval=0.0, timeout=60)
-    monkeypatch.setitem(starts._recorders, fanin, recorder)
+    monkeypatch.setitem(process.held(starts._Recorders).by_app, fanin, recorder)
     back = threading.Event()
     _Outage(recorder, failures=0, hold=back)
     with caplog.at_level(logging.WARNING, logger="celery_fanin.starts"):

@@ -1,0 +1,43 @@
+"""What one worker process keeps for itself: the objects that own a thread and a queue (the reports sent in the
+background, the start writers, the successors' lease heartbeat).
+
+Each is made on first use in a process and made again in a forked one: a prefork pool process inherits its parent's
+objects, but not their threads, and whatever they had queued is the parent's to send. This is the one place that
+knows about fork (`os.register_at_fork`); the objects themselves only start their thread when they first need it.
+What the whole worker shares, inherited by its pool processes on purpose (the signal adapter's wiring, the worker's
+key), is elsewhere: `worker.runtime` and `successor_runs.worker_key`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+_lock = threading.Lock()
+_held: dict[Callable[[], Any], Any] = {}
+
+
+def held(make: Callable[[], _T]) -> _T:
+    """This process's one object made by `make` (a class, usually): made on first use here."""
+    found = _held.get(make)  # a dict read needs no lock: only a miss does
+    if found is None:
+        with _lock:
+            found = _held.get(make)
+            if found is None:
+                found = _held[make] = make()
+    return found  # type: ignore[no-any-return]
+
+
+def _forked() -> None:
+    """In a new child process: forget the parent's objects (their threads are not here) and its lock, which a
+    parent thread may have held at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
