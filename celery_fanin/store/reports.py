@@ -7,18 +7,19 @@ they sit on every child's path: SQLAlchemy's pool checkout, statement compilatio
 as much CPU as the round trip itself. psycopg prepares them server-side after a few uses (its
 `prepare_threshold`), so a report is a Bind/Execute of a prepared plan.
 
-One connection per thread and process: created lazily, created again after a fork (a pool process never uses the
-connection it inherited), dropped after an error so that the next attempt reconnects.
+A connection per statement in flight, not per thread: a statement takes an idle one (or opens one) and gives it
+back, so a prefork process keeps one, a threads pool at most one per thread, and a gevent or eventlet pool, whose
+every task is a new greenlet, reuses a few instead of opening one per task. Connections a fork inherited are
+forgotten (never used), and one that met an error is closed, so that the next attempt reconnects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -81,52 +82,76 @@ class ReportConnection:
 
     def __init__(self, sqlalchemy_url: str) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
-        self._local = threading.local()
+        self._idle: list[_Held] = []  # connections no statement is using now, the latest returned last
+        self._pid = os.getpid()
+
+    def _take(self) -> _Held:
+        """A connection for one statement, which no other thread or greenlet uses until it is given back: the one
+        returned last, else a new one. A thread of a threads pool, a greenlet of a gevent or eventlet pool (a new one
+        per task) and a prefork pool process all reuse what the statement before them returned."""
+        if self._pid != os.getpid():
+            # A forked copy: the inherited connections' sockets belong to the parent. Forgotten, never closed here.
+            self._idle, self._pid = [], os.getpid()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
+            return _Held(conn, conn.cursor())
 
     def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
-        conn: psycopg.Connection[tuple[Any, ...]] | None = getattr(self._local, "conn", None)
-        if conn is not None and getattr(self._local, "pid", None) == os.getpid() and not conn.closed:
-            return conn
-        # An inherited connection's socket belongs to the parent: forget it without closing it.
-        conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
-        self._local.conn, self._local.pid, self._local.cursor = conn, os.getpid(), conn.cursor()
-        return conn
+        """The connection the next statement of this thread will use (for tests that change its session)."""
+        held = self._take()
+        self._idle.append(held)
+        return held.conn
 
     def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
-        """Run one statement on this thread's connection, its own transaction (autocommit); its one row."""
-        self._connection()
-        cursor: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor  # made with the connection, kept with it
-        text, names = statement.positional
-        try:
-            row = cursor.execute(text, [params[name] for name in names]).fetchone()
-        except BaseException:
-            # Whatever the error: a broken connection, but also a read-only session (25006, a failover), which
-            # stays on that server until it reconnects; the next attempt opens a new one. Not only psycopg's: an
-            # exception raised into the wait (a soft time limit, a gevent Timeout) leaves the connection busy with a
-            # result nobody reads, and the thread's next statement would fail on it.
-            self.reset()
-            raise
-        assert row is not None  # every statement sent through `one` returns exactly one row
-        return row
+        """Run one statement on a connection of its own, its own transaction (autocommit); its one row."""
+        rows = self._run(statement, params, one=True)
+        assert rows, "every statement sent through `one` returns exactly one row"
+        return rows[0]
 
     def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
         """Run one statement as `one` does; all its rows."""
-        self._connection()
-        cursor: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor
+        return self._run(statement, params, one=False)
+
+    def _run(self, statement: Statement, params: Mapping[str, object], *, one: bool) -> list[tuple[Any, ...]]:
+        held = self._take()
         text, names = statement.positional
         try:
-            return cursor.execute(text, [params[name] for name in names]).fetchall()
-        except BaseException:  # as in `one`
-            self.reset()
+            cursor = held.cursor.execute(text, [params[name] for name in names])
+            if one:
+                row = cursor.fetchone()
+                rows = [] if row is None else [row]
+            else:
+                rows = cursor.fetchall()
+        except BaseException:
+            # Whatever the error, the connection is closed, not given back: a broken one, but also a read-only
+            # session (25006, a failover), which stays on that server, and one that an exception raised into the
+            # wait (a soft time limit, a gevent Timeout) left busy with a result nobody reads. The next attempt
+            # takes another, or opens a new one.
+            with contextlib.suppress(psycopg.Error):
+                held.conn.close()
             raise
+        self._idle.append(held)
+        return rows
 
     def reset(self) -> None:
-        """Drop this thread's connection (after an error, or at shutdown); the next report reconnects."""
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = self._local.cursor = None
-        if conn is not None and getattr(self._local, "pid", None) == os.getpid():
+        """Close the connections no statement is using (at shutdown, or to start afresh); the next one reconnects."""
+        if self._pid != os.getpid():
+            self._idle, self._pid = [], os.getpid()
+            return
+        while True:
+            try:
+                held = self._idle.pop()
+            except IndexError:
+                return
             with contextlib.suppress(psycopg.Error):
-                conn.close()
+                held.conn.close()
+
+
+class _Held(NamedTuple):
+    conn: psycopg.Connection[tuple[Any, ...]]
+    cursor: psycopg.Cursor[tuple[Any, ...]]  # made with the connection, kept with it
 
 
 # --- the workers' report statements, each defined once (run by a `Runner`: the worker's `ReportConnection`) -----

@@ -1,0 +1,89 @@
+"""The workers' report connection (`store.reports.ReportConnection`): a connection per statement in flight, not per
+thread, so that pools whose tasks each run in a new thread of control (a gevent or eventlet greenlet) reuse a few
+connections instead of opening one per task (found by the review of the store gateway, 2026-12-05)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from celery_fanin.store.reports import ReportConnection
+from celery_fanin.store.statements import Statement
+
+BACKEND = Statement("backend", "this session's server process", "SELECT pg_backend_pid()")
+
+
+@pytest.mark.timeout(60)
+def test_short_lived_threads_one_after_another_share_one_connection(clean_db: str) -> None:
+    reports = ReportConnection(clean_db)
+    pids: list[int] = []
+    try:
+        for _ in range(30):
+            t = threading.Thread(target=lambda: pids.append(reports.one(BACKEND, {})[0]))
+            t.start()
+            t.join(10)
+        assert len(pids) == 30 and len(set(pids)) == 1, f"{len(set(pids))} connections for 30 threads in turn"
+    finally:
+        reports.reset()
+
+
+@pytest.mark.timeout(60)
+def test_statements_in_flight_together_each_have_a_connection_of_their_own(clean_db: str) -> None:
+    """No two statements share a connection at once (psycopg would refuse the second: "another command is already
+    in progress"); afterwards the connections are reused, not opened again."""
+    reports = ReportConnection(clean_db)
+    sleep = Statement("sleep", "a statement that stays in flight", "SELECT pg_backend_pid() FROM pg_sleep(0.3)")
+    barrier = threading.Barrier(6)
+    pids: list[int] = []
+    errors: list[BaseException] = []
+
+    def report() -> None:
+        try:
+            barrier.wait(10)
+            pids.append(reports.one(sleep, {})[0])
+        except BaseException as exc:  # noqa: BLE001 - kept for the assertion below
+            errors.append(exc)
+
+    try:
+        for _ in range(2):
+            threads = [threading.Thread(target=report) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+        assert not errors, errors
+        assert len(pids) == 12 and len(set(pids[:6])) == 6, "two statements in flight shared a connection"
+        assert set(pids[6:]) == set(pids[:6]), "the second round opened connections instead of reusing them"
+    finally:
+        reports.reset()
+
+
+@pytest.mark.timeout(120)
+def test_a_gevent_pool_s_tasks_reuse_a_few_connections(clean_db: str) -> None:
+    """Under gevent (as `celery worker -P gevent` patches it), each task is a new greenlet and `threading.local` is
+    per greenlet: 100 tasks, 8 at a time, use at most 8 connections (one per task before)."""
+    script = textwrap.dedent(
+        f"""
+        from gevent import monkey; monkey.patch_all()
+        import gevent.pool
+        from celery_fanin.store.reports import ReportConnection
+        from celery_fanin.store.statements import Statement
+        reports = ReportConnection({clean_db!r})
+        st = Statement("backend", "", "SELECT pg_backend_pid() FROM pg_sleep(0.01)")
+        pids = []
+        pool = gevent.pool.Pool(8)
+        for _ in range(100):
+            pool.spawn(lambda: pids.append(reports.one(st, {{}})[0]))
+        pool.join()
+        reports.reset()
+        print(len(pids), len(set(pids)))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0, done.stderr
+    statements, connections = map(int, done.stdout.split())
+    assert statements == 100 and 1 <= connections <= 8, f"{connections} connections for 100 greenlet tasks"
