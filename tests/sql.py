@@ -17,6 +17,14 @@ from celery_fanin import FanIn
 from celery_fanin.store.reports import libpq_conninfo
 from celery_fanin.store.statements import Statement
 
+# Statements a test sends through a `Runner` (a worker's report connection) to see or change its session.
+BACKEND = Statement("backend", "the session's server process", "SELECT pg_backend_pid()")
+READ_ONLY = Statement(
+    "read_only",
+    "the session refuses writes (25006), as after a failover",
+    "SELECT set_config('default_transaction_read_only', 'on', false)",
+)
+
 
 def rows(app: Any, sql: str, **params: Any) -> list[Any]:
     """Run one statement in its own transaction; the rows it returns (none for a statement without)."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -74,6 +74,9 @@ def connect_options(url: str) -> dict[str, int]:
     return {k: v for k, v in CONNECT_OPTIONS.items() if k not in given}
 
 
+_R = TypeVar("_R")
+
+
 class ReportConnection:
     """The worker's one transport for its runtime statements (a `statements.Runner`): a child's terminal outcome,
     starts and traceback, below; a successor's admission, hand-over, lease renewals and end (`store.successors`);
@@ -98,32 +101,23 @@ class ReportConnection:
             conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
             return _Held(conn, conn.cursor())
 
-    def _connection(self) -> psycopg.Connection[tuple[Any, ...]]:
-        """The connection the next statement of this thread will use (for tests that change its session)."""
-        held = self._take()
-        self._idle.append(held)
-        return held.conn
-
     def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
         """Run one statement on a connection of its own, its own transaction (autocommit); its one row."""
-        rows = self._run(statement, params, one=True)
-        assert rows, "every statement sent through `one` returns exactly one row"
-        return rows[0]
+        row = self._run(statement, params, psycopg.Cursor.fetchone)
+        assert row is not None, "every statement sent through `one` returns exactly one row"
+        return row
 
     def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
         """Run one statement as `one` does; all its rows."""
-        return self._run(statement, params, one=False)
+        return self._run(statement, params, psycopg.Cursor.fetchall)
 
-    def _run(self, statement: Statement, params: Mapping[str, object], *, one: bool) -> list[tuple[Any, ...]]:
+    def _run(
+        self, statement: Statement, params: Mapping[str, object], fetch: Callable[[psycopg.Cursor[Any]], _R]
+    ) -> _R:
         held = self._take()
         text, names = statement.positional
         try:
-            cursor = held.cursor.execute(text, [params[name] for name in names])
-            if one:
-                row = cursor.fetchone()
-                rows = [] if row is None else [row]
-            else:
-                rows = cursor.fetchall()
+            result = fetch(held.cursor.execute(text, [params[name] for name in names]))
         except BaseException:
             # Whatever the error, the connection is closed, not given back: a broken one, but also a read-only
             # session (25006, a failover), which stays on that server, and one that an exception raised into the
@@ -133,7 +127,7 @@ class ReportConnection:
                 held.conn.close()
             raise
         self._idle.append(held)
-        return rows
+        return result
 
     def reset(self) -> None:
         """Close the connections no statement is using (at shutdown, or to start afresh); the next one reconnects."""

@@ -2,8 +2,9 @@
 background, the start writers, the successors' lease heartbeat).
 
 Each is made on first use in a process and made again in a forked one: a prefork pool process inherits its parent's
-objects, but not their threads, and whatever they had queued is the parent's to send. This is the one place that
-knows about fork (`os.register_at_fork`); the objects themselves only start their thread when they first need it.
+objects, but not their threads, and whatever they had queued is the parent's to send. This is the one place in the
+worker that knows about fork (`os.register_at_fork`); the objects themselves only start their thread when they
+first need it. (Below the worker, the app's engine and report connection each forget inherited connections.)
 What the whole worker shares, inherited by its pool processes on purpose (the signal adapter's wiring, the worker's
 key), is elsewhere: `worker.runtime` and `successor_runs.worker_key`.
 """

@@ -13,8 +13,7 @@ import pytest
 
 from celery_fanin.store.reports import ReportConnection
 from celery_fanin.store.statements import Statement
-
-BACKEND = Statement("backend", "this session's server process", "SELECT pg_backend_pid()")
+from tests.sql import BACKEND
 
 
 @pytest.mark.timeout(60)

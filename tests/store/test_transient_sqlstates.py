@@ -28,7 +28,7 @@ from celery_fanin.store.reports import record_starts
 from celery_fanin.store.statements import Runner
 from celery_fanin.worker import successor_runs
 from tests.session_roles import session_role
-from tests.sql import Held
+from tests.sql import BACKEND, READ_ONLY, Held
 from tests.workers import wait_for
 
 from .helpers import create
@@ -166,12 +166,12 @@ def test_a_successor_run_statement_on_a_read_only_session_is_retried_on_a_new_on
     on the report connection (`FanIn.reports`), which drops its session after 25006, so the retry reaches one that
     takes writes."""
     runs = short_reports.reports
-    runs._connection().execute("SET default_transaction_read_only = on")
-    stale = runs._connection().info.backend_pid
+    runs.one(READ_ONLY, {})  # on the connection its next statement takes (the one given back last)
+    stale = runs.one(BACKEND, {})[0]
     pids: list[int] = []
 
     def count(runner: Runner) -> None:
-        pids.append(runs._connection().info.backend_pid)
+        pids.append(runs.one(BACKEND, {})[0])
         successors.count_duplicate(runner, uuid.uuid4(), "then")  # a write: refused on a read-only session
 
     successor_runs._store(short_reports, "counting a duplicate", count)
@@ -184,12 +184,12 @@ def test_the_report_connection_reconnects_after_a_read_only_session(short_report
     """The workers' report connection (store.reports) drops its connection after 25006, as after any error, so the
     retry of a report reaches a session that takes writes."""
     reports = short_reports.reports
-    reports._connection().execute("SET default_transaction_read_only = on")
-    stale = reports._connection().info.backend_pid
+    reports.one(READ_ONLY, {})  # on the connection its next statement takes (the one given back last)
+    stale = reports.one(BACKEND, {})[0]
     pids: list[int] = []
 
     def record() -> int:
-        pids.append(reports._connection().info.backend_pid)
+        pids.append(reports.one(BACKEND, {})[0])
         return record_starts(reports, [Start(f"no-such-{uuid.uuid4()}", 0, "w", datetime.now(timezone.utc))])
 
     assert retry.call(record, what="recording a start", timeout=5) == 0
