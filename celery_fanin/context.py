@@ -399,8 +399,9 @@ class FanIn:
 
     @property
     def reports(self) -> ReportConnection:
-        """The worker's one connection for its runtime statements: a child's start and terminal reports, a successor
-        run's admission, hand-over, renewals and end (see `store.reports`)."""
+        """The worker's one transport (its connections, one per statement in flight) for its runtime statements: a
+        child's start and terminal reports, a successor run's admission, hand-over, renewals and end (see
+        `store.reports`)."""
         reports = self._reports
         if reports is None:
             with self._engine_lock:

@@ -8,9 +8,11 @@ as much CPU as the round trip itself. psycopg prepares them server-side after a 
 `prepare_threshold`), so a report is a Bind/Execute of a prepared plan.
 
 A connection per statement in flight, not per thread: a statement takes an idle one (or opens one) and gives it
-back, so a prefork process keeps one, a threads pool at most one per thread, and a gevent or eventlet pool, whose
-every task is a new greenlet, reuses a few instead of opening one per task. Connections a fork inherited are
-forgotten (never used), and one that met an error is closed, so that the next attempt reconnects.
+back. A prefork pool process keeps up to three (its task's reports, its start writer, a successor's lease
+heartbeat); a threads, gevent or eventlet pool at most one per statement running at once, reused from task to task
+(a gevent or eventlet task is a new greenlet). Connections a fork inherited are forgotten (never used); one that met
+an error is closed, and after a lost server (a restart, a failover) the idle ones with it, so that the retry
+reconnects at once.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class ReportConnection:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
         self._idle: list[_Held] = []  # connections no statement is using now, the latest returned last
         self._pid = os.getpid()
+        # Raised whenever the idle connections are dropped (`reset`, a lost server, a fork): a connection taken
+        # before that is closed when its statement ends, not given back.
+        self._generation = 0
 
     def _take(self) -> _Held:
         """A connection for one statement, which no other thread or greenlet uses until it is given back: the one
@@ -94,12 +99,20 @@ class ReportConnection:
         per task) and a prefork pool process all reuse what the statement before them returned."""
         if self._pid != os.getpid():
             # A forked copy: the inherited connections' sockets belong to the parent. Forgotten, never closed here.
-            self._idle, self._pid = [], os.getpid()
+            self._idle, self._pid, self._generation = [], os.getpid(), self._generation + 1
         try:
             return self._idle.pop()
         except IndexError:
             conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
-            return _Held(conn, conn.cursor())
+            return _Held(conn, conn.cursor(), self._pid, self._generation)
+
+    def _give_back(self, held: _Held) -> None:
+        if held.generation == self._generation:
+            self._idle.append(held)
+        elif held.pid == os.getpid():  # taken before the idle ones were dropped: dropped too
+            with contextlib.suppress(psycopg.Error):
+                held.conn.close()
+        # else: the parent's, carried across a fork by a statement in flight (a green thread): forgotten
 
     def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
         """Run one statement on a connection of its own, its own transaction (autocommit); its one row."""
@@ -118,27 +131,32 @@ class ReportConnection:
         text, names = statement.positional
         try:
             result = fetch(held.cursor.execute(text, [params[name] for name in names]))
-        except BaseException:
+        except BaseException as exc:
             # Whatever the error, the connection is closed, not given back: a broken one, but also a read-only
             # session (25006, a failover), which stays on that server, and one that an exception raised into the
             # wait (a soft time limit, a gevent Timeout) left busy with a result nobody reads. The next attempt
             # takes another, or opens a new one.
+            lost = held.conn.broken or getattr(exc, "sqlstate", None) in _SERVER_LOST
             with contextlib.suppress(psycopg.Error):
                 held.conn.close()
+            if lost:
+                # The server went away or turned read-only (a restart, a failover, a cut): the idle connections are
+                # most likely no better. Dropped together, so that the retry opens a new one instead of meeting
+                # each stale one in turn, a backoff apart.
+                self.reset()
             raise
-        self._idle.append(held)
+        self._give_back(held)
         return result
 
     def reset(self) -> None:
-        """Close the connections no statement is using (at shutdown, or to start afresh); the next one reconnects."""
+        """Close the idle connections, and each one in use when its statement ends (at shutdown, after a lost
+        server); the next statement reconnects."""
         if self._pid != os.getpid():
-            self._idle, self._pid = [], os.getpid()
+            self._idle, self._pid, self._generation = [], os.getpid(), self._generation + 1
             return
-        while True:
-            try:
-                held = self._idle.pop()
-            except IndexError:
-                return
+        self._generation += 1  # a statement running now closes its connection when it ends
+        idle, self._idle = self._idle, []
+        for held in idle:
             with contextlib.suppress(psycopg.Error):
                 held.conn.close()
 
@@ -146,6 +164,13 @@ class ReportConnection:
 class _Held(NamedTuple):
     conn: psycopg.Connection[tuple[Any, ...]]
     cursor: psycopg.Cursor[tuple[Any, ...]]  # made with the connection, kept with it
+    pid: int  # the process that opened it
+    generation: int  # `ReportConnection._generation` when it was opened
+
+
+# Errors after which a session's siblings are no better: read-only (a failover), the server shutting down or
+# restarting (57P01-57P03). A lost connection (`broken`) counts too.
+_SERVER_LOST = frozenset({"25006", "57P01", "57P02", "57P03"})
 
 
 # --- the workers' report statements, each defined once (run by a `Runner`: the worker's `ReportConnection`) -----

@@ -56,7 +56,7 @@ class Statement:
 
 class Runner(Protocol):
     """What runs the workers' runtime statements: `store.reports.ReportConnection`, the one transport a worker
-    uses (a psycopg connection of its own per thread, in autocommit: each statement its own transaction). The
+    uses (psycopg connections taken per statement, in autocommit: each statement its own transaction). The
     store's functions for those statements (`reports.record_terminal`, `successors.claim_run`, ...) take one, so each
     statement's parameters, text and row are written once; a test or the protocol model passes a runner over a
     transaction it holds, and so runs the same functions the worker runs."""

@@ -86,3 +86,36 @@ def test_a_gevent_pool_s_tasks_reuse_a_few_connections(clean_db: str) -> None:
     assert done.returncode == 0, done.stderr
     statements, connections = map(int, done.stdout.split())
     assert statements == 100 and 1 <= connections <= 8, f"{connections} connections for 100 greenlet tasks"
+
+
+@pytest.mark.timeout(60)
+def test_after_a_lost_server_the_retry_opens_a_new_connection_instead_of_meeting_each_stale_one(
+    clean_db: str,
+) -> None:
+    """A restart, a failover or a cut kills every idle connection at once: the first statement to meet one fails,
+    and the idle ones are dropped with it, so that its retry runs on a new session (review, 2026-12-05)."""
+    import psycopg
+
+    reports = ReportConnection(clean_db)
+    sleep = Statement("sleep", "a statement that stays in flight", "SELECT pg_backend_pid() FROM pg_sleep(0.2)")
+    barrier = threading.Barrier(4)
+    pids: list[int] = []
+
+    def report() -> None:
+        barrier.wait(10)
+        pids.append(reports.one(sleep, {})[0])
+
+    try:
+        threads = [threading.Thread(target=report) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert len(set(pids)) == 4, "four statements in flight together, four idle connections after"
+        with psycopg.connect(clean_db, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(p) FROM unnest(%s::int[]) p", (pids,))
+        with pytest.raises(psycopg.OperationalError):
+            reports.one(BACKEND, {})
+        assert reports.one(BACKEND, {})[0] not in pids, "the retry met another stale connection"
+    finally:
+        reports.reset()
