@@ -95,3 +95,38 @@ def test_a_lock_held_by_another_thread_at_the_fork_does_not_block_the_child() ->
     finally:
         release.set()
         holder.join(10)
+
+
+class _Inner:
+    pass
+
+
+class _Outer:
+    """Made by `held`, and asks `held` for another object while it is being made."""
+
+    def __init__(self) -> None:
+        self.inner = process.held(_Inner)
+
+
+@pytest.mark.timeout(30)
+def test_a_maker_may_ask_for_another_process_object() -> None:
+    """The registry's lock is taken while an object is made: a maker that asks for another one must not deadlock
+    on it (second review, 2026-12-05). Run in a thread, so that a deadlock fails the test instead of hanging it."""
+    made: list[_Outer] = []
+    t = threading.Thread(target=lambda: made.append(process.held(_Outer)), daemon=True)
+    t.start()
+    t.join(10)
+    assert made, "held() deadlocked when a maker called it"
+    assert made[0].inner is process.held(_Inner) and process.held(_Outer) is made[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_key_that_would_be_new_on_every_call_is_refused() -> None:
+    """A lambda or a partial made at the call is a new key each time: held() would make a new object on every
+    call and keep them all, which is the opposite of what it is for."""
+    import functools
+
+    with pytest.raises(TypeError, match="module-level function"):
+        process.held(lambda: _Owned())
+    with pytest.raises(TypeError, match="module-level function"):
+        process.held(functools.partial(_Owned))

@@ -433,6 +433,8 @@ EXECUTES = {
         "fanin_outbox_sent(bigint[])",
         "fanin_outbox_failed(bigint,text,double precision)",
         "fanin_abandon_after_threshold(uuid)",
+        # wakes the relay for a batch's children when the producer's transaction commits (a NOTIFY, no write)
+        "fanin_notify_relay(text)",
     },
     "worker": {
         "fanin_report_terminal_v2(text,uuid,integer,text,text,bytea,text,text,text,text,timestamp with time zone,"

@@ -10,15 +10,16 @@ as much CPU as the round trip itself. psycopg prepares them server-side after a 
 A connection per statement in flight, not per thread: a statement takes an idle one (or opens one) and gives it
 back. A prefork pool process keeps up to three (its task's reports, its start writer, a successor's lease
 heartbeat); a threads, gevent or eventlet pool at most one per statement running at once, reused from task to task
-(a gevent or eventlet task is a new greenlet). Connections a fork inherited are forgotten (never used); one that met
-an error is closed, and after a lost server (a restart, a failover) the idle ones with it, so that the retry
-reconnects at once.
+(a gevent or eventlet task is a new greenlet), and those a burst opened are closed after a minute unused.
+Connections a fork inherited are forgotten (never used); one that met an error is closed, and after a lost server
+(a restart, a failover) the idle ones with it, so that the retry reconnects at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
@@ -87,7 +88,8 @@ class ReportConnection:
 
     def __init__(self, sqlalchemy_url: str) -> None:
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
-        self._idle: list[_Held] = []  # connections no statement is using now, the latest returned last
+        # Connections no statement is using now, the latest returned last, each with when it was returned.
+        self._idle: list[tuple[_Held, float]] = []
         self._pid = os.getpid()
         # Raised whenever the idle connections are dropped (`reset`, a lost server, a fork): a connection taken
         # before that is closed when its statement ends, not given back.
@@ -101,14 +103,25 @@ class ReportConnection:
             # A forked copy: the inherited connections' sockets belong to the parent. Forgotten, never closed here.
             self._idle, self._pid, self._generation = [], os.getpid(), self._generation + 1
         try:
-            return self._idle.pop()
+            return self._idle.pop()[0]
         except IndexError:
             conn = psycopg.connect(self._conninfo, autocommit=True, application_name="celery-fanin worker")
             return _Held(conn, conn.cursor(), self._pid, self._generation)
 
     def _give_back(self, held: _Held) -> None:
         if held.generation == self._generation:
-            self._idle.append(held)
+            now = time.monotonic()
+            self._idle.append((held, now))
+            # A burst (a gevent pool's 100 tasks at once) opens as many connections; once it is over, those not
+            # used for IDLE_SECONDS are closed, one per statement, the least recently used first (the list's head),
+            # so that a quiet worker keeps what it needs, not its peak. The one just returned is never closed.
+            if len(self._idle) > 1 and now - self._idle[0][1] > IDLE_SECONDS:
+                try:
+                    stale, _ = self._idle.pop(0)
+                except IndexError:  # another thread took the rest meanwhile
+                    return
+                with contextlib.suppress(psycopg.Error):
+                    stale.conn.close()
         elif held.pid == os.getpid():  # taken before the idle ones were dropped: dropped too
             with contextlib.suppress(psycopg.Error):
                 held.conn.close()
@@ -156,7 +169,7 @@ class ReportConnection:
             return
         self._generation += 1  # a statement running now closes its connection when it ends
         idle, self._idle = self._idle, []
-        for held in idle:
+        for held, _ in idle:
             with contextlib.suppress(psycopg.Error):
                 held.conn.close()
 
@@ -167,6 +180,9 @@ class _Held(NamedTuple):
     pid: int  # the process that opened it
     generation: int  # `ReportConnection._generation` when it was opened
 
+
+# How long a connection may stay idle, beyond the one used last, before a statement's end closes it.
+IDLE_SECONDS = 60.0
 
 # Errors after which a session's siblings are no better: read-only (a failover), the server shutting down or
 # restarting (57P01-57P03). A lost connection (`broken`) counts too.

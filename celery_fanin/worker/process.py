@@ -18,14 +18,19 @@ from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
-_lock = threading.Lock()
+# Reentrant: a maker may itself ask for another process object (a reporter that needs the start writers).
+_lock = threading.RLock()
 _held: dict[Callable[[], Any], Any] = {}
 
 
 def held(make: Callable[[], _T]) -> _T:
-    """This process's one object made by `make` (a class, usually): made on first use here."""
+    """This process's one object made by `make`: made on first use here. `make` is the key, so it must be the same
+    object on every call: a class or a module-level function, not a lambda or a `functools.partial` made at the call
+    (each would be a new key, and a new object every time)."""
     found = _held.get(make)  # a dict read needs no lock: only a miss does
     if found is None:
+        if getattr(make, "__name__", "<lambda>") == "<lambda>":  # a partial has no __name__
+            raise TypeError(f"process.held needs a class or a module-level function as its key, not {make!r}")
         with _lock:
             found = _held.get(make)
             if found is None:
@@ -37,7 +42,7 @@ def _forked() -> None:
     """In a new child process: forget the parent's objects (their threads are not here) and its lock, which a
     parent thread may have held at the fork."""
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _held.clear()
 
 

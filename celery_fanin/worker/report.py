@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from celery.exceptions import SoftTimeLimitExceeded
 from prometheus_client import Counter
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -68,7 +69,10 @@ def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any], batch_id: 
     """
     timeout = float(fanin.settings.report_timeout)
     if not in_event_loop_now():
-        return _send_waiting(kind, what, once, timeout)
+        try:
+            return _send_waiting(kind, what, once, timeout)
+        except SoftTimeLimitExceeded:
+            return _send_again(fanin, kind, what, once, timeout, batch_id)
     # In the worker's event loop (a main-process signal): one attempt here; if the store is unreachable, the rest
     # of the retrying is done by a thread, since waiting here would stall the whole worker for the outage.
     try:
@@ -80,6 +84,20 @@ def send(fanin: FanIn, kind: str, what: str, once: Callable[[], Any], batch_id: 
         logger.warning("cannot record %s now (%s); retrying off the event loop", what, retry.brief(exc))
         background().submit(lambda: _wake_if_created(fanin, batch_id, _send_waiting(kind, what, once, timeout)))
         return None
+
+
+def _send_again(
+    fanin: FanIn, kind: str, what: str, once: Callable[[], Any], timeout: float, batch_id: str | None
+) -> Any:
+    """A soft time limit raised into a pool process's wait for a report's reply: the task has already ended, and
+    the server may have committed the report with nobody reading its answer. Reports are idempotent, so it is sent
+    again (a late copy if the first committed). A successor the first created and handed to this worker is lost with
+    that answer: the relay is woken for the batch, instead of publishing it only once the hand-off has passed."""
+    logger.warning("recording %s was interrupted by the soft time limit; sending it again", what)
+    rec = _send_waiting(kind, what, once, timeout)
+    if batch_id is not None and not getattr(rec, "successor_created", False):
+        wake_relay(fanin, batch_id)
+    return rec
 
 
 def _wake_if_created(fanin: FanIn, batch_id: str | None, rec: Any) -> None:

@@ -53,7 +53,8 @@ REVOKE EXECUTE ON FUNCTION fanin_settle_v2(uuid, integer, integer, double precis
                            fanin_finish_successor_v2(uuid, text, text, integer, text, bytea, text, text, text,
                                                      text, text, integer, text, text),
                            fanin_end_replacement(uuid, text, text, text, text, text, text),
-                           fanin_wake_relay(uuid)
+                           fanin_wake_relay(uuid),
+                           fanin_notify_relay(text)
     FROM PUBLIC;
 -- Direct writes a database migrated (and granted) before definer_writes still has: revoked, so that re-running this
 -- file after the upgrade leaves only the functions. (Revoking what was never granted is a no-op.)
@@ -63,7 +64,8 @@ REVOKE USAGE ON SEQUENCE fanin_outbox_id_seq FROM fanin_producer, fanin_relay;
 
 -- Producers: write a batch and its children (a child's row as published: no outcome columns), and through the
 -- functions raise a streamed batch's counters, mark children published, seal, cancel a streamed batch whose input
--- raised (only while it is open), create an empty batch's successor and publish it (claim and mark the outbox row).
+-- raised (only while it is open), create an empty batch's successor and publish it (claim and mark the outbox row),
+-- and wake the relay for a batch's children when its transaction commits (fanin_notify_relay: a NOTIFY, no write).
 GRANT SELECT, INSERT ON fanin_batches TO fanin_producer;
 GRANT SELECT ON fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_producer;
 GRANT INSERT (task_id, batch_id, idx, task_name, message, content_type, content_encoding, expires_at, eta_at)
@@ -76,7 +78,8 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
                           fanin_claim_outbox(integer, bigint[]),
                           fanin_outbox_sent(bigint[]),
                           fanin_outbox_failed(bigint, text, double precision),
-                          fanin_abandon_after_threshold(uuid) TO fanin_producer;
+                          fanin_abandon_after_threshold(uuid),
+                          fanin_notify_relay(text) TO fanin_producer;
 
 -- Workers: a child's start and terminal outcome (fanin_report_terminal_v2 counts a report only if the child row
 -- matches its message; the last one creates the successor), and a successor's run: admitted only under its

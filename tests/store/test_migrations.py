@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from importlib import resources
 
+import psycopg
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.dialects import postgresql
 
@@ -179,6 +180,16 @@ def test_0009_lets_every_role_that_settled_before_settle_after(fresh_db_url: str
         engine.dispose()
 
 
+def _drop_roles(engine: Engine, *roles: str) -> None:
+    """Drop the roles an upgrade test created (those it got to), and the engine."""
+    with engine.begin() as conn:
+        for role in roles:
+            if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
+                conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+                conn.exec_driver_sql(f'DROP ROLE "{role}"')
+    engine.dispose()
+
+
 def test_0025_lets_every_role_that_reported_before_report_after(fresh_db_url: str) -> None:
     """The workers' report statement calls fanin_handed_off from 0025 on: each role granted fanin_report_terminal
     before the upgrade (grants.sql of an older release) may call it after the migration, before grants.sql runs
@@ -212,12 +223,7 @@ def test_0025_lets_every_role_that_reported_before_report_after(fresh_db_url: st
             ).scalar_one()
         assert may == {worker: True, other: False} and public == 0
     finally:
-        with engine.begin() as conn:
-            for role in (worker, other):
-                if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
-                    conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
-                    conn.exec_driver_sql(f'DROP ROLE "{role}"')
-        engine.dispose()
+        _drop_roles(engine, worker, other)
 
 
 def test_0032_keeps_the_workers_of_the_version_before_reporting_and_handing_off(fresh_db_url: str) -> None:
@@ -277,9 +283,50 @@ def test_0032_keeps_the_workers_of_the_version_before_reporting_and_handing_off(
                 ).scalar_one()
         assert due == {True: False, False: True}, "handed to the old worker for 30 s; else the relay's at once"
     finally:
+        _drop_roles(engine, worker, other)
+
+
+def test_0033_lets_the_producers_of_the_version_before_wake_the_relay(fresh_db_url: str) -> None:
+    """0033 sends every NOTIFY through `fanin_notify_relay`, which the producer's statement now calls: a role that
+    could add children before the upgrade (grants.sql of an older release) may call it after, before grants.sql runs
+    again; a role that could not, and PUBLIC, may not. The functions that sent their own NOTIFY still wake the relay
+    on its channel."""
+    suffix = uuid.uuid4().hex[:8]
+    producer, other = f"fanin_upgrade_p_{suffix}", f"fanin_upgrade_o_{suffix}"
+    add = "fanin_add_children(uuid, uuid[], integer[], integer, integer, bytea)"
+    engine = make_engine(fresh_db_url)
+    try:
+        _migrated_by_an_older_release(engine, 32)
         with engine.begin() as conn:
-            for role in (worker, other):
-                if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first():
-                    conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
-                    conn.exec_driver_sql(f'DROP ROLE "{role}"')
-        engine.dispose()
+            for role in (producer, other):
+                conn.exec_driver_sql(f'CREATE ROLE "{role}"')  # generated identifiers
+            conn.exec_driver_sql(f'GRANT EXECUTE ON FUNCTION {add} TO "{producer}"')
+        assert [m.version for m in migrate.migrate(engine)] == [v for v in EXPECTED_VERSIONS if v > 32]
+        with engine.connect() as conn:
+            may = {
+                role: conn.execute(
+                    text("SELECT has_function_privilege(:r, 'fanin_notify_relay(text)', 'EXECUTE')"), {"r": role}
+                ).scalar_one()
+                for role in (producer, other)
+            }
+            public = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_proc p, aclexplode(p.proacl) a"
+                    " WHERE p.oid = 'fanin_notify_relay(text)'::regprocedure AND a.grantee = 0"
+                )
+            ).scalar_one()
+        assert may == {producer: True, other: False} and public == 0
+
+        batch, _, _ = create(engine, 0)  # an empty batch: its successor created, the relay woken with its row's id
+        listener = psycopg.connect(fresh_db_url, autocommit=True)
+        try:
+            listener.execute("LISTEN fanin_outbox")
+            with engine.begin() as conn:
+                conn.execute(text("SELECT fanin_wake_relay(:b)"), {"b": batch.id})
+                conn.execute(text("SELECT fanin_notify_relay(:p)"), {"p": f"batch:{batch.id}"})
+            payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]
+        finally:
+            listener.close()
+        assert payloads == ["", f"batch:{batch.id}"]
+    finally:
+        _drop_roles(engine, producer, other)

@@ -119,3 +119,53 @@ def test_after_a_lost_server_the_retry_opens_a_new_connection_instead_of_meeting
         assert reports.one(BACKEND, {})[0] not in pids, "the retry met another stale connection"
     finally:
         reports.reset()
+
+
+@pytest.mark.timeout(60)
+def test_connections_a_burst_opened_are_closed_once_unused_for_the_idle_time(
+    clean_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gevent pool's burst opens a connection per statement in flight; a quiet worker must not keep that peak
+    until it shuts down (second review, 2026-12-05). Statements one at a time close the stale ones, least recently
+    used first, and keep the one they use."""
+    import time
+
+    import psycopg
+
+    from celery_fanin.store import reports as reports_module
+
+    reports = ReportConnection(clean_db)
+    sleep = Statement("sleep", "a statement that stays in flight", "SELECT pg_backend_pid() FROM pg_sleep(0.2)")
+    barrier = threading.Barrier(5)
+    burst: list[int] = []
+
+    def report() -> None:
+        barrier.wait(10)
+        burst.append(reports.one(sleep, {})[0])
+
+    def open_sessions() -> set[int]:
+        with psycopg.connect(clean_db, autocommit=True) as admin:
+            rows = admin.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = 'celery-fanin worker'"
+            ).fetchall()
+        return {pid for (pid,) in rows}
+
+    try:
+        threads = [threading.Thread(target=report) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert len(set(burst)) == 5 and set(burst) <= open_sessions(), "the burst opened five connections"
+        reports.one(BACKEND, {})
+        assert set(burst) <= open_sessions(), "a connection closed before it was idle for IDLE_SECONDS"
+        monkeypatch.setattr(reports_module, "IDLE_SECONDS", 0.0)  # the minute has passed
+        used = {reports.one(BACKEND, {})[0] for _ in range(10)}
+        assert len(used) == 1, "statements one at a time used more than one connection"
+        deadline = time.monotonic() + 10
+        while (still := open_sessions() & set(burst)) != used and time.monotonic() < deadline:
+            time.sleep(0.05)  # a closed session leaves pg_stat_activity shortly after
+        assert still == used, f"{len(still)} of the burst's connections still open, 1 expected"
+    finally:
+        reports.reset()

@@ -41,10 +41,19 @@ def test_every_statement_is_named_described_and_used_and_every_name_exists() -> 
         assert 'exec_driver_sql("' not in source, where
 
 
-def test_the_relay_listens_on_the_channel_the_schema_notifies() -> None:
+def test_the_relay_listens_on_the_channel_the_schema_notifies_from_one_place() -> None:
+    """Every NOTIFY goes through `fanin_notify_relay` (migration 0033), on the channel the relay listens on."""
     listen = statements.q("listen_outbox").sql
     assert listen.split() == ["LISTEN", OUTBOX_CHANNEL]
-    assert f"pg_notify('{OUTBOX_CHANNEL}'" in statements.q("wake_relay_for_batch").sql
+    sql = PACKAGE / "store" / "sql"
+    schema, queries = (
+        (sql / "schema.sql").read_text(encoding="utf-8"),
+        (sql / "queries.sql").read_text(encoding="utf-8"),
+    )
+    assert re.findall(r"pg_notify\(\s*'(\w+)'", schema) == [OUTBOX_CHANNEL] and "pg_notify" not in queries
+    notify = schema[schema.index("CREATE FUNCTION fanin_notify_relay(") :]
+    assert notify.index(f"pg_notify('{OUTBOX_CHANNEL}'") < notify.index("$$;"), "the one NOTIFY is not in the function"
+    assert "fanin_notify_relay(" in statements.q("wake_relay_for_batch").sql
 
 
 def test_one_text_serves_sqlalchemy_and_psycopg() -> None:

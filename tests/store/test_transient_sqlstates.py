@@ -278,3 +278,62 @@ def test_a_statement_interrupted_by_another_exception_leaves_the_next_statement_
         note_traceback(reports, "no-such-task", "tb")  # the thread's next statement, tried once by its callers
     finally:
         reports.reset()
+
+
+@pytest.mark.timeout(60)
+def test_a_child_report_interrupted_by_the_soft_time_limit_is_sent_again_and_its_successor_left_to_the_relay(
+    short_reports: FanIn, store_engine: Engine
+) -> None:
+    """Celery's soft time limit (SIGUSR1, `SoftTimeLimitExceeded`) can arrive while a pool process waits for its
+    child's terminal report, after the task itself has ended. The server commits the report, completing the batch
+    and handing its successor to this worker, but nobody reads the answer: the successor would wait out the whole
+    hand-off (`fanin_successor_handoff`) before the relay published it. The report is sent again (late: nothing
+    counted twice) and the relay is woken for the batch, so its outbox row is due at once."""
+    import os
+    import signal
+
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from celery_fanin.protocol import Marker
+    from celery_fanin.worker.reporter import Reporter
+
+    published: list[object] = []
+    batch, (child,), _ = create(store_engine, 1)
+    holder = psycopg.connect(short_reports.settings.database_url)  # holds the batch: the report waits for its reply
+    holder.execute("SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE", (batch.id,))
+
+    def interrupt(*_: object) -> None:
+        holder_release.start()  # the first statement goes on once interrupted; the retry then meets its row
+        raise SoftTimeLimitExceeded("soft time limit")
+
+    holder_release = threading.Timer(0.3, holder.rollback)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        rec = Reporter(lambda *args: published.append(args)).record_child(
+            short_reports,
+            child.task_id,
+            Marker(str(batch.id), 0, None, task_name=child.task_name),
+            "succeeded",
+            value=1,
+            has_value=True,
+        )
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        holder_release.join(10)
+        holder.close()
+        short_reports.reports.reset()
+    assert rec is not None and rec.late and not rec.counted, "the second report was counted again"
+    assert not published, "a late report published the successor"
+    with store_engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT b.state, b.remaining, o.sent_at IS NULL AS unsent, o.available_at <= now() AS due"
+                " FROM fanin_batches b JOIN fanin_outbox o ON o.batch_id = b.id WHERE b.id = :i"
+            ),
+            {"i": batch.id},
+        ).one()
+    assert (row.state, row.remaining, row.unsent) == ("complete", 0, True)
+    assert row.due, "the successor handed to the interrupted report waits out the hand-off instead of the relay"

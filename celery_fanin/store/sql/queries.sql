@@ -859,7 +859,7 @@ SELECT current_database(), to_regclass('fanin_batches') IS NOT NULL;
 
 -- name: wake_relay_for_batch
 -- Wake the relay when the caller's transaction commits (a NOTIFY is delivered then): it publishes the batch's children
-SELECT pg_notify('fanin_outbox', :payload);
+SELECT fanin_notify_relay(:payload);
 
 -- name: ping
 -- Whether the store answers (the relay's readiness probe)

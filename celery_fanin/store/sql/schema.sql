@@ -437,6 +437,18 @@ BEGIN
 END
 $$;
 
+-- The one place the relay is woken: a NOTIFY on its channel (protocol.OUTBOX_CHANNEL), delivered when the caller's
+-- transaction commits. The payload says what became due (an outbox row's id, "batch:<id>" for a batch's children,
+-- or nothing); the relay does not read it, it scans what is due (version 33).
+-- fanin_notify_relay(text)
+CREATE FUNCTION fanin_notify_relay(p_payload text)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('fanin_outbox', p_payload);
+END
+$$;
+
 -- The batch's one successor and its outbox row, once per (batch, step). p_handoff says who publishes it: NULL, the
 -- relay (woken by NOTIFY); a number, the worker whose report created it, after its commit (no NOTIFY: the relay's
 -- scan is the fallback), and a completed batch's row is not due for the relay for that many seconds (version 32:
@@ -465,7 +477,7 @@ BEGIN
     END IF;
     -- The worker that reported publishes it after this commits: no need to wake the relay (its scan is the fallback).
     IF p_handoff IS NULL THEN
-        PERFORM pg_notify('fanin_outbox', v_outbox::text);
+        PERFORM fanin_notify_relay(v_outbox::text);
     END IF;
     RETURN true;
 END
@@ -481,7 +493,7 @@ BEGIN
     UPDATE fanin_outbox SET available_at = now()
      WHERE batch_id = p_batch AND sent_at IS NULL AND available_at > now();
     GET DIAGNOSTICS n = ROW_COUNT;
-    PERFORM pg_notify('fanin_outbox', '');
+    PERFORM fanin_notify_relay('');
     RETURN n;
 END
 $$;
@@ -1119,7 +1131,7 @@ BEGIN
     IF v_outbox IS NULL THEN
         RETURN false;
     END IF;
-    PERFORM pg_notify('fanin_outbox', v_outbox::text);
+    PERFORM fanin_notify_relay(v_outbox::text);
     RETURN true;
 END
 $$;
@@ -1370,7 +1382,7 @@ BEGIN
         INSERT INTO fanin_outbox (batch_id, step, last_error) VALUES (p_batch, p_step, 'rerun')
         RETURNING id INTO v_outbox;
     END IF;
-    PERFORM pg_notify('fanin_outbox', v_outbox::text);
+    PERFORM fanin_notify_relay(v_outbox::text);
     RETURN QUERY SELECT v_rerun, 'pending'::text, v_old.task_id, v_old.state;
 END
 $$;
