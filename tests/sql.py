@@ -25,6 +25,15 @@ READ_ONLY = Statement(
     "SELECT set_config('default_transaction_read_only', 'on', false)",
 )
 
+# The successor predicates of migration 0034: plain SQL that the planner inlines, so not definer functions, and
+# callable by PUBLIC (tests/store/test_predicates.py; the roles' tests leave them out).
+SUCCESSOR_PREDICATES = (
+    "fanin_successor_final",
+    "fanin_successor_handed_over",
+    "fanin_successor_lapsed",
+    "fanin_successor_stalled",
+)
+
 
 def rows(app: Any, sql: str, **params: Any) -> list[Any]:
     """Run one statement in its own transaction; the rows it returns (none for a statement without)."""

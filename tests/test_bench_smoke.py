@@ -199,3 +199,15 @@ def test_a_ratio_of_two_contenders_is_paired_within_each_repeat() -> None:
     uneven = {"fanin": {"10": fig([1.0, 4.0], None)}, "chord": {"10": fig([2.0], None)}}
     assert paired(uneven, "10", "fanin", "chord") is None
     assert paired(c, "10", "fanin", "group_ff") is None  # a contender this run did not have
+
+
+@pytest.mark.timeout(120)
+def test_predicates_bench_smoke_times_the_three_forms_of_the_relay_s_scan() -> None:
+    """`python -m bench.predicates` (bench/NOTES.md, migration 0034) on a small table, so that it cannot rot: its
+    figures mean nothing at this size, only that each form ran and was paired."""
+    argv = [sys.executable, "-m", "bench.predicates", "--rows", "2000", "--repeats", "3"]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for line in ("written out  median", "predicate    median", "definer      median"):
+        assert line in out.stdout, out.stdout
+    assert "predicate / written out, paired: median" in out.stdout and "definer / written out" in out.stdout

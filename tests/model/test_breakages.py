@@ -100,7 +100,7 @@ BREAKAGES = [
     ),
     Breakage(
         "a successor run is admitted without the guard (whatever the successor's state)",
-        "AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
+        "AND ((s.state = 'pending' OR fanin_successor_handed_over(s.state))",
         "AND (true",
         function=CLAIM_RUN,
     ),
@@ -127,8 +127,8 @@ BREAKAGES = [
     ),
     Breakage(
         "issue 38 hole 3: an event about a copy that never ran ends a live run",
-        "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
-        "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced', 'running')",
+        "ELSE s.task_id = p_task_id AND (s.state = 'pending' OR fanin_successor_handed_over(s.state))",
+        "ELSE s.task_id = p_task_id AND (s.state IN ('pending', 'running') OR fanin_successor_handed_over(s.state))",
         function=FINISH,
         machine=SuccessorGuardMachine,
     ),
@@ -155,8 +155,8 @@ BREAKAGES = [
     ),
     Breakage(
         "the replacement bound ends a live carrier run (no lease check)",
-        "AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => greatest(p_timeout, 0))",
-        "AND s.state_at < now() - make_interval(secs => greatest(p_timeout, 0))",
+        "AND fanin_successor_lapsed(s.lease_until, s.state_at, p_timeout)",
+        "AND fanin_successor_lapsed(NULL, s.state_at, p_timeout)",
         function="fanin_fail_lost_replacement(uuid, text, double precision, text)",
         machine=SuccessorGuardMachine,
     ),

@@ -110,9 +110,9 @@ UNDO = {
             (UNRUN, "IF v_state = 'started' THEN", "IF false THEN"),
             (
                 FINISH,
-                "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')",
-                "ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced', "
-                "'running')",
+                "ELSE s.task_id = p_task_id AND (s.state = 'pending' OR fanin_successor_handed_over(s.state))",
+                "ELSE s.task_id = p_task_id AND (s.state IN ('pending', 'running') "
+                "OR fanin_successor_handed_over(s.state))",
             ),
         )
     ),

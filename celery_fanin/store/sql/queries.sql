@@ -265,11 +265,8 @@ SELECT id FROM fanin_outbox WHERE batch_id = :id AND sent_at IS NULL ORDER BY id
 -- Successors published or handed over and not started `timeout` seconds after they were due, or whose run is dead
 -- (never a replaced one: only its replacement's carrier may run it, and Celery, not the relay, publishes that).
 SELECT s.batch_id, s.step FROM fanin_successors s
- WHERE s.carrier IS NULL AND ((s.state IN ('sent', 'retrying', 'requeued', 'replaced')
-        AND coalesce(s.lease_until, s.state_at)
-            < now() - make_interval(secs => CAST(:timeout AS double precision)))
-    OR (s.state = 'running'
-        AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:grace AS double precision))))
+ WHERE fanin_successor_stalled(s.state, s.carrier, s.lease_until, s.state_at, CAST(:timeout AS double precision),
+                               CAST(:grace AS double precision))
  LIMIT :n;
 
 -- name: claim_run
@@ -316,7 +313,7 @@ SELECT fanin_republish_successor(:id, :step, CAST(:timeout AS double precision),
 -- Replaced successors whose carrier never came or whose carrier's run died, `timeout` seconds ago
 SELECT s.batch_id, s.step FROM fanin_successors s
  WHERE s.carrier IS NOT NULL AND s.state IN ('replaced', 'running')
-   AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => CAST(:timeout AS double precision))
+   AND fanin_successor_lapsed(s.lease_until, s.state_at, CAST(:timeout AS double precision))
  LIMIT :n;
 
 -- name: fail_lost_replacement
@@ -521,7 +518,7 @@ SELECT count(*) AS n, coalesce(sum(b.planned), 0) AS children
    AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
    AND (EXISTS (SELECT 1 FROM fanin_successors s
                  WHERE s.batch_id = b.id AND s.step = b.step
-                   AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
+                   AND fanin_successor_final(s.state))
         OR (b.state IN ('expired', 'cancelled')
             AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
    AND NOT EXISTS (SELECT 1 FROM fanin_batches r
@@ -541,7 +538,7 @@ SELECT b.id, b.planned, (SELECT count(*) FROM fanin_batches x WHERE x.parent_id 
    AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => :age)
    AND (EXISTS (SELECT 1 FROM fanin_successors s
                  WHERE s.batch_id = b.id AND s.step = b.step
-                   AND s.state IN ('succeeded', 'failed', 'revoked', 'ignored'))
+                   AND fanin_successor_final(s.state))
         OR (b.state IN ('expired', 'cancelled')
             AND NOT EXISTS (SELECT 1 FROM fanin_successors s WHERE s.batch_id = b.id)))
    AND NOT EXISTS (SELECT 1 FROM fanin_batches r

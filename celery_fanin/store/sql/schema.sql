@@ -1106,6 +1106,45 @@ LANGUAGE sql AS $$
      WHERE id = p_id AND sent_at IS NULL
 $$;
 
+-- Predicates (version 34): each says once what the functions and the relay's queries ask of a successor row. Plain
+-- SQL of their arguments alone, reading no table, so that the planner inlines them (the same plan as the expression
+-- written out; tests/store/test_predicates.py checks it); they are therefore not definer functions (a pinned
+-- search path or definer rights would stop the inlining: the block at the end leaves them out) and PUBLIC may call
+-- them. Their bodies are SQL-standard (RETURN), bound when created: a caller's search path cannot change them.
+
+-- A successor's final states: nothing moves it afterwards but an operator's rerun.
+-- fanin_successor_final(text)
+CREATE FUNCTION fanin_successor_final(p_state text)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN p_state IN ('succeeded', 'failed', 'revoked', 'ignored');
+
+-- Published or handed over (a retry, a requeue, a replacement) and held by no run: a delivery may be admitted.
+-- fanin_successor_handed_over(text)
+CREATE FUNCTION fanin_successor_handed_over(p_state text)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN p_state IN ('sent', 'retrying', 'requeued', 'replaced');
+
+-- Its run's lease (with none, its last move) ended over p_seconds ago: a running successor's run is dead, a handed
+-- over one was never taken up.
+-- fanin_successor_lapsed(timestamp with time zone,timestamp with time zone,double precision)
+CREATE FUNCTION fanin_successor_lapsed(p_lease_until timestamptz, p_state_at timestamptz, p_seconds double precision)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN coalesce(p_lease_until, p_state_at) < now() - make_interval(secs => greatest(p_seconds, 0));
+
+-- Stalled, for the relay to publish again: handed over and not taken up p_timeout seconds after, or running with
+-- a run dead for p_grace seconds. Never a replaced one's carrier's: Celery, not the relay, publishes that.
+-- fanin_successor_stalled(text,text,timestamp with time zone,timestamp with time zone,double precision,double precision)
+CREATE FUNCTION fanin_successor_stalled(p_state text, p_carrier text, p_lease_until timestamptz,
+                                        p_state_at timestamptz, p_timeout double precision, p_grace double precision)
+RETURNS boolean
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN p_carrier IS NULL
+       AND ((fanin_successor_handed_over(p_state) AND fanin_successor_lapsed(p_lease_until, p_state_at, p_timeout))
+            OR (p_state = 'running' AND fanin_successor_lapsed(p_lease_until, p_state_at, p_grace)));
+
 -- fanin_republish_successor(uuid,text,double precision,double precision)
 CREATE FUNCTION fanin_republish_successor(p_batch uuid, p_step text, p_timeout double precision,
                                           p_grace double precision)
@@ -1118,11 +1157,8 @@ BEGIN
         UPDATE fanin_successors s
            SET state = CASE WHEN s.state = 'running' THEN 'sent' ELSE s.state END,
                lease_until = NULL, state_at = now()
-         WHERE s.batch_id = p_batch AND s.step = p_step AND s.carrier IS NULL
-           AND ((s.state IN ('sent', 'retrying', 'requeued', 'replaced')
-                 AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => greatest(p_timeout, 0)))
-                OR (s.state = 'running'
-                    AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => greatest(p_grace, 0))))
+         WHERE s.batch_id = p_batch AND s.step = p_step
+           AND fanin_successor_stalled(s.state, s.carrier, s.lease_until, s.state_at, p_timeout, p_grace)
      RETURNING s.batch_id, s.step
     )
     UPDATE fanin_outbox o SET sent_at = NULL, available_at = now(), last_error = 'republished: stalled'
@@ -1151,7 +1187,7 @@ BEGIN
       FROM fanin_batches b
      WHERE s.batch_id = p_batch AND s.step = p_step AND b.id = s.batch_id
        AND s.carrier IS NOT NULL AND s.state IN ('replaced', 'running')
-       AND coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => greatest(p_timeout, 0))
+       AND fanin_successor_lapsed(s.lease_until, s.state_at, p_timeout)
  RETURNING b.parent_task_id INTO v_parent_task_id;
     IF NOT FOUND THEN
         RETURN false;
@@ -1185,9 +1221,9 @@ BEGIN
            state_at = now()
      WHERE s.batch_id = p_batch AND s.step = p_step AND s.task_id = p_task_id
        AND (s.carrier IS NULL OR s.carrier = p_carrier)
-       AND (s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')
+       AND ((s.state = 'pending' OR fanin_successor_handed_over(s.state))
             OR (s.state = 'running'
-                AND (coalesce(s.lease_until, s.state_at) < now() - make_interval(secs => greatest(p_grace, 0))
+                AND (fanin_successor_lapsed(s.lease_until, s.state_at, p_grace)
                      OR (p_owner_key IS NOT NULL AND s.run_owner = p_dead_owner AND s.run_owner_key = v_key))))
  RETURNING s.runs, s.attempt INTO v_run, v_attempt;
     -- A refusal names the holder only to its own worker (which may then see that the holder's process is gone).
@@ -1268,7 +1304,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_parent_task_id text;
 BEGIN
-    IF p_state NOT IN ('succeeded', 'failed', 'revoked', 'ignored') THEN
+    IF NOT fanin_successor_final(p_state) THEN
         RAISE EXCEPTION 'fanin_finish_successor_v2: not a final successor state: %', p_state USING ERRCODE = '22023';
     END IF;
     -- Three callers: the run itself (p_run); a worker's main process about a copy that ran in its pool process
@@ -1281,12 +1317,12 @@ BEGIN
            finished_at = now(), lease_until = NULL
       FROM fanin_batches b
      WHERE s.batch_id = p_batch AND s.step = p_step AND b.id = s.batch_id
-       AND s.state NOT IN ('succeeded', 'failed', 'revoked', 'ignored')
+       AND NOT fanin_successor_final(s.state)
        AND CASE WHEN p_run IS NOT NULL THEN s.runs = p_run AND s.state = 'running'
                 WHEN p_ran_in IS NOT NULL THEN
                     s.task_id = p_task_id AND s.state = 'running' AND left(s.run_owner, length(p_ran_in)) = p_ran_in
                     AND s.run_owner_key = encode(sha256(convert_to(coalesce(p_owner_key, ''), 'UTF8')), 'hex')
-                ELSE s.task_id = p_task_id AND s.state IN ('pending', 'sent', 'retrying', 'requeued', 'replaced')
+                ELSE s.task_id = p_task_id AND (s.state = 'pending' OR fanin_successor_handed_over(s.state))
                      AND (s.carrier IS NULL OR s.carrier = p_carrier)
                      AND (s.state <> 'retrying' OR coalesce(p_retries, 0) >= s.attempt) END
  RETURNING b.parent_task_id INTO v_parent_task_id;
@@ -1436,13 +1472,16 @@ END
 $$;
 
 -- Every function runs with the rights of the schema owner (who ran this file) and a search path pinned to this
--- schema, then pg_temp; PUBLIC's default EXECUTE is revoked: docs/how-to/grants.sql grants each role its own.
+-- schema, then pg_temp; PUBLIC's default EXECUTE is revoked: docs/how-to/grants.sql grants each role its own. The
+-- predicates (fanin_successor_final and the rest) are left as they are, to be inlined.
 DO $$
 DECLARE
     f regprocedure;
 BEGIN
     FOR f IN SELECT p.oid FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace
-                                         AND p.proname LIKE 'fanin\_%' LOOP
+                                         AND p.proname LIKE 'fanin\_%'
+                                         AND p.proname NOT IN ('fanin_successor_final', 'fanin_successor_handed_over',
+                                                               'fanin_successor_lapsed', 'fanin_successor_stalled') LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = pg_catalog, %I, pg_temp', f,
                        current_schema());
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
