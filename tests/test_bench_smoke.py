@@ -211,3 +211,20 @@ def test_predicates_bench_smoke_times_the_three_forms_of_the_relay_s_scan() -> N
     for line in ("written out  median", "predicate    median", "definer      median"):
         assert line in out.stdout, out.stdout
     assert "predicate / written out, paired: median" in out.stdout and "definer / written out" in out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_batched_reports_bench_smoke_counts_every_report_once_in_each_group_size() -> None:
+    """`python -m bench.batched_reports` (issue 41's prototype measurement, bench/NOTES.md) at a small N, so that it
+    cannot rot: every phase must count each of its reports exactly once (it raises otherwise), at each group size."""
+    argv = [sys.executable, "-m", "bench.batched_reports", "--reporters", "1,2", "--groups", "1,4"]
+    argv += ["--events", "100", "--children", "400", "--rounds", "1"]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split("|")[1:3] for line in table] == [
+        [" 1 ", " 1 "],
+        [" 1 ", " 4 "],
+        [" 2 ", " 1 "],
+        [" 2 ", " 4 "],
+    ], out.stdout
