@@ -22,7 +22,7 @@ logger = logging.getLogger("celery_fanin.retry")
 T = TypeVar("T")
 
 # SQLSTATE classes and codes that say "try again" (the table in docs/concepts/worker.md, "Which errors are
-# transient"; tests/test_retry.py checks that the two agree): 08 connection exception, 53 insufficient resources
+# transient"; tests/store/test_retry.py checks that the two agree): 08 connection exception, 53 insufficient resources
 # (too many connections, out of memory or disk), 57P01-57P05 the server shutting down or starting up, 40001
 # serialization failure and 40P01 deadlock (the transaction was rolled back and can simply run again), 55P03
 # lock_not_available (`lock_timeout`) and 57014 query_canceled (`statement_timeout`, or a `pg_cancel_backend`):

@@ -1,4 +1,4 @@
-"""Tasks for tests/test_publish.py: children that report what their worker received.
+"""Tasks for tests/broker/test_publish.py: children that report what their worker received.
 
 Loaded into the test worker with ``-I tests.publish_tasks`` (registered on `tests.app.app`), and registered on the
 test's own producer app with `register`, so both sides agree on names and task-level options.

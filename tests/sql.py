@@ -95,7 +95,7 @@ def notes(env: dict[str, str]) -> list[tuple[str, Any]]:
 
 def _conninfo(db: Any) -> str:
     """A libpq conninfo for `db`: a URL, an environment (`FANIN_DATABASE_URL`), an engine, or an app wired with
-    FanIn."""
+    FanIn. (A SQLAlchemy connection the test holds is used as it is, in its transaction.)"""
     if isinstance(db, str):
         url = db
     elif isinstance(db, dict):
@@ -109,11 +109,13 @@ def _conninfo(db: Any) -> str:
 
 def _select(db: Any, table: str, columns: tuple[str, ...], where: str, order: str, params: tuple[Any, ...]) -> Any:
     query = psycopg_sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {}").format(
-        psycopg_sql.SQL(", ").join(psycopg_sql.Identifier(c) for c in columns),
+        psycopg_sql.SQL(", ").join(psycopg_sql.Identifier(c) for c in columns) if columns else psycopg_sql.SQL("*"),
         psycopg_sql.Identifier(table),
         psycopg_sql.SQL(where),  # a constant of this module's
         psycopg_sql.SQL(order),
     )
+    if isinstance(db, Connection):  # inside a transaction the test holds: what it sees, uncommitted rows too
+        return [dict(r) for r in db.exec_driver_sql(query.as_string(), params).mappings()]
     with psycopg.connect(_conninfo(db), autocommit=True, row_factory=dict_row) as conn:
         return conn.execute(query, params).fetchall()
 
@@ -122,7 +124,7 @@ def children(
     db: Any, batch_id: Any = None, *columns: str, task_ids: Sequence[str] | None = None
 ) -> list[dict[str, Any]]:
     """These columns of a batch's child rows (a tree's leaves' children too), in child order; or of the children
-    with these `task_ids`. `db`: a URL, an environment, an engine or an app."""
+    with these `task_ids`. `db`: a URL, an environment, an engine, an app, or a connection the test holds."""
     if task_ids is not None:
         return list(_select(db, "fanin_children", columns, "task_id = ANY(%s)", "idx", (list(task_ids),)))
     where = "batch_id IN (SELECT id FROM fanin_batches WHERE id = %s OR parent_id = %s)"
@@ -134,6 +136,47 @@ def successor(db: Any, batch_id: Any, *columns: str) -> dict[str, Any] | None:
     found = _select(db, "fanin_successors", columns, "batch_id = %s", "created_at", (str(batch_id),))
     assert len(found) <= 1, found
     return found[0] if found else None
+
+
+def child_ids(db: Any, batch_id: Any) -> list[str]:
+    """A batch's children's task ids (a tree's leaves' too), in child order. `db` as for `children`."""
+    return [r["task_id"] for r in children(db, batch_id, "task_id")]
+
+
+def batch(db: Any, batch_id: Any, *columns: str) -> dict[str, Any]:
+    """These columns of one batch's row, or all of them (AssertionError if there is none). `db` as for
+    `children`."""
+    [row] = _select(db, "fanin_batches", columns, "id = %s", "id", (str(batch_id),))
+    return dict(row)
+
+
+def outbox(db: Any, batch_id: Any, *columns: str) -> list[dict[str, Any]]:
+    """These columns of a batch's outbox rows, oldest first. `db` as for `children`."""
+    return list(_select(db, "fanin_outbox", columns, "batch_id = %s", "id", (str(batch_id),)))
+
+
+def _write(db: Any, query: str, params: tuple[Any, ...]) -> int:
+    if isinstance(db, Connection):
+        return int(db.exec_driver_sql(query, params).rowcount)
+    with psycopg.connect(_conninfo(db), autocommit=True) as conn:
+        return conn.execute(query, params).rowcount
+
+
+def unsend_outbox(db: Any, batch_id: Any) -> int:
+    """Mark a batch's outbox rows unsent, as if their publish was lost with the relay that made it: the relay
+    publishes them again. How many rows. `db` as for `children`."""
+    return _write(db, "UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = %s", (str(batch_id),))
+
+
+def drop_outbox(db: Any, batch_id: Any) -> int:
+    """Delete a batch's outbox rows (a successor that nothing would publish: what reconciliation repairs). How many
+    rows. `db` as for `children`."""
+    return _write(db, "DELETE FROM fanin_outbox WHERE batch_id = %s", (str(batch_id),))
+
+
+def open_gate(db: Any, key: str) -> None:
+    """Let the test app's `gated` task under `key` return (tests/app.py: it polls for `<key>:open`)."""
+    _write(db, "INSERT INTO e2e_attempts (key, n) VALUES (%s, 1)", (f"{key}:open",))
 
 
 def child_states(db: Any, batch_id: Any) -> dict[str, int]:

@@ -56,7 +56,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     site = tmp_path / "site"
     assert (site / "how-to" / "database-roles" / "index.html").exists()
     roles_page = re.sub(r"<[^>]+>", "", (site / "how-to" / "database-roles" / "index.html").read_text())
-    # The SQL files tests/test_roles.py runs are included in the page, not copied into it.
+    # The SQL files tests/store/test_roles.py runs are included in the page, not copied into it.
     assert "CREATE ROLE fanin_owner LOGIN;" in roles_page
     relay_reads = "fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox"
     assert f"GRANT SELECT ON {relay_reads} TO fanin_relay;" in roles_page

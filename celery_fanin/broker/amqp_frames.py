@@ -14,7 +14,7 @@ from amqp.serialization import dumps
 
 from .amqp_properties import PropertiesEncoder
 
-# The py-amqp releases this module (and amqp_properties) is tested against, byte for byte: tests/test_amqp_frames.py
+# The py-amqp releases this module (and amqp_properties) is tested against, byte for byte: tests/broker/test_amqp_frames.py
 # runs on 5.1.1, 5.2.0, 5.3.1, 5.4.0 and the installed one (.ci/amqp-versions). It leans on their internals
 # (`Message._serialize_properties`, `Message.PROPERTIES`, `serialization.dumps`, the connection's `frame_max`,
 # `transport.write` and `bytes_sent`), so outside this range (a py-amqp 5.5 not yet tested) the confirm channel

@@ -589,7 +589,7 @@ def _publish_frames(
 
     Why: on RabbitMQ kombu's own bookkeeping around a message cost more than encoding its properties. Returns
     False, having done nothing, for a message with a property this does not model (kombu then publishes it);
-    tests/test_amqp_frames.py compares the bytes with kombu's for each kind of message the fast path builds.
+    tests/broker/test_amqp_frames.py compares the bytes with kombu's for each kind of message the fast path builds.
     """
     exchange = producer.exchange  # kombu gives every producer one (the default exchange)
     if exchange is None or not properties.keys() & _KOMBU_PUBLISH_ARGS <= _MODELLED_ARGS:
@@ -740,7 +740,7 @@ def _apply_chain(chained: _chain, prod: Producer, **options: Any) -> None:
     what ``run`` does (Celery 5.5 to 5.7): the tasks frozen by the chain's own ``prepare_steps`` (each task's id, the
     last task's the chain's, ``link_error`` on every task), a ``link`` on the last task, and the first task
     published, with the producer, carrying the others, last first, as its ``chain`` option (the worker publishes
-    each next task from it). tests/test_publish.py compares the message with the one Celery's chain publishes.
+    each next task from it). tests/broker/test_publish.py compares the message with the one Celery's chain publishes.
     """
     app = chained.app
     opts = dict(chained.options, **options)

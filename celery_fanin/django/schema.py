@@ -2,7 +2,7 @@
 
 A Django migration cannot be told apart from the SQL it applies, so each celery-fanin release whose schema moves
 adds one Django migration (`FANIN_VERSION`: the SQL version it brings the schema to) that applies whatever is
-pending; tests/test_django_app.py checks that the last one reaches the last SQL migration shipped. Applying
+pending; tests/producer/test_django_app.py checks that the last one reaches the last SQL migration shipped. Applying
 "everything pending" rather than a fixed list keeps a database migrated by `celery -A proj fanin migrate` and one
 migrated by Django interchangeable: both record their versions in `fanin_migrations`.
 """

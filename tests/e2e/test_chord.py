@@ -19,6 +19,7 @@ from celery_fanin import ChordHeaderFailed, FanIn, FanInResult, InvalidFanIn, ch
 from celery_fanin.exceptions import SuccessorNotRerunnable
 from celery_fanin.ops.rounds import retry_failed
 from tests import app as tasks
+from tests.sql import unsend_outbox
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -137,8 +138,7 @@ def test_a_failed_header_task_stops_the_body_and_calls_its_errbacks_once(
     assert row == (1, "failed", "ChordHeaderFailed"), "its run admitted once, and failed instead of run"
     # A copy of the body's message (the relay publishing its outbox row again) finds the run ended: refused by the
     # run guard, so no second errback.
-    with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        conn.execute("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = %s", (handle.batch_id,))
+    unsend_outbox(e2e_env, handle.batch_id)
 
     def duplicates() -> int:
         with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:

@@ -23,7 +23,7 @@ from sqlalchemy import text
 
 from celery_fanin import FanIn, compensated, fan_in_group, manual, saga
 from tests import app as tasks
-from tests.sql import rows
+from tests.sql import open_gate, rows
 from tests.workers import CeleryProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -201,7 +201,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     browser.execute_script("window.fanInMarker = 'not reloaded'")
     updated = _until(browser, "the live stamp", lambda d: d.find_element(By.ID, "live").get_attribute("data-updated"))
 
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[0]}:open")
+    open_gate(producer, gates[0])
     _until(browser, "the bar at 4 of 5", lambda d: _done(d, "svg.bar.big") == (4, 5))
     assert browser.execute_script("return window.fanInMarker") == "not reloaded", "updated in place"
     _until(
@@ -212,7 +212,7 @@ def test_a_person_watches_a_batch_finish_and_a_saga_wait_for_them(
     _until(browser, "a starts chart", lambda d: d.find_elements(By.CSS_SELECTOR, "svg.chart rect.chart-bar"))
     _shot(browser, tmp_path, "dashboard-batch")
 
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gates[1]}:open")
+    open_gate(producer, gates[1])
     _until(browser, "the bar full", lambda d: _done(d, "svg.bar.big") == (5, 5))
 
     def successor_ran(d: Any) -> str | None:
@@ -279,7 +279,7 @@ def test_a_person_cancels_a_batch_and_reruns_a_successor_from_its_page(
     log = _until(browser, "the action recorded", lambda d: d.find_element(By.CSS_SELECTOR, "table.actions-log").text)
     assert "cancel" in log and "done" in log and "anonymous (127.0.0.1)" in log, log
     assert held.wait_batch(timeout=30).state == "cancelled"
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
+    open_gate(producer, gate)
 
     with pytest.raises(RuntimeError):
         failing.get(timeout=60)

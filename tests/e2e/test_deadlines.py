@@ -17,7 +17,7 @@ import pytest
 from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import clock
-from tests.sql import attempts, child, rows
+from tests.sql import attempts, child, open_gate, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -60,7 +60,7 @@ def test_a_deadline_abandons_a_running_child_and_its_later_report_is_recorded_la
     assert attempts(producer, f"{gate}:open") == 0  # still held
 
     # The child's body now returns: its report finds the row abandoned and is recorded late; no counter moves.
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
+    open_gate(producer, gate)
     late = wait_for(
         lambda: (c := child(producer, handle.batch_id, 1)).late_reports > 0 and c, 30, message="the late report"
     )

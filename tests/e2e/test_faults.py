@@ -15,7 +15,7 @@ from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
 from tests.e2e import clock
-from tests.sql import rows
+from tests.sql import drop_outbox, open_gate, rows, unsend_outbox
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -32,7 +32,7 @@ def test_duplicate_delivery_while_successor_runs_is_refused(
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
     wait_for(lambda: handle.batch_status().successor_state == "running", 20, message="the successor running")
     # A second copy while the first runs (a broker redelivery, a relay that died before marking it sent).
-    rows(producer, "UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b", b=handle.batch_id)
+    unsend_outbox(producer, handle.batch_id)
     assert relay.run_once() == 1
     status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
@@ -217,7 +217,7 @@ def test_failure_threshold_finishes_early_and_revokes_the_rest(
         return queued <= {task_id for ids in replies.values() for task_id in ids}
 
     wait_for(revoked_by_the_worker, 30, interval=0.5, message="the worker to receive the revokes")
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
+    open_gate(producer, gate)
     status = handle.wait_batch(timeout=60)
     assert status.state == "failed_threshold"
     runs = successor_runs(handle.batch_id)
@@ -257,14 +257,14 @@ def test_reconcile_repairs_drifted_counters_and_finishes_stuck_batches(
         "UPDATE fanin_batches SET state = 'running', remaining = 3, succeeded = 0 WHERE id = :b",
         b=drifted.batch_id,
     )
-    rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=stuck.batch_id)
+    drop_outbox(producer, stuck.batch_id)
     rows(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=stuck.batch_id)
     rows(
         producer,
         "UPDATE fanin_batches SET state = 'running', remaining = 1, succeeded = 2 WHERE id = :b",
         b=stuck.batch_id,
     )
-    rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=drifted.batch_id)
+    drop_outbox(producer, drifted.batch_id)
     rows(producer, "DELETE FROM fanin_successors WHERE batch_id = :b", b=drifted.batch_id)
     repairs = {str(r.batch_id): r for r in maintenance.reconcile(fanin)}
     assert set(repairs) == {drifted.batch_id, stuck.batch_id}

@@ -15,7 +15,7 @@ from celery.exceptions import TaskRevokedError
 
 from celery_fanin import FanInResult, fan_in_group
 from tests import app as tasks
-from tests.sql import attempts, rows
+from tests.sql import attempts, open_gate, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -81,7 +81,7 @@ def test_parent_revoke_revokes_the_unfinished_children_and_the_batch_goes_on(
     assert handle.state == states.PENDING and not handle.ready()
     revoked = handle.parent.revoke()
     assert len(revoked) == 3  # every unfinished child, the running one included
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{key}:open")  # the running one ends
+    open_gate(producer, key)  # the running one ends
     status = handle.wait_batch(timeout=60)
     assert (status.succeeded, status.failed, status.successor_state) == (1, 2, "succeeded")
     states_ = [
@@ -100,7 +100,7 @@ def test_a_batch_cancelled_before_its_successor_reads_as_a_revoked_task(
     handle = fan_in_group([tasks.gated.s(key)], then=tasks.record_run.s("never")).apply_async()
     wait_for(lambda: attempts(producer, key) == 1, 60, message="the gated child to start")
     handle.cancel()
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{key}:open")
+    open_gate(producer, key)
     with pytest.raises(TaskRevokedError, match="cancelled"):
         handle.get(timeout=30)
     assert handle.state == states.REVOKED and handle.ready()

@@ -22,7 +22,7 @@ from celery_fanin import fan_in_group
 from celery_fanin.protocol import HEADER_BATCH, HEADER_INDEX, HEADER_STEP, HEADER_SUCCESSOR, HEADER_TASK
 from tests import app as tasks
 from tests.e2e.brokers import broker_env  # noqa: F401 - the fixture, on Redis: RabbitMQ drops an expired copy unseen
-from tests.sql import attempts, rows
+from tests.sql import attempts, open_gate, rows
 from tests.sql import successor as successor_row
 from tests.workers import wait_for
 
@@ -30,10 +30,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
 # A successor's row as these tests read it.
 COPIES = ("state", "runs", "duplicates", "task_id", "step", "carrier")
-
-
-def _open(producer: Any, key: str) -> None:
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{key}:open")
 
 
 def test_a_successor_replaced_by_a_slow_chain_runs_once_past_the_stall_timeout(
@@ -79,7 +75,7 @@ def test_a_copy_of_a_replaced_successors_message_is_refused(producer: Any, proce
         30,
         message="the copy to be refused",
     )
-    _open(producer, key)
+    open_gate(producer, key)
     status = handle.wait_batch(timeout=30)
     assert status.successor_state == "succeeded"
     assert (status.successor_runs, status.successor_duplicates) == (2, 1)
@@ -117,7 +113,7 @@ def test_a_lost_replacement_ends_its_successor_after_the_replaced_timeout(
     status = handle.wait_batch(timeout=10)
     assert status.successor_state == "failed"
     # The lost replacement turns up: its first task runs, its carrier is refused, its body never runs.
-    _open(producer, key)
+    open_gate(producer, key)
     processes.worker(extra=["-Q", elsewhere])
     wait_for(lambda: attempts(producer, key) == 1, 60, message="the late replacement's first task")
     wait_for(
@@ -163,7 +159,7 @@ def test_an_expired_copy_does_not_end_a_running_successor(producer: Any, process
         message="the copy to be counted",
     )
     assert successor_row(producer, handle.batch_id, *COPIES)["state"] == "running"
-    _open(producer, key)
+    open_gate(producer, key)
     status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
     assert handle.result == {"label": "live", "succeeded": 1, "failed": 0}, "the live run's result was kept"
@@ -201,7 +197,7 @@ def test_an_expired_copy_does_not_end_a_started_child(producer: Any, processes: 
         30,
         message="the copy to be counted as a duplicate",
     )
-    _open(producer, key)
+    open_gate(producer, key)
     status = handle.wait_batch(timeout=30)
     assert (status.succeeded, status.failed) == (1, 0), status
     [after] = rows(producer, "SELECT state, late_reports FROM fanin_children WHERE batch_id = :b", b=handle.batch_id)

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 from celery import chain
-from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
+from tests.sql import unsend_outbox
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -74,8 +74,7 @@ def test_a_duplicate_delivery_of_a_running_successor_is_refused(
     wait_for(lambda: relay.run_once() == 1, 20, message="the successor published")
     wait_for(lambda: handle.batch_status().successor_state == "running", 20, message="the successor running")
     # A second copy while the first runs: on a thread-based pool it runs in the same process as the live run.
-    with FanIn.of(producer).engine.begin() as conn:
-        conn.execute(text("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b"), {"b": handle.batch_id})
+    unsend_outbox(producer, handle.batch_id)
     assert relay.run_once() == 1
     wait_for(lambda: handle.batch_status().successor_duplicates == 1, 30, message="the copy refused")
     status = handle.wait_batch(timeout=30)

@@ -32,7 +32,7 @@ from celery_fanin.store.batches import Encoded
 from tests import app as tasks
 from tests.e2e import holds
 from tests.e2e.brokers import on_broker
-from tests.sql import attempts, child, counters, rows
+from tests.sql import attempts, batch, child, counters, rows
 from tests.workers import CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -175,8 +175,8 @@ def test_refused_children_are_published_by_the_relay_once_accepted_and_hold_no_o
     worker = processes.worker()
     children = [tasks.ok.s(0).set(exchange="amq.direct", routing_key=refusing), tasks.ok.s(1)]
     refused = fan_in_group(children, then=tasks.record_run.s("refused")).apply_async()  # the warning, no exception
-    [mark] = rows(producer, "SELECT published_upto FROM fanin_batches WHERE id = :b", b=refused.batch_id)
-    assert mark.published_upto == 0  # the chunk holding the refused child is not recorded as published
+    mark = batch(producer, refused.batch_id, "published_upto")
+    assert mark["published_upto"] == 0  # the chunk holding the refused child is not recorded as published
     # A second batch the relay must publish too, after the refused one: its producer "died" before publishing (its
     # child's message is taken off the queue nobody consumes yet, and the batch marked unpublished).
     hold = f"{e2e_env['FANIN_TEST_QUEUE']}-hold"
@@ -197,8 +197,8 @@ def test_refused_children_are_published_by_the_relay_once_accepted_and_hold_no_o
     status = refused.wait_batch(timeout=60)  # the relay's next attempt (after its backoff) is accepted
     assert (status.planned, status.succeeded, status.failed, status.successor_runs) == (2, 2, 0, 1)
     assert len(successor_runs(refused.batch_id)) == 1
-    [mark] = rows(producer, "SELECT published_upto FROM fanin_batches WHERE id = :b", b=refused.batch_id)
-    assert mark.published_upto == 2
+    mark = batch(producer, refused.batch_id, "published_upto")
+    assert mark["published_upto"] == 2
 
 
 def test_a_replacement_failing_before_its_carrier_ends_its_child_and_its_successor(

@@ -20,7 +20,7 @@ from celery_fanin import fan_in_group
 from tests import app as tasks
 from tests.e2e import clock, holds
 from tests.e2e.test_cli import celery, fanin
-from tests.sql import counters, rows
+from tests.sql import counters, drop_outbox, open_gate, outbox, rows
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -39,10 +39,6 @@ def _drift(app: Any, batch_id: str, remaining: int, succeeded: int, failed: int)
         s=succeeded,
         f=failed,
     )
-
-
-def _open_gate(app: Any, gate: str) -> None:
-    rows(app, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{gate}:open")
 
 
 def _held_running(app: Any, gate: str) -> Any:
@@ -98,7 +94,7 @@ def test_the_running_relay_reconciles_periodically(producer: Any, processes: Any
     assert _reconciled(log, held.batch_id) == 2 and _reconciled(log, stuck.batch_id) == 1
 
     # The repaired counters are the ones the last report then decrements: the held batch finishes exactly.
-    _open_gate(producer, gate)
+    open_gate(producer, gate)
     final = held.wait_batch(timeout=30)
     assert (final.state, final.remaining, final.succeeded, final.failed) == ("complete", 0, 3, 0)
     assert len(successor_runs(held.batch_id)) == 1
@@ -115,7 +111,7 @@ def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
     done = fan_in_group([tasks.ok.s(0)], then=tasks.record_run.s("no-outbox")).apply_async()
     wait_for(lambda: done.batch_status().state == "complete", 30, message="the second batch complete")
     _drift(producer, held.batch_id, remaining=5, succeeded=0, failed=2)
-    rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=done.batch_id)
+    drop_outbox(producer, done.batch_id)
 
     result = celery(e2e_env, "reconcile", "--json")
     assert result.returncode == 0, result.stderr
@@ -130,7 +126,7 @@ def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
         done.batch_id: (["successor had no outbox row"], ["outbox row inserted"]),
     }
     assert counters(producer, held.batch_id) == ("running", 1, 2, 0)
-    assert rows(producer, "SELECT sent_at FROM fanin_outbox WHERE batch_id = :b", b=done.batch_id)[0].sent_at is None
+    assert outbox(producer, done.batch_id, "sent_at") == [{"sent_at": None}]
     again = celery(e2e_env, "reconcile")
     assert again.returncode == 0, again.stderr
     assert "all batches agree with their child rows" in again.stdout
@@ -139,7 +135,7 @@ def test_fanin_reconcile_command_repairs_counters_and_a_missing_outbox_row(
     status = done.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert len(successor_runs(done.batch_id)) == 1
-    _open_gate(producer, gate)
+    open_gate(producer, gate)
     final = held.wait_batch(timeout=30)
     assert (final.state, final.remaining, final.succeeded, final.failed) == ("complete", 0, 3, 0)
     assert len(successor_runs(held.batch_id)) == 1
@@ -152,15 +148,15 @@ def test_a_missing_outbox_row_alone_is_restored_and_its_successor_runs_once(
     handle = fan_in_group([tasks.ok.s(0), tasks.ok.s(1)], then=tasks.record_run.s("restored")).apply_async()
     wait_for(lambda: handle.batch_status().state == "complete", 30, message="the batch complete")
     # Counters and successor row are right; only the outbox row is gone (deleted by hand, a partial restore).
-    assert rows(producer, "DELETE FROM fanin_outbox WHERE batch_id = :b", b=handle.batch_id) == []
+    assert drop_outbox(producer, handle.batch_id) == 1
     assert handle.batch_status().successor_state == "pending"
     relay = processes.relay()
     status = handle.wait_batch(timeout=30)
     assert (status.state, status.succeeded, status.failed) == ("complete", 2, 0)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
     assert [r["label"] for r in successor_runs(handle.batch_id)] == ["restored"]
-    [row] = rows(producer, "SELECT sent_at FROM fanin_outbox WHERE batch_id = :b", b=handle.batch_id)
-    assert row.sent_at is not None
+    [row] = outbox(producer, handle.batch_id, "sent_at")
+    assert row["sent_at"] is not None
     assert f"reconciled batch_id={handle.batch_id}: successor had no outbox row; outbox row inserted" in relay.output()
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import text
 
 from celery_fanin import FanIn, FanInResult, fan_in_group
 from celery_fanin.relay import Relay
 from tests import app as tasks
 from tests.e2e import producer_crash
+from tests.sql import unsend_outbox
 from tests.workers import RELAY_PUBLISHES, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -101,8 +101,7 @@ def test_successor_delivered_twice_runs_once(producer: Any, processes: Any, succ
     assert relay.run_once() == 1
     assert handle.wait_batch(timeout=30).successor_state == "succeeded"
     # As if the relay had died after publishing but before marking the row sent: the row goes out again.
-    with fanin.engine.begin() as conn:
-        conn.execute(text("UPDATE fanin_outbox SET sent_at = NULL WHERE batch_id = :b"), {"b": handle.batch_id})
+    unsend_outbox(fanin.app, handle.batch_id)
     assert relay.run_once() == 1
     wait_for(lambda: handle.batch_status().successor_duplicates == 1, 30, message="the duplicate to be refused")
     status = handle.batch_status()

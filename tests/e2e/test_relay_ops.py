@@ -15,7 +15,7 @@ from celery_fanin.producer import encoder
 from tests import app as tasks
 from tests import http_get
 from tests.cluster import free_port
-from tests.sql import rows
+from tests.sql import batch, rows
 from tests.workers import RELAY_PUBLISHES, CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -103,8 +103,8 @@ def test_a_child_the_relay_cannot_publish_is_counted_rejected_by_a_worker_and_it
         handle = fan_in_group(
             [tasks.ok.s(1), tasks.ok.s(1, 2, 3), tasks.ok.s(3)], then=tasks.record_run.s("misfit", with_values=True)
         ).apply_async()
-    [mark] = rows(producer, "SELECT published_upto FROM fanin_batches WHERE id = :b", b=handle.batch_id)
-    assert mark.published_upto == 0, "the producer published nothing of the failing chunk"
+    mark = batch(producer, handle.batch_id, "published_upto")
+    assert mark["published_upto"] == 0, "the producer published nothing of the failing chunk"
     processes.worker(concurrency=2)
     relay = processes.relay(process=True)
     status = handle.wait_batch(timeout=60)

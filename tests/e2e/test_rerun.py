@@ -18,7 +18,7 @@ from celery_fanin.protocol import HEADER_STEP, HEADER_SUCCESSOR
 from celery_fanin.web import create_app
 from tests import app as tasks
 from tests.e2e.test_cli import celery, fanin
-from tests.sql import attempts, rows
+from tests.sql import attempts, open_gate, rows
 from tests.sql import successor as successor_row
 from tests.workers import wait_for
 
@@ -109,7 +109,7 @@ def test_a_revoked_successor_runs_again_under_its_new_task_id(
     handle = fan_in_group([tasks.gated.s(key)], then=tasks.record_run.s("after-revoke")).apply_async()
     wait_for(lambda: attempts(producer, key) == 1, TIMEOUT, message="the gated child to start")
     handle.revoke()  # the successor's task id: a worker discards its message when it comes
-    rows(producer, "INSERT INTO e2e_attempts (key, n) VALUES (:k, 1)", k=f"{key}:open")
+    open_gate(producer, key)
     wait_for(
         lambda: _task_state_runs_duplicates(producer, handle.batch_id)[1] == "revoked",
         TIMEOUT,

@@ -25,6 +25,7 @@ from celery_fanin.broker.publish import _CHAIN_IDS
 from tests.app import add, always_retry, fail, ok, record_run, replacing_child
 from tests.e2e import producer_crash
 from tests.e2e.brokers import on_broker
+from tests.sql import child_ids
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -88,16 +89,9 @@ def _run(env: dict[str, str], producer: Any, successor_runs: Runs, label: str) -
     # The successor's outcome is complete: every success's value, in child order, from PostgreSQL.
     assert run["values"] == [0, 10, 6, 40, 60, 70]
     assert (run["outcome"]["succeeded"], run["outcome"]["failed"]) == (6, 2)
-    ids = _child_ids(env, handle.batch_id)
+    ids = child_ids(env, handle.batch_id)
     first_of_chain = str(uuid.uuid5(_CHAIN_IDS, f"{ids[3]}:0"))
     return handle, ids, [first_of_chain]
-
-
-def _child_ids(env: dict[str, str], batch_id: str) -> list[str]:
-    """The batch's children's task ids, in child order, as PostgreSQL has them."""
-    with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-        rows = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (batch_id,))
-        return [r[0] for r in rows]
 
 
 def _meta(client: redis.Redis, task_id: str) -> dict[str, Any] | None:
@@ -133,7 +127,7 @@ def test_by_default_no_child_result_is_in_the_backend(
     # A fan-in applied with ignore_result=False gives it to every child (and its successor): all stored.
     every = fan_in_group([ok.s(1), ok.s(2)], then=record_run.s("asked"), app=producer).apply_async(ignore_result=False)
     assert every.wait_batch(timeout=TIMEOUT).succeeded == 2
-    children = _child_ids(e2e_env, every.batch_id)
+    children = child_ids(e2e_env, every.batch_id)
     wait_for(lambda: _meta(backend, every.id), TIMEOUT, message="the second successor's result")
     assert [producer.AsyncResult(c).result for c in children] == [10, 20]
 
@@ -164,7 +158,7 @@ def test_children_the_relay_publishes_are_not_in_the_backend_either(
     _start(processes, e2e_env, stored=False)
     batch_id = producer_crash.run_killed(e2e_env, "12", "1")
     wait_for(lambda: successor_runs(batch_id), TIMEOUT, message="the successor's run")
-    ids = _child_ids(e2e_env, batch_id)
+    ids = child_ids(e2e_env, batch_id)
     assert len(ids) == 12
     with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
         successor = conn.execute("SELECT successor_task_id FROM fanin_batches WHERE id = %s", (batch_id,)).fetchone()

@@ -9,7 +9,7 @@ mark-sent included.
 Not in the list: the stall scan's own check that a successor was not replaced (`fanin_republish_successor`): the
 scan's query (`stalled`) leaves replaced successors out too, so only a scan that listed a successor just before it
 was replaced reaches the function's check, a race too narrow for the CI budget;
-tests/store/test_successor_guard.py checks the function directly. Also not: mark-sent without
+tests/worker/test_successor_guard.py checks the function directly. Also not: mark-sent without
 `s.state = 'pending'` (fanin_outbox_sent), found by some runs and missed by others within the CI budget (it needs a
 successor to start running between the relay's claim and its mark, a narrow interleaving whose odds depend on the
 machine's timing), so it is not a reliable test; and dropping `remaining > 0` from `fanin_settle_v2`. With the defects

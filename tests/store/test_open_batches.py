@@ -16,10 +16,10 @@ from celery_fanin import BatchNotFound, BatchNotOpen, FanIn
 from celery_fanin.producer import actions
 from celery_fanin.store import batches, recovery
 from celery_fanin.store.reports import record_terminal
-from tests.sql import Held
+from tests.sql import Held, batch
 from tests.sql import successor as successor_row
 
-from .helpers import fetch_all, fetch_one, json_encoded, new_batch
+from .helpers import fetch_all, json_encoded, new_batch
 
 
 def _open(
@@ -42,8 +42,7 @@ def _open(
 
 
 def _row(engine: Engine, batch_id: uuid.UUID) -> dict[str, Any]:
-    with engine.connect() as conn:
-        return fetch_one(conn, "SELECT * FROM fanin_batches WHERE id = :id", id=batch_id)
+    return batch(engine, batch_id)
 
 
 def _age(engine: Engine, batch_id: uuid.UUID, seconds: float) -> None:

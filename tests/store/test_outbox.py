@@ -21,7 +21,7 @@ from celery_fanin import FanIn, codec
 from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, outbox, queries
 from celery_fanin.store.reports import record_terminal
-from tests.sql import Held
+from tests.sql import Held, successor
 
 from .helpers import QUEUE, Tasks, create, fetch_all, fetch_one, queued_messages
 
@@ -327,7 +327,7 @@ def test_publish_outbox_sends_the_successor_with_the_outcome_first(
 
     with store_engine.connect() as conn:
         out = fetch_one(conn, "SELECT sent_at, attempts FROM fanin_outbox WHERE batch_id = :id", id=batch.id)
-        succ = fetch_one(conn, "SELECT state FROM fanin_successors WHERE batch_id = :id", id=batch.id)
+        succ = successor(conn, batch.id, "state")
     assert out["sent_at"] is not None and out["attempts"] == 1
     assert succ["state"] == "sent"
 

@@ -21,7 +21,9 @@ from celery_fanin.store import batches, outbox
 from celery_fanin.store import reports as store_reports
 from celery_fanin.store.reports import record_terminal
 from celery_fanin.store.statements import Runner, q
-from tests.sql import Held
+from tests.sql import Held, successor
+from tests.sql import batch as batch_row
+from tests.sql import outbox as outbox_rows
 
 from .helpers import (
     Outcome,
@@ -98,7 +100,7 @@ def _assert_counted_once(outcomes: list[Outcome], task_ids: list[str], planned: 
 
 def _assert_complete(engine: Engine, batch_id: uuid.UUID, planned: int, succeeded: int) -> None:
     with engine.connect() as conn:
-        b = fetch_one(conn, "SELECT * FROM fanin_batches WHERE id = :id", id=batch_id)
+        b = batch_row(conn, batch_id)
         assert (b["state"], b["remaining"], b["planned"]) == ("complete", 0, planned)
         assert (b["succeeded"], b["failed"]) == (succeeded, planned - succeeded)
         assert b["completed_at"] is not None
@@ -132,7 +134,7 @@ def test_racing_reports_count_each_child_once_and_create_one_successor(
     with store_engine.connect() as conn:
         rows = fetch_all(conn, "SELECT task_id, state FROM fanin_children WHERE batch_id = :id", id=batch.id)
         assert {r["task_id"]: r["state"] for r in rows} == state_of
-        out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
+        [(out_id,)] = [tuple(r.values()) for r in outbox_rows(conn, batch.id, "id")]
     # Only the transaction that created the successor notified the relay, with the outbox row's id.
     assert notifications_until_sentinel(listener, clean_db) == [str(out_id)]
 
@@ -284,7 +286,7 @@ def test_only_the_completing_report_notifies(store_engine: Engine, listener: psy
         rec = record_terminal(Held(conn), children[4].task_id, "failed")
     assert rec.successor_created
     with store_engine.connect() as conn:
-        out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
+        [(out_id,)] = [tuple(r.values()) for r in outbox_rows(conn, batch.id, "id")]
     assert notifications_until_sentinel(listener, clean_db) == [str(out_id)]
 
     with store_engine.connect() as conn:
@@ -313,7 +315,7 @@ def test_empty_batch_is_complete_at_creation_and_notifies_once(
     batch, _, outbox_id = create(store_engine, 0)
     assert outbox_id is not None
     with store_engine.connect() as conn:
-        b = fetch_one(conn, "SELECT * FROM fanin_batches WHERE id = :id", id=batch.id)
+        b = batch_row(conn, batch.id)
         succ = fetch_all(conn, "SELECT batch_id, step, state FROM fanin_successors")
         out = fetch_all(conn, "SELECT id, batch_id, step, sent_at FROM fanin_outbox")
     assert (b["state"], b["planned"], b["remaining"]) == ("complete", 0, 0)
@@ -502,8 +504,7 @@ def test_a_completed_batch_s_successor_is_handed_to_the_worker_that_reported(
         reports.reset()
     assert _outbox_row(store_engine, batch.id)["sent"]
     with store_engine.connect() as conn:
-        state = conn.execute(text("SELECT state FROM fanin_successors WHERE batch_id = :id"), {"id": batch.id})
-        assert state.scalar_one() == "sent"
+        assert successor(conn, batch.id, "state") == {"state": "sent"}
 
 
 def test_a_nested_successor_s_end_on_a_handing_off_worker_leaves_the_outer_successor_to_the_relay_at_once(

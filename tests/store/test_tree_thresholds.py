@@ -27,6 +27,7 @@ from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, queries, recovery
 from celery_fanin.store.outcomes import build_outcome
+from tests.sql import outbox
 
 from .helpers import (
     QUEUE,
@@ -165,7 +166,7 @@ def test_concurrent_failures_on_different_leaves_create_exactly_one_successor(
     )
     assert (root["successors"], root["outbox"]) == (["then"], 1)
     with store_engine.connect() as conn:
-        out_id = conn.execute(text("SELECT id FROM fanin_outbox WHERE batch_id = :id"), {"id": batch.id}).scalar_one()
+        [(out_id,)] = [tuple(r.values()) for r in outbox(conn, batch.id, "id")]
     assert notifications_until_sentinel(listener, clean_db) == [str(out_id)]
 
     # The held-back children finish their leaves: successes reach the root once per leaf, failures once each.

@@ -11,8 +11,7 @@ from celery import Celery
 from sqlalchemy import Engine
 
 from celery_fanin import InvalidFanIn, fan_in_group
-
-from .helpers import Tasks, row_counts
+from tests.store.helpers import Tasks, row_counts
 
 CASES: list[Any] = [
     pytest.param({"deadline": timedelta(seconds=-1)}, "deadline must be a positive timedelta", id="negative-deadline"),

@@ -24,7 +24,7 @@ from celery_fanin.store.pooler import transaction_pooled
 from tests.cluster import free_port
 
 pytestmark = pytest.mark.timeout(60)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pgbouncer(database_url: str, mode: str) -> Iterator[str]:

@@ -14,8 +14,7 @@ from sqlalchemy import Engine, text
 
 from celery_fanin import FanIn, InvalidFanIn, fan_in_group, saga
 from celery_fanin.context import DURATIONS, NONE_ALLOWED, Settings
-
-from .helpers import Tasks
+from tests.store.helpers import Tasks
 
 
 def _stored_timeouts(engine: Engine, batch_id: str) -> tuple[Any, Any]:

@@ -22,8 +22,7 @@ from celery_fanin.relay import maintenance
 from celery_fanin.store import batches
 from tests.e2e import clock
 from tests.sql import children as child_rows
-
-from .helpers import Tasks, collecting_batch, fetch_all, queued_messages
+from tests.store.helpers import Tasks, collecting_batch, fetch_all, queued_messages
 
 
 def _batch(app: Celery, tasks: Tasks, stored: list[batches.Encoded], *, leaves: int, engine: Engine) -> list[str]:

@@ -3,7 +3,7 @@
 Children the fast path does not model (a `link`, `fanin_bulk_publish = False`...) go through Celery's own
 `apply_async`, and successors are published by the relay: both on the confirm channel, and recorded (the batch's
 `published_upto`, the outbox row's `sent_at`) only once the broker confirmed them. Here the broker's confirms are
-turned into refusals (basic.nack) in front of the producer, as tests/test_confirms.py scripts them: nothing may
+turned into refusals (basic.nack) in front of the producer, as tests/broker/test_confirms.py scripts them: nothing may
 be recorded, and the relay publishes it all once the broker confirms again (a refused successor after its
 outbox row's backoff).
 """
@@ -26,6 +26,7 @@ from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.relay import Relay
 from celery_fanin.store import outbox
 from tests import publish_tasks
+from tests.sql import child_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
@@ -146,13 +147,7 @@ def test_a_chain_childs_first_message_is_recorded_only_once_confirmed(
     monkeypatch.undo()
     assert Relay(fanin).run_once() == 2
     assert handle.batch_status().published == 2
-    with fanin.engine.connect() as conn:
-        ids = [
-            r.task_id
-            for r in conn.execute(
-                text("SELECT task_id FROM fanin_children WHERE batch_id = :b ORDER BY idx"), {"b": handle.batch_id}
-            )
-        ]
+    ids = child_ids(fanin.app, handle.batch_id)
     # Each chain's first task (its message only: the worker publishes the next), with the rest of the chain in the
     # body, the last task carrying the child's own task id; every publish (three here) carried the same ids.
     messages = _queued_messages(app)

@@ -14,8 +14,7 @@ import redis
 from celery import Celery, chain, group
 
 from celery_fanin import ChordHeaderFailed, FanIn, chord, fan_in_group
-
-from .helpers import QUEUE, wait_for
+from tests.store.helpers import QUEUE, wait_for
 
 TIMEOUT = 10.0
 

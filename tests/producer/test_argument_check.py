@@ -19,8 +19,8 @@ from sqlalchemy import Engine
 from celery_fanin import FanInGroup, InvalidArguments, InvalidFanIn, fan_in_group
 from celery_fanin.producer import group as group_module
 from tests.conftest import REDIS_CLAIM_KEY
-
-from .helpers import TABLES, Tasks, fetch_all, fetch_one, queued_messages, row_counts
+from tests.sql import child_ids
+from tests.store.helpers import TABLES, Tasks, fetch_all, fetch_one, queued_messages, row_counts
 
 
 def _assert_nothing_written_or_published(store_engine: Engine, broker: redis.Redis) -> None:
@@ -151,9 +151,7 @@ def test_apply_refuses_a_misfit_before_running_anything(
 
 def _published(store_engine: Engine, broker: redis.Redis, batch_id: str) -> tuple[list[str], list[str]]:
     """The batch's child task ids as written, in order, and the task ids of the messages on the broker."""
-    with store_engine.connect() as conn:
-        rows = fetch_all(conn, "SELECT task_id FROM fanin_children WHERE batch_id = :b ORDER BY idx", b=batch_id)
-    return [r["task_id"] for r in rows], [m.headers["id"] for m in queued_messages(broker)]
+    return child_ids(store_engine, batch_id), [m.headers["id"] for m in queued_messages(broker)]
 
 
 def test_a_task_with_typing_off_is_not_checked(

@@ -24,9 +24,9 @@ from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.store.statements import q
 from tests.conftest import REDIS_CLAIM_KEY
+from tests.sql import batch
 from tests.sql import children as child_rows
-
-from .helpers import (
+from tests.store.helpers import (
     QUEUE,
     TABLES,
     Tasks,
@@ -34,7 +34,6 @@ from .helpers import (
     create,
     define_tasks,
     fetch_all,
-    fetch_one,
     queued_messages,
     row_counts,
     wait_for,
@@ -98,7 +97,7 @@ def test_apply_async_writes_batch_and_every_child_then_publishes_them(
 
     assert isinstance(handle, FanInResult)
     with store_engine.connect() as conn:
-        b = fetch_one(conn, "SELECT * FROM fanin_batches WHERE id = :id", id=handle.batch_id)
+        b = batch(conn, handle.batch_id)
         assert conn.execute(text("SELECT count(*) FROM fanin_batches")).scalar_one() == 1
         assert conn.execute(text("SELECT count(*) FROM fanin_successors")).scalar_one() == 0
         assert conn.execute(text("SELECT count(*) FROM fanin_outbox")).scalar_one() == 0

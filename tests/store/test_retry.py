@@ -174,7 +174,7 @@ def test_stop_event_ends_the_wait() -> None:
 
 # --- the table of docs/concepts/worker.md ("Which errors are transient") against `is_transient` ----------------
 
-WORKER_MD = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "worker.md"
+WORKER_MD = Path(__file__).resolve().parents[2] / "docs" / "concepts" / "worker.md"
 
 
 def _documented() -> dict[str, bool]:

@@ -27,7 +27,7 @@ from celery_fanin.broker import confirms, publish
 from celery_fanin.store.reports import record_terminal
 from celery_fanin.worker import hooks
 from tests import publish_tasks
-from tests.sql import Held
+from tests.sql import Held, child_ids
 from tests.workers import CeleryProcess, start_relay, start_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -497,13 +497,7 @@ def test_rabbitmq_without_the_frame_writer_still_publishes_children_and_successo
         assert not publish.amqp_frames_enabled(app)
         handle = fan_in_group([echo.s(i) for i in range(5)], then=echo.s(), app=app).apply_async()
         assert handle.batch_status().published == 5, "every child confirmed by the broker"
-        with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-            ids = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,)
-                )
-            ]
+        ids = child_ids(env, handle.batch_id)
         with FanIn.of(app).engine.begin() as conn:
             for task_id in ids:
                 assert record_terminal(Held(conn), task_id, "succeeded").counted
@@ -543,9 +537,7 @@ def test_eager_children_store_their_results_in_the_backend_only_if_asked(app: Ce
     children = [triple.s(1), triple.s(2).set(ignore_result=False), chain(triple.s(3), triple.s())]
     handle = fan_in_group(children, then=done.s(), app=app).apply_async()
     assert handle.batch_status().succeeded == 3 and handle.get() == 3
-    with psycopg.connect(app.conf.fanin_database_url, autocommit=True) as conn:
-        rows = conn.execute("SELECT task_id FROM fanin_children WHERE batch_id = %s ORDER BY idx", (handle.batch_id,))
-        ids = [r[0] for r in rows]
+    ids = child_ids(app, handle.batch_id)
     results = [app.AsyncResult(task_id).result for task_id in ids]
     assert results == ([3, 6, 27] if stored else [None, 6, None])
     assert app.AsyncResult(handle.id).result == 3  # the successor's, as Celery stores it

@@ -20,8 +20,7 @@ from celery_fanin.worker import process, starts
 from celery_fanin.worker.starts import StartRecorder
 from tests.sql import Held
 from tests.sql import children as child_rows
-
-from .helpers import create, fetch_all, json_encoded, wait_for
+from tests.store.helpers import create, fetch_all, json_encoded, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,10 +24,9 @@ from sqlalchemy.exc import OperationalError
 from celery_fanin.context import FanIn
 from celery_fanin.store import batches, successors
 from celery_fanin.worker import successor_runs
-from tests.sql import Held
+from tests.sql import Held, outbox
 from tests.sql import successor as successor_row
-
-from .helpers import create, fetch_one, new_batch
+from tests.store.helpers import create, fetch_one, new_batch
 
 LIVE = {"lease": 60.0, "grace": 60.0, "owner": "test", "owner_key": "key-of-worker-a"}
 DEAD = {"lease": 0.0, "grace": 0.0, "owner": "test"}  # a lease that has lapsed as soon as it is taken
@@ -529,7 +528,7 @@ def test_stalled_successors_are_lost_messages_and_dead_runs_only(store_engine: E
         # Republishing a dead run's successor puts it back to `sent`, so one of the copies is admitted.
         assert successors.republish(conn, dead.id, dead.step, 0.0, 0.0)
         assert not successors.republish(conn, live.id, live.step, 0.0, 0.0), "a live run is left alone"
-        assert fetch_one(conn, "SELECT sent_at FROM fanin_outbox WHERE batch_id = :id", id=dead.id)["sent_at"] is None
+        assert outbox(conn, dead.id, "sent_at") == [{"sent_at": None}]
     assert successor_row(store_engine, dead.id, *GUARD)["state"] == "sent"
     assert _claim(store_engine, dead) is not None
 

@@ -20,8 +20,7 @@ from celery_fanin.store import queries
 from celery_fanin.store.outcomes import build_outcome
 from celery_fanin.store.reports import record_terminal
 from tests.sql import Held
-
-from .helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages
+from tests.store.helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages
 
 
 def _finish(engine: Engine, batch_id: str, states: dict[int, str], successor: str = "succeeded") -> None:

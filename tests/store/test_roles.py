@@ -41,7 +41,7 @@ from celery_fanin.worker import runtime, successor_runs
 from tests.conftest import ADMIN_URL
 from tests.sql import SUCCESSOR_PREDICATES as PREDICATES
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "how-to"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "how-to"
 ROLES = ("owner", "producer", "worker", "relay", "maintenance", "dashboard", "sagaworker")
 
 

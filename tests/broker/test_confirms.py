@@ -3,7 +3,7 @@
 The producer keeps several chunks in flight on one confirm channel, so confirms for a later chunk's messages
 arrive while an earlier chunk is waited for. A refused message (basic.nack) must fail the chunk that holds it and
 no other: a chunk wrongly failed is published twice, a chunk wrongly passed is recorded as published and lost.
-The real broker path is covered in tests/test_publish.py; a broker that nacks on demand is not available there.
+The real broker path is covered in tests/broker/test_publish.py; a broker that nacks on demand is not available there.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from celery_fanin.store.migrate import available
 
-MIGRATIONS = Path(__file__).resolve().parents[1] / "celery_fanin" / "django" / "migrations"
+MIGRATIONS = Path(__file__).resolve().parents[2] / "celery_fanin" / "django" / "migrations"
 
 
 def test_the_last_django_migration_reaches_the_last_sql_migration() -> None:

@@ -20,8 +20,7 @@ from celery_fanin.relay import maintenance
 from celery_fanin.store import batches, recovery
 from celery_fanin.store.reports import record_terminal
 from tests.sql import Held
-
-from .helpers import new_batch
+from tests.store.helpers import new_batch
 
 
 def _create(engine: Engine, expires: list[datetime | None]) -> tuple[batches.NewBatch, list[batches.NewChild]]:
