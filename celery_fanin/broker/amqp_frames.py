@@ -14,12 +14,12 @@ from amqp.serialization import dumps
 
 from .amqp_properties import PropertiesEncoder
 
-# The py-amqp releases this module (and amqp_properties) is tested against, byte for byte: tests/broker/test_amqp_frames.py
-# runs on 5.1.1, 5.2.0, 5.3.1, 5.4.0 and the installed one (.ci/amqp-versions). It leans on their internals
-# (`Message._serialize_properties`, `Message.PROPERTIES`, `serialization.dumps`, the connection's `frame_max`,
-# `transport.write` and `bytes_sent`), so outside this range (a py-amqp 5.5 not yet tested) the confirm channel
-# writes through py-amqp's own `basic_publish` instead: slower, the same messages. pyproject.toml allows the wider
-# range kombu does (amqp>=5.1.1,<6), which the fallback covers.
+# The py-amqp releases this module (and amqp_properties) is tested against, byte for byte:
+# tests/broker/test_amqp_frames.py runs on 5.1.1, 5.2.0, 5.3.1, 5.4.0 and the installed one (.ci/amqp-versions). It
+# leans on their internals (`Message._serialize_properties`, `Message.PROPERTIES`, `serialization.dumps`, the
+# connection's `frame_max`, `transport.write` and `bytes_sent`), so outside this range (a py-amqp 5.5 not yet tested)
+# the confirm channel writes through py-amqp's own `basic_publish` instead: slower, the same messages. pyproject.toml
+# allows the wider range kombu does (amqp>=5.1.1,<6), which the fallback covers.
 TESTED_VERSIONS = ((5, 1, 1), (5, 5, 0))  # from, to (excluded)
 
 

@@ -69,7 +69,7 @@ $$;
 -- schema owner, who ran this migration) and a search path pinned to this schema, so the runtime roles need
 -- EXECUTE on the entry points they call and no write at all to the counters, the successors or the outbox: a
 -- worker's credential cannot decrement a batch except through a child's transition (docs/how-to/grants.sql,
--- tests/store/test_roles.py). PostgreSQL gives PUBLIC EXECUTE on every new function; a SECURITY DEFINER function
+-- tests/test_roles.py). PostgreSQL gives PUBLIC EXECUTE on every new function; a SECURITY DEFINER function
 -- must not keep it, so it is revoked here rather than left to the grants file.
 DO $$
 DECLARE
