@@ -155,6 +155,23 @@ def outbox(db: Any, batch_id: Any, *columns: str) -> list[dict[str, Any]]:
     return list(_select(db, "fanin_outbox", columns, "batch_id = %s", "id", (str(batch_id),)))
 
 
+def row_count(db: Any, table: str) -> int:
+    """How many rows `table` holds. `db` as for `children`."""
+    query = psycopg_sql.SQL("SELECT count(*) AS n FROM {}").format(psycopg_sql.Identifier(table))
+    if isinstance(db, Connection):
+        return int(db.exec_driver_sql(query.as_string()).scalar_one())
+    with psycopg.connect(_conninfo(db), autocommit=True) as conn:
+        row = conn.execute(query).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def unpublish(db: Any, batch_id: Any) -> int:
+    """Mark a batch's children unpublished, as if its producer died after its commit and before publishing them:
+    the relay publishes them. `db` as for `children`."""
+    return _write(db, "UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (str(batch_id),))
+
+
 def _write(db: Any, query: str, params: tuple[Any, ...]) -> int:
     if isinstance(db, Connection):
         return int(db.exec_driver_sql(query, params).rowcount)

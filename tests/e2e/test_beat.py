@@ -61,10 +61,8 @@ def test_two_beats_ticking_one_entry_make_one_batch_per_slot(
     sends = sum(_sends(b) for b in beats)
 
     def settled() -> list[tuple[str, str]] | None:
-        with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-            received = conn.execute("SELECT count(*) FROM fanin_batches").fetchone()
         batches = _batches(e2e_env)
-        return batches if received and batches and _runs(e2e_env) == len(batches) else None
+        return batches if batches and _runs(e2e_env) == len(batches) else None
 
     # Every message sent was run by the worker (a second message for a slot finds the slot's batch)...
     wait_for(

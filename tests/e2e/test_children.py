@@ -26,7 +26,7 @@ from celery_fanin.exceptions import InvalidFanIn
 from tests.app import NOTES_TABLE_DDL
 from tests.e2e.helpers import sig
 from tests.sql import children as child_rows
-from tests.sql import notes
+from tests.sql import notes, row_count
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -160,5 +160,4 @@ def test_a_chain_child_holding_a_group_is_refused_before_anything_is_written(app
             fan_in_group([sig(app, "ok", 0), child], then=sig(app, "record_run", "x"), app=app).apply_async()
     with pytest.raises(InvalidFanIn, match="expires"):
         fan_in_group([sig(app, "ok", 0).set(expires="soon")], then=sig(app, "record_run", "x"), app=app).apply_async()
-    with psycopg.connect(app.conf.fanin_database_url, autocommit=True) as conn:
-        assert conn.execute("SELECT count(*) FROM fanin_batches").fetchone() == (0,)
+    assert row_count(app, "fanin_batches") == 0

@@ -19,7 +19,7 @@ from celery_fanin import ChordHeaderFailed, FanIn, FanInResult, InvalidFanIn, ch
 from celery_fanin.exceptions import SuccessorNotRerunnable
 from celery_fanin.ops.rounds import retry_failed
 from tests import app as tasks
-from tests.sql import unsend_outbox
+from tests.sql import row_count, unsend_outbox
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -154,9 +154,7 @@ def test_a_failed_header_task_stops_the_body_and_calls_its_errbacks_once(
 
 def test_bounds_and_bad_input_are_refused_before_anything_is_written(producer: Any, e2e_env: dict[str, str]) -> None:
     def batches() -> int:
-        with psycopg.connect(e2e_env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-            row = conn.execute("SELECT count(*) FROM fanin_batches").fetchone()
-            return int(row[0]) if row else 0
+        return row_count(e2e_env, "fanin_batches")
 
     before = batches()
     producer.conf.fanin_chord_max_header = 3

@@ -18,7 +18,7 @@ from celery_fanin import FanInResult, builtin_tasks, fan_in_group, protocol
 from tests import app as tasks
 from tests.e2e import clock
 from tests.e2e.test_cli import celery, fanin
-from tests.sql import rows
+from tests.sql import child_ids, rows
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -289,12 +289,7 @@ def test_retry_failed_runs_the_failed_children_and_the_successor_again_as_round_
     # The first handle answers with the last round's successor, as Celery users read the chord they started.
     assert first.get(timeout=30) == second.get(timeout=5) == {"label": "rounds", "succeeded": 2, "failed": 0}
     assert len(successor_runs(first.batch_id)) == 1  # round 1's successor did not run again
-    old_ids = {
-        r.task_id for r in rows(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=first.batch_id)
-    }
-    new_ids = {
-        r.task_id for r in rows(producer, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=second.batch_id)
-    }
+    old_ids, new_ids = set(child_ids(producer, first.batch_id)), set(child_ids(producer, second.batch_id))
     assert len(new_ids) == 2 and not old_ids & new_ids
     assert second.batch_status().successor_task_id != first.batch_status().successor_task_id
 

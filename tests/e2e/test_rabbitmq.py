@@ -32,7 +32,7 @@ from celery_fanin.store.batches import Encoded
 from tests import app as tasks
 from tests.e2e import holds
 from tests.e2e.brokers import on_broker
-from tests.sql import attempts, batch, child, counters, rows
+from tests.sql import attempts, batch, child, counters, rows, unpublish
 from tests.workers import CeleryProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -183,7 +183,7 @@ def test_refused_children_are_published_by_the_relay_once_accepted_and_hold_no_o
     orphan = fan_in_group([tasks.ok.s(2).set(queue=hold)], then=tasks.record_run.s("orphan")).apply_async()
     with _channel() as channel:
         assert channel.queue_purge(hold) == 1
-    rows(producer, "UPDATE fanin_batches SET published_upto = 0 WHERE id = :b", b=orphan.batch_id)
+    unpublish(producer, orphan.batch_id)
 
     relay = processes.relay()
     holds.consume(producer, worker, hold)

@@ -29,6 +29,7 @@ from tests.e2e.brokers import on_broker
 from tests.e2e.helpers import sig
 from tests.signing import configure_signing, make_certificate
 from tests.sql import children as child_rows
+from tests.sql import unpublish
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,8 +142,7 @@ def test_signed_on_both_brokers_with_retries_and_children_the_relay_republishes(
                     assert conn.default_channel.queue_purge(queue) == 2
             else:
                 assert redis.Redis.from_url(env["FANIN_TEST_BROKER"]).delete(queue) == 1
-            with psycopg.connect(env["FANIN_DATABASE_URL"], autocommit=True) as conn:
-                conn.execute("UPDATE fanin_batches SET published_upto = 0 WHERE id = %s", (uuid.UUID(orphan.batch_id),))
+            unpublish(env, orphan.batch_id)
             children = [sig(app, "ok", 1), sig(app, "always_retry", 2), chain(sig(app, "ok", 3), sig(app, "ok"))]
             handle = fan_in_group(
                 children, then=sig(app, "record_run", "signed", with_values=True), app=app

@@ -19,7 +19,7 @@ from celery_fanin.ops.rounds import retry_failed
 from celery_fanin.store import queries
 from celery_fanin.store.outcomes import build_outcome
 from celery_fanin.store.reports import record_terminal
-from tests.sql import Held
+from tests.sql import Held, child_ids
 from tests.store.helpers import QUEUE, Tasks, fetch_all, fetch_one, queued_messages
 
 
@@ -183,9 +183,9 @@ def test_a_rounds_successor_sees_every_childs_last_outcome_across_the_rounds(
     ]
     assert list(round2.values()) == [0, 2, 4, 8] and sum(round3.values()) == 0 + 2 + 4 + 6 + 8
     assert [r.state for r in round3.results()] == ["succeeded"] * 5
-    with store_engine.connect() as conn:
-        ids = fetch_all(conn, "SELECT task_id FROM fanin_children WHERE batch_id = :b", b=third.batch_id)
-    assert [r.task_id for r in round3.results()][3] == ids[0]["task_id"]  # the run that gave child 3's outcome
+    assert [r.task_id for r in round3.results()][3] == child_ids(store_engine, third.batch_id)[
+        0
+    ]  # the run that gave child 3's outcome
     assert list(round2.values(rounds="this")) == [2] and list(outcome(first.batch_id).values()) == [0, 4, 8]
     with pytest.raises(ValueError, match="rounds must be"):
         list(round2.results(rounds="every"))

@@ -24,7 +24,7 @@ from celery_fanin.relay import Relay
 from celery_fanin.store import batches
 from celery_fanin.store.statements import q
 from tests.conftest import REDIS_CLAIM_KEY
-from tests.sql import batch
+from tests.sql import batch, row_count
 from tests.sql import children as child_rows
 from tests.store.helpers import (
     QUEUE,
@@ -98,7 +98,7 @@ def test_apply_async_writes_batch_and_every_child_then_publishes_them(
     assert isinstance(handle, FanInResult)
     with store_engine.connect() as conn:
         b = batch(conn, handle.batch_id)
-        assert conn.execute(text("SELECT count(*) FROM fanin_batches")).scalar_one() == 1
+        assert row_count(conn, "fanin_batches") == 1
         assert conn.execute(text("SELECT count(*) FROM fanin_successors")).scalar_one() == 0
         assert conn.execute(text("SELECT count(*) FROM fanin_outbox")).scalar_one() == 0
     assert (b["state"], b["planned"], b["remaining"], b["succeeded"], b["failed"]) == ("running", 25, 25, 0, 0)
@@ -420,7 +420,7 @@ def test_empty_group_is_complete_and_its_producer_publishes_the_successor(
     assert status.successor_state == "sent"
     with store_engine.connect() as conn:
         out = fetch_all(conn, "SELECT batch_id, step, sent_at, attempts, last_error FROM fanin_outbox")
-        assert conn.execute(text("SELECT count(*) FROM fanin_children")).scalar_one() == 0
+        assert row_count(conn, "fanin_children") == 0
     assert len(out) == 1
     assert (str(out[0]["batch_id"]), out[0]["step"], out[0]["attempts"], out[0]["last_error"]) == (
         handle.batch_id,

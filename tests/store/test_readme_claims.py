@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import text
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import maintenance
 from tests.e2e import clock
 from tests.sql import children as child_rows
+from tests.sql import row_count
 
 from .helpers import define_tasks
 
@@ -84,8 +84,7 @@ def test_a_streamed_batch_reads_its_input_at_most_a_chunk_ahead_of_what_it_wrote
 
     def source() -> Iterator[Any]:
         for i in range(200):
-            with engine.connect() as conn:
-                written = conn.execute(text("SELECT count(*) FROM fanin_children")).scalar_one()
+            written = row_count(engine, "fanin_children")
             ahead.append(i - written)  # items read before this one, minus those committed
             yield tasks.add.s(i, i)
 

@@ -27,7 +27,7 @@ from celery_fanin.dispatch import children as child_dispatch
 from celery_fanin.dispatch import successors as successor_dispatch
 from celery_fanin.store import batches, queries, recovery
 from celery_fanin.store.outcomes import build_outcome
-from tests.sql import outbox
+from tests.sql import outbox, row_count
 
 from .helpers import (
     QUEUE,
@@ -305,7 +305,7 @@ def test_a_streamed_tree_with_a_count_threshold_finishes_before_it_is_sealed_and
     assert (root["state"], root["planned"], root["successors"]) == ("failed_threshold", 8, ["then"])
     assert len(consumed) <= 12
     with store_engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM fanin_children")).scalar_one() == 8
+        assert row_count(conn, "fanin_children") == 8
     with store_engine.begin() as conn:
         abandoned = recovery.abandon_after_threshold(conn, batch_id)
     assert abandoned == []  # every written child had failed
@@ -323,7 +323,7 @@ def test_a_keyed_stream_that_stopped_early_is_returned_again_for_the_same_input(
     assert again.batch_id == first.batch_id
     assert len(consumed) == 8  # only the part the batch holds was compared
     with store_engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM fanin_children")).scalar_one() == 8
+        assert row_count(conn, "fanin_children") == 8
     with pytest.raises(InvalidFanIn, match="different child list"):
         fan_in_group(
             (tasks.add.s(i, 0) for i in range(40)), then=tasks.collect.s(), max_width=2, max_failures=3, key="nightly"
@@ -474,5 +474,5 @@ def test_a_bad_byte_budget_is_refused_before_anything_is_written(
     with pytest.raises(FanInNotConfigured, match="fanin_outcome_max_bytes must be a whole number of bytes"):
         fan_in_group([tasks.add.s(1, 1)], then=tasks.collect.s()).apply_async()
     with store_engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM fanin_batches")).scalar_one() == 0
+        assert row_count(conn, "fanin_batches") == 0
     assert broker.llen(QUEUE) == 0
