@@ -5,7 +5,8 @@ the time from the first child finishing to the last is taken (children count the
 alternating order per round: `plain` (no result stored, no fan-in: the floor), `result` (the result stored in
 Redis, as a group's or chord's children), `fanin` (children of one `fan_in_group`), `fanin-nostart`
 (`fanin_track_started = False`), `fanin-tree` (the same batch as a tree of 16 leaf counters, `max_width=n/16`: the
-pool processes' reports then rarely queue on one counter row's lock) and, on request only, `fanin-nosync` (the
+pool processes' reports then rarely queue on one counter row's lock), `fanin-batched` (`fanin_report_batching`:
+the pool processes' reports committed in groups by the worker's main process) and, on request only, `fanin-nosync` (the
 database's `synchronous_commit` off while it drains: not something celery-fanin offers, since a terminal outcome
 must survive a crash of the database; it shows what waiting for the WAL flush costs the worker). This isolates
 the worker's cost per child from dispatch, which the main benchmark mixes in. Prints the rate of each kind per
@@ -27,7 +28,7 @@ import redis
 
 from bench.run import ROOT, Proc, database, harness_env, purge_queue, redis_database, worker_argv
 
-KINDS = ("plain", "result", "fanin", "fanin-nostart", "fanin-tree")
+KINDS = ("plain", "result", "fanin", "fanin-nostart", "fanin-tree", "fanin-batched")
 EXTRA_KINDS = ("fanin-nosync",)
 
 
@@ -51,7 +52,8 @@ class CpuMeter:
 
     ROLES = ("main", "pool", "postgres", "redis")
 
-    def __init__(self, worker_pid: int, database: str) -> None:
+    def __init__(self, worker_pid: int, database: str, url: str) -> None:
+        self.url = url
         self.roles = {
             "main": [worker_pid],
             "pool": _pids("-P", str(worker_pid)),
@@ -60,7 +62,7 @@ class CpuMeter:
         }
 
     def read(self) -> dict[str, float]:
-        totals = {}
+        totals = {"commits": _commits(self.url)}
         for role, pids in self.roles.items():
             total = 0.0
             for pid in pids:
@@ -72,7 +74,9 @@ class CpuMeter:
         return totals
 
 
-def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: Path) -> dict[str, float]:
+def drain(
+    kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: Path, concurrency: int = 2
+) -> dict[str, float]:
     """Drain n children of one kind: their rate, and the CPU per child (µs) of each role over the middle 80%."""
     from celery import group
 
@@ -90,9 +94,13 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
         fan_in_group(sigs, then=mark.s(run), app=app, **options).apply_async()
     if kind == "fanin-nosync":  # the worker's connections are opened after this, so they take it
         _synchronous_commit(env["FANIN_DATABASE_URL"], "off")
-    worker_env = {**env, "BENCH_TRACK_STARTED": "0" if kind == "fanin-nostart" else "1"}
+    worker_env = {
+        **env,
+        "BENCH_TRACK_STARTED": "0" if kind == "fanin-nostart" else "1",
+        "BENCH_REPORT_BATCHING": "1" if kind == "fanin-batched" else "0",
+    }
     worker = Proc(
-        worker_argv(env["BENCH_QUEUE"], f"drain-{os.getpid()}@%h"),
+        worker_argv(env["BENCH_QUEUE"], f"drain-{os.getpid()}@%h", concurrency),
         worker_env,
         log_dir / f"drain-{kind}.log",
     )
@@ -108,7 +116,7 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
             if done >= 1 and first is None:
                 first = time.monotonic()
             if meter is None and done >= n // 10:  # the pool processes and connections all exist by now
-                meter = CpuMeter(worker.proc.pid, database)
+                meter = CpuMeter(worker.proc.pid, database, env["FANIN_DATABASE_URL"])
                 window.append((done, meter.read()))
             elif meter is not None and len(window) == 1 and done >= n - n // 10:
                 window.append((done, meter.read()))
@@ -118,6 +126,7 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
                 if len(window) == 2:
                     (d0, c0), (d1, c1) = window
                     figures.update({role: 1e6 * (c1[role] - c0[role]) / max(1, d1 - d0) for role in CpuMeter.ROLES})
+                    figures["per_commit"] = (d1 - d0) / max(1.0, c1["commits"] - c0["commits"])
                 return figures
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{kind}: {done} of {n} children done")
@@ -126,6 +135,17 @@ def drain(kind: str, n: int, env: dict[str, str], marks: redis.Redis, log_dir: P
         worker.stop()
         if kind == "fanin-nosync":
             _synchronous_commit(env["FANIN_DATABASE_URL"], "on")
+
+
+def _commits(url: str) -> float:
+    """Transactions committed in the drain's database so far (PostgreSQL's statistics: flushed by each backend
+    within a second, so read over a window of several seconds)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()").fetchone()
+    return float(row[0]) if row else 0.0
 
 
 def _synchronous_commit(url: str, value: str) -> None:
@@ -149,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         default=list(KINDS),
         help=f"comma-separated, from {', '.join(KINDS + EXTRA_KINDS)} (default: all but the last)",
     )
+    p.add_argument("--concurrency", type=int, default=2, help="the worker's pool processes (default 2)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "report")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds if k in KINDS + EXTRA_KINDS]
@@ -168,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for r in range(args.rounds):
                 for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                    runs[kind].append(drain(kind, args.n, env, marks, log_dir))
+                    runs[kind].append(drain(kind, args.n, env, marks, log_dir, args.concurrency))
                     print(f"round {r}: {kind:<14} {runs[kind][-1]['rate']:7.0f} children/s", flush=True)
         finally:
             purge_queue(redis_url, queue)
             FanIn(app).dispose()
     print(
-        f"{'kind':<14} {'children/s, median (min-max)':<30} CPU per child (µs, median): "
+        f"{'kind':<14} {'children/s, median (min-max)':<30} {'children per commit':<20} CPU per child (µs, median): "
         + " ".join(f"{role:>8}" for role in CpuMeter.ROLES)
     )
     for kind in kinds:
@@ -186,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             for role in CpuMeter.ROLES
         ]
         rate = f"{statistics.median(rates):.0f} ({min(rates):.0f}-{max(rates):.0f})"
-        print(f"{kind:<14} {rate:<30} {'':<27} " + " ".join(f"{c:8.0f}" for c in cpu))
+        shared = [f["per_commit"] for f in runs[kind] if "per_commit" in f]
+        per_commit = f"{statistics.median(shared):.2f}" if shared else "-"
+        print(f"{kind:<14} {rate:<30} {per_commit:<20} {'':<27} " + " ".join(f"{c:8.0f}" for c in cpu))
     return 0
 
 

@@ -37,6 +37,7 @@ app.conf.update(
     fanin_track_started=os.environ.get("BENCH_TRACK_STARTED", "1") == "1",
     # "0": every successor through the relay, as before the worker published its own (issue 23 item 1)
     fanin_worker_publishes_successors=os.environ.get("BENCH_WORKER_PUBLISHES", "1") == "1",
+    fanin_report_batching=os.environ.get("BENCH_REPORT_BATCHING", "0") == "1",
 )
 FanIn(app)
 

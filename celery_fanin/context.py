@@ -148,6 +148,11 @@ class Settings:
     # publishes a second copy, which the successor's run guard refuses). 0: the worker claims the row as the
     # relay does (a lock held across its publish) and the relay may take it at once.
     successor_handoff: float = 5.0
+    # A prefork worker's pool processes send their children's terminal reports to one thread of the worker's main
+    # process, which commits those that arrive together in one statement (worker/batching.py): fewer durable
+    # commits than children. Each pool process still waits for its report's commit, so acks_late still means
+    # "acknowledged after the report is durable". Other pools always send their own.
+    report_batching: bool = False
 
     def __post_init__(self) -> None:
         for name in CHECKED:

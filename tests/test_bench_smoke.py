@@ -116,7 +116,7 @@ def test_drain_smoke_prints_a_rate_and_cpu_per_child_for_each_kind(tmp_path: Pat
             "--rounds",
             "1",
             "--kinds",
-            "plain,fanin",
+            "plain,fanin,fanin-batched",
             "--out",
             str(tmp_path),
         ],
@@ -126,12 +126,15 @@ def test_drain_smoke_prints_a_rate_and_cpu_per_child_for_each_kind(tmp_path: Pat
         timeout=220,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(("plain ", "fanin "))}
-    assert rows.keys() == {"plain", "fanin"}, out.stdout
+    kinds = ("plain ", "fanin ", "fanin-batched ")
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(kinds)}
+    assert rows.keys() == {"plain", "fanin", "fanin-batched"}, out.stdout
     for kind, row in rows.items():
         rate, main, pool, postgres = float(row[1]), float(row[-4]), float(row[-3]), float(row[-2])
         assert rate > 0 and main > 0 and pool > 0, (kind, row)
-        assert (postgres > 0) == (kind == "fanin"), (kind, row)  # only the fan-in's children report to PostgreSQL
+        assert (postgres > 0) == kind.startswith("fanin"), (kind, row)  # only a fan-in's children report to PostgreSQL
+        if kind.startswith("fanin"):
+            assert float(row[3]) > 0, (kind, row)  # children per commit
 
 
 @pytest.mark.timeout(240)

@@ -416,6 +416,8 @@ RECORD_TERMINAL = q("report_terminal")
 RECOVERY_TERMINAL = q("record_terminal")
 # The same from a worker's main process about a copy that never ran: counted only while no copy started the child.
 REPORT_UNRUN = q("report_unrun")
+# Many claimed reports in one statement and one commit (`reports.record_terminals`).
+RECORD_TERMINAL_MANY = q("report_terminal_many")
 RECORD_TERMINAL_SQL, RECOVERY_TERMINAL_SQL = RECORD_TERMINAL.psycopg, RECOVERY_TERMINAL.psycopg
 # Many children's starts in one statement (the worker's main process writes them; see `celery_fanin.starts`).
 RECORD_STARTS = q("record_starts")

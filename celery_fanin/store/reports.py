@@ -31,6 +31,7 @@ from .batches import (
     NOTE_TRACEBACK,
     RECORD_STARTS,
     RECORD_TERMINAL,
+    RECORD_TERMINAL_MANY,
     RECOVERY_TERMINAL,
     REPORT_UNRUN,
     WAKE_RELAY,
@@ -55,6 +56,7 @@ __all__ = [
     "note_traceback",
     "record_starts",
     "record_terminal",
+    "record_terminals",
     "wake_relay",
 ]
 
@@ -115,10 +117,12 @@ class ReportConnection:
             # A burst (a gevent pool's 100 tasks at once) opens as many connections; once it is over, those not
             # used for IDLE_SECONDS are closed, one per statement, the least recently used first (the list's head),
             # so that a quiet worker keeps what it needs, not its peak. The one just returned is never closed.
-            if len(self._idle) > 1 and now - self._idle[0][1] > IDLE_SECONDS:
-                try:
+            if len(self._idle) > 1:
+                try:  # another thread may take the rest meanwhile: the head is read, and taken, only in here
+                    if now - self._idle[0][1] <= IDLE_SECONDS:
+                        return
                     stale, _ = self._idle.pop(0)
-                except IndexError:  # another thread took the rest meanwhile
+                except IndexError:
                     return
                 with contextlib.suppress(psycopg.Error):
                     stale.conn.close()
@@ -225,10 +229,50 @@ def record_terminal(
         row = runner.one(REPORT_UNRUN, params)
     else:
         row = runner.one(RECOVERY_TERMINAL if claim is None else RECORD_TERMINAL, params)
+    return reported(row)
+
+
+def reported(row: Sequence[Any]) -> TerminalRecord:
+    """The `TerminalRecord` of a report's row (RECORD_TERMINAL's, or one of RECORD_TERMINAL_MANY's less its n)."""
     rec = terminal_record(row)
     if len(row) > 5 and row[5] is not None:  # it created a successor: the one handed to this session, if any
         rec = replace(rec, handed_off=handed_off_rows(row[5]))
     return rec
+
+
+# The columns of RECORD_TERMINAL_MANY's arrays, each from the parameter of RECORD_TERMINAL of the same meaning.
+_MANY = (
+    ("task_ids", "task_id"),
+    ("batch_ids", "batch_id"),
+    ("indexes", "index"),
+    ("task_names", "task_name"),
+    ("states", "state"),
+    ("results", "result"),
+    ("rcts", "rct"),
+    ("rces", "rce"),
+    ("exc_types", "exc_type"),
+    ("exc_messages", "exc_message"),
+    ("started_ats", "started_at"),
+    ("attempts", "attempt"),
+    ("workers", "worker"),
+)
+
+
+def record_terminals(
+    runner: Runner, reports: Sequence[Mapping[str, object]], handoff: float | None
+) -> list[tuple[Any, ...]]:
+    """Many claimed terminal reports (each `terminal_params` with a claim) in one statement and one commit: each
+    counted exactly as `record_terminal` would count it alone, in the order of their batches and indexes, so that
+    two groups lock the leaves they share in the same order. Their rows, in the order given (each as
+    RECORD_TERMINAL's: `reported` reads it). `handoff`: the one every report of the group passes."""
+    order = sorted(range(len(reports)), key=lambda i: (str(reports[i]["batch_id"]), int(reports[i]["index"])))  # type: ignore[call-overload]
+    params: dict[str, object] = {many: [reports[i][one] for i in order] for many, one in _MANY}
+    params["handoff"] = handoff
+    rows: list[tuple[Any, ...] | None] = [None] * len(reports)
+    for n, *row in runner.all(RECORD_TERMINAL_MANY, params):
+        rows[order[n - 1]] = tuple(row)
+    assert all(row is not None for row in rows), "RECORD_TERMINAL_MANY returns a row for every report"
+    return rows  # type: ignore[return-value]
 
 
 def record_starts(runner: Runner, starts: Sequence[Start]) -> int:

@@ -19,7 +19,7 @@ from celery.worker.consumer.consumer import Consumer
 
 from ..exceptions import FanInNotConfigured
 from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, body_claim, put_claim, stamp_slot
-from . import middleware, report, runtime, starts, successor_runs
+from . import batching, middleware, report, runtime, starts, successor_runs
 from .guards import guard_tasks
 from .reporter import claim_refusal, fanin_for, unverified
 
@@ -205,6 +205,7 @@ class WorkerHooks(middleware.Middleware):
             guard_tasks(app)  # type: ignore[arg-type]
             self._report_decode_errors()
             successor_runs.new_worker_key()  # before the pool starts: its processes inherit it
+            batching.start(fanin, getattr(sender, "pool_cls", None) or app.conf.worker_pool)  # type: ignore[union-attr]
 
     def worker_process_init(self, **_: Any) -> None:
         """Guard the tasks of a pool process started as a fresh interpreter (spawn), and rebuild their tracers."""
@@ -215,7 +216,8 @@ class WorkerHooks(middleware.Middleware):
                 task.__trace__ = build_tracer(name, task, app.loader, app=app)
 
     def worker_shutdown(self, **_: Any) -> None:
-        """Give the starts and the reports still queued a few seconds to reach the store."""
+        """Give the starts and the reports still queued a few seconds to reach the store; stop the batcher."""
+        batching.stop()
         starts.flush_all(timeout=5.0)
         if not report.background().flush(timeout=10.0):
             logger.warning(

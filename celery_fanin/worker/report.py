@@ -92,10 +92,11 @@ def _send_again(
     """A soft time limit raised into a pool process's wait for a report's reply: the task has already ended, and
     the server may have committed the report with nobody reading its answer. Reports are idempotent, so it is sent
     again (a late copy if the first committed). A successor the first created and handed to this worker is lost with
-    that answer: the relay is woken for the batch, instead of publishing it only once the hand-off has passed."""
+    that answer: the relay is woken for the batch, instead of publishing it only once the hand-off has passed. Only
+    a resend that comes back late needs it (the first committed); one that counted returns its successor itself."""
     logger.warning("recording %s was interrupted by the soft time limit; sending it again", what)
     rec = _send_waiting(kind, what, once, timeout)
-    if batch_id is not None and not getattr(rec, "successor_created", False):
+    if batch_id is not None and getattr(rec, "late", False):
         wake_relay(fanin, batch_id)
     return rec
 

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import psycopg
+from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import Connection
 
 from .. import retry
@@ -327,8 +328,9 @@ def finish(
     _heartbeat().remove(live)
     live.ended = True
     run = live.run
-    try:
-        moved = retry.call(
+
+    def record() -> bool:
+        return retry.call(
             lambda: record_final(
                 live.fanin,
                 str(run.batch_id),
@@ -342,13 +344,25 @@ def finish(
             what=f"recording successor state of batch {run.batch_id}",
             timeout=float(live.fanin.settings.report_timeout),
         )
+
+    resent = False
+    try:
+        try:
+            moved = record()
+        except SoftTimeLimitExceeded:
+            # The body has ended and the soft time limit hit this wait (or its backoff): the end is sent again, or
+            # the run's lease would lapse and the relay run the body a second time. Fenced to this run, a second
+            # send moves nothing if the first committed.
+            logger.warning("recording the successor of batch %s was interrupted; sending it again", run.batch_id)
+            resent = True
+            moved = record()
     except (retry.GaveUp, psycopg.Error):
         REPORTS_GIVEN_UP.labels(kind="successor").inc()
         logger.exception(
             "gave up recording successor batch_id=%s as %s: its lease lapses, the relay reruns it", run.batch_id, state
         )
         return False
-    if not moved:
+    if not moved and not resent:  # after a resend, the first send may be what moved it
         _log_fenced(live, state)
     return moved
 

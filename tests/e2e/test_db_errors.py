@@ -8,6 +8,8 @@ stayed `started` until child_timeout counted it lost.
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,10 +17,11 @@ import psycopg
 import pytest
 
 from celery_fanin import fan_in_group
+from celery_fanin.store.reports import libpq_conninfo
 from tests import app as tasks
 from tests.e2e.brokers import BROKERS, broker_env
 from tests.session_roles import SessionRole, session_role
-from tests.sql import child_states
+from tests.sql import attempts, batch, child_states, open_gate, outbox
 from tests.workers import wait_for
 
 pytestmark = [pytest.mark.e2e]
@@ -122,3 +125,63 @@ def test_a_report_that_meets_a_read_only_session_reconnects_and_counts_once_writ
     finally:
         role.set("default_transaction_read_only", None)
     _done(role, handle, successor_runs, worker, "ReadOnlySqlTransaction")
+
+
+@pytest.mark.timeout(150)
+def test_a_child_report_interrupted_by_the_soft_time_limit_leaves_its_successor_to_the_relay_at_once(
+    producer: Any, processes: Any, successor_runs: Runs, e2e_env: dict[str, str]
+) -> None:
+    """Celery's soft time limit (SIGUSR1 from the main process) can arrive in a prefork pool process while it waits
+    for its child's terminal report, after the body has ended. Here the test holds the batch row, so the report (a
+    child row updated, then the batch) waits past the child's `soft_time_limit=1` and is interrupted. The server
+    goes on with the abandoned statement: once the row is free it commits it, completing the batch and creating the
+    successor handed to this worker, which never reads the answer. The report is sent again (late) and the relay
+    woken for the batch (`worker.report._send_again`), so the successor runs once and at once, not after the
+    hand-off (`fanin_successor_handoff`, 600 s here, past this test's timeout) has lapsed."""
+    key = f"soft-report-{uuid.uuid4().hex[:8]}"
+    # One pool process: the child waits behind a gated plain task until the test holds the batch row.
+    worker = processes.worker(extra_env={"FANIN_TEST_SUCCESSOR_HANDOFF": "600"}, concurrency=1)
+    processes.relay()
+    tasks.gated.apply_async((key,))
+    wait_for(lambda: attempts(producer, key) == 1, 30, message="the gated task to hold the pool process")
+    handle = fan_in_group(
+        [tasks.sleepy.s(0.1).set(soft_time_limit=1)], then=tasks.record_run.s("soft-report")
+    ).apply_async()
+    wait_for(
+        lambda: batch(e2e_env, handle.batch_id, "published_upto")["published_upto"] == 1,
+        30,
+        message="the child to be published",
+    )
+    holder = psycopg.connect(libpq_conninfo(e2e_env["FANIN_DATABASE_URL"]))
+    try:
+        holder.execute("SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE", (handle.batch_id,))
+        open_gate(e2e_env, key)
+        wait_for(
+            lambda: "was interrupted by the soft time limit; sending it again" in worker.output(),
+            30,
+            message="the child's terminal report to be interrupted by its soft time limit",
+        )
+        # (its start goes with the report, so the child reads as pending or started until the row is free)
+        states = child_states(e2e_env, handle.batch_id)
+        assert set(states) <= {"pending", "started"}, f"the report counted under the held row: {states}"
+    finally:
+        holder.rollback()  # the abandoned statement commits now; the one sent again waits for its child row
+        holder.close()
+    released = time.monotonic()
+    wait_for(
+        lambda: successor_runs(handle.batch_id),
+        30,
+        message="the successor to run (without the wake it waits out the 600 s hand-off)",
+    )
+    took = time.monotonic() - released
+    status = handle.wait_batch(timeout=30)
+    assert (status.succeeded, status.failed, status.remaining) == (1, 0, 0)
+    assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 0)
+    assert len(successor_runs(handle.batch_id)) == 1
+    assert took < 15, f"the successor ran {took:.1f}s after the row was released"
+    sent = outbox(e2e_env, handle.batch_id, "sent_at", "attempts")
+    assert len(sent) == 1 and sent[0]["sent_at"] is not None and sent[0]["attempts"] == 1, sent
+    log = worker.output()
+    assert "late or repeated report not counted" in log, "the report sent again was counted (or never sent)"
+    assert "published successor batch_id" not in log, "the worker published it: the first answer was read"
+    assert "gave up" not in log and "not a transient error" not in log

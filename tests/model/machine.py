@@ -33,7 +33,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from celery_fanin.context import normalise_database_url
 from celery_fanin.producer.write import EMPTY_DIGEST, Layout, digest_step
 from celery_fanin.store import admin, batches, outbox, recovery, successors
-from celery_fanin.store.reports import record_terminal
+from celery_fanin.store.reports import record_terminal, record_terminals, reported
 from celery_fanin.store.statements import q
 from tests.sql import Held
 from tests.store.helpers import json_encoded
@@ -514,6 +514,41 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self._count(child.task_id)
 
         self.run(Op(f"report({state}, {claim})", fn, done), pick, hold)
+
+    @rule(
+        which=st.lists(PICK, min_size=2, max_size=4),
+        state=st.sampled_from(WORKER_STATES),
+        pick=PICK,
+        hold=HOLD,
+    )
+    @_when(has_child)
+    def report_group(self, which: list[int], state: str, pick: int, hold: bool) -> None:
+        """A prefork worker's group commit (`fanin_report_batching`, `reports.record_terminals`): several claimed
+        reports, the same child possibly more than once, in one statement and one transaction. Each must count,
+        be late or hand off exactly as it would alone; the group commits or rolls back whole."""
+        kids: list[Child] = [self._pick(list(self.m.children.values()), w) for w in which]
+        said: dict[str, float | None] = {}
+
+        def fn(conn: Connection) -> list[batches.TerminalRecord]:
+            handoff = said["handoff"] = conn.info.get("handoff")
+            group = [
+                batches.terminal_params(
+                    c.task_id, state, None, None, None, None, batches.Claim(str(c.root), c.idx, c.task_name), handoff
+                )
+                for c in kids
+            ]
+            return [reported(row) for row in record_terminals(Held(conn), group, handoff)]
+
+        def done(recs: list[batches.TerminalRecord]) -> None:
+            for child, rec in zip(kids, recs, strict=True):
+                if rec.successor_created and said.get("handoff") is not None:
+                    self.m.handed.add(child.root)
+                if not rec.counted and not rec.late and self._exists(child.task_id):
+                    raise Violation(f"a grouped report on child {child.task_id} neither counted nor was late")
+                if rec.counted:
+                    self._count(child.task_id)
+
+        self.run(Op(f"report_group({state}, {len(kids)})", fn, done), pick, hold)
 
     # Reports are most of a real batch's traffic: a second rule that sends one, so that hypothesis draws them
     # about twice as often as each other operation.

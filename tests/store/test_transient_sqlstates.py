@@ -12,6 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -32,6 +33,8 @@ from tests.sql import BACKEND, READ_ONLY, Held
 from tests.workers import wait_for
 
 from .helpers import create
+
+_T = TypeVar("_T")
 
 
 def _lock_timeout(run: Callable[[str], object], database_url: str) -> None:
@@ -289,42 +292,24 @@ def test_a_child_report_interrupted_by_the_soft_time_limit_is_sent_again_and_its
     and handing its successor to this worker, but nobody reads the answer: the successor would wait out the whole
     hand-off (`fanin_successor_handoff`) before the relay published it. The report is sent again (late: nothing
     counted twice) and the relay is woken for the batch, so its outbox row is due at once."""
-    import os
-    import signal
-
-    from celery.exceptions import SoftTimeLimitExceeded
-
     from celery_fanin.protocol import Marker
     from celery_fanin.worker.reporter import Reporter
 
     published: list[object] = []
     batch, (child,), _ = create(store_engine, 1)
-    holder = psycopg.connect(short_reports.settings.database_url)  # holds the batch: the report waits for its reply
-    holder.execute("SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE", (batch.id,))
-
-    def interrupt(*_: object) -> None:
-        holder_release.start()  # the first statement goes on once interrupted; the retry then meets its row
-        raise SoftTimeLimitExceeded("soft time limit")
-
-    holder_release = threading.Timer(0.3, holder.rollback)
-    previous = signal.signal(signal.SIGUSR1, interrupt)
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
-    timer.start()
-    try:
-        rec = Reporter(lambda *args: published.append(args)).record_child(
+    rec = _soft_time_limit_during(
+        short_reports,
+        "SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE",  # the batch: the report waits for its reply
+        batch.id,
+        lambda: Reporter(lambda *args: published.append(args)).record_child(
             short_reports,
             child.task_id,
             Marker(str(batch.id), 0, None, task_name=child.task_name),
             "succeeded",
             value=1,
             has_value=True,
-        )
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGUSR1, previous)
-        holder_release.join(10)
-        holder.close()
-        short_reports.reports.reset()
+        ),
+    )
     assert rec is not None and rec.late and not rec.counted, "the second report was counted again"
     assert not published, "a late report published the successor"
     with store_engine.connect() as conn:
@@ -337,3 +322,60 @@ def test_a_child_report_interrupted_by_the_soft_time_limit_is_sent_again_and_its
         ).one()
     assert (row.state, row.remaining, row.unsent) == ("complete", 0, True)
     assert row.due, "the successor handed to the interrupted report waits out the hand-off instead of the relay"
+
+
+def test_a_successor_s_end_interrupted_by_the_soft_time_limit_is_sent_again(
+    short_reports: FanIn, store_engine: Engine
+) -> None:
+    """The same for a successor's own end (`successor_runs.finish`): the soft time limit hits the wait for it, after
+    the body has ended. It is sent again (fenced to the run: nothing moves twice), instead of the exception leaving
+    the run unrecorded, its lease to lapse and its body to run a second time."""
+    from celery_fanin.store.reports import record_terminal
+
+    batch, (child,), _ = create(store_engine, 1)
+    with store_engine.begin() as conn:
+        assert record_terminal(Held(conn), child.task_id, "succeeded").counted  # creates the successor
+        task_id = conn.execute(
+            text("SELECT task_id FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id}
+        ).scalar_one()
+    live = successor_runs.admit(short_reports, str(batch.id), batch.step, task_id, 0)
+    assert live is not None
+    _soft_time_limit_during(
+        short_reports,
+        "SELECT 1 FROM fanin_successors WHERE batch_id = %s FOR UPDATE",  # the successor: its end waits
+        batch.id,
+        lambda: successor_runs.finish(live, "succeeded"),
+    )
+    with store_engine.connect() as conn:
+        state = conn.execute(text("SELECT state FROM fanin_successors WHERE batch_id = :b"), {"b": batch.id})
+        assert state.scalar_one() == "succeeded"
+
+
+def _soft_time_limit_during(fanin: FanIn, lock: str, row_id: object, report: Callable[[], _T]) -> _T:
+    """Run `report` while another session holds the row `lock` selects (`%s`: `row_id`), so that it waits for its
+    reply; 0.3 s in, Celery's soft time limit (a real SIGUSR1, raising `SoftTimeLimitExceeded`) interrupts that
+    wait, and the row is released 0.3 s later (the first statement then goes on; a retry meets its row)."""
+    import os
+    import signal
+
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    holder = psycopg.connect(fanin.settings.database_url)
+    holder.execute(lock, (row_id,))
+
+    def interrupt(*_: object) -> None:
+        holder_release.start()
+        raise SoftTimeLimitExceeded("soft time limit")
+
+    holder_release = threading.Timer(0.3, holder.rollback)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        return report()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        holder_release.join(10)
+        holder.close()
+        fanin.reports.reset()

@@ -111,6 +111,23 @@ SELECT counted, late, remaining, successor_created, refused,
   FROM fanin_report_terminal_v2(:task_id, :batch_id, :index, :task_name, :state, :result, :rct, :rce, :exc_type,
                                 :exc_message, :started_at, :attempt, :worker, CAST(:handoff AS double precision));
 
+-- name: report_terminal_many
+-- Many workers' terminal reports in one statement and one commit (a prefork worker's group commit,
+-- worker/batching.py): each row exactly as report_terminal, in the order given (sorted by batch and index),
+-- with its position n in the arrays
+SELECT u.n, r.counted, r.late, r.remaining, r.successor_created, r.refused,
+       CASE WHEN r.successor_created THEN fanin_handed_off(u.batch_id) END AS handed_off
+  FROM unnest(CAST(:task_ids AS text[]), CAST(:batch_ids AS uuid[]), CAST(:indexes AS integer[]),
+              CAST(:task_names AS text[]), CAST(:states AS text[]), CAST(:results AS bytea[]),
+              CAST(:rcts AS text[]), CAST(:rces AS text[]), CAST(:exc_types AS text[]),
+              CAST(:exc_messages AS text[]), CAST(:started_ats AS timestamptz[]), CAST(:attempts AS integer[]),
+              CAST(:workers AS text[]))
+       WITH ORDINALITY AS u(task_id, batch_id, idx, task_name, state, result, rct, rce, exc_type, exc_message,
+                            started_at, attempt, worker, n)
+ CROSS JOIN LATERAL fanin_report_terminal_v2(u.task_id, u.batch_id, u.idx, u.task_name, u.state, u.result, u.rct,
+                                             u.rce, u.exc_type, u.exc_message, u.started_at, u.attempt, u.worker,
+                                             CAST(:handoff AS double precision)) AS r;
+
 -- name: report_unrun
 -- A main-process event about a copy of a child that never ran: counted only while no copy has started the child
 SELECT counted, late, remaining, successor_created, refused,

@@ -1,0 +1,315 @@
+"""A prefork worker's group commit of its children's terminal reports (`fanin_report_batching`).
+
+Without it every pool process commits each child's report itself: one durable commit (a WAL flush) per child. With
+it, a pool process sends the report to one thread of the worker's main process (`ReportBatcher`, over a Unix socket
+in a private directory) and waits for the answer, as it waits for its own statement today. The thread commits every
+report that arrived while its previous commit was in flight in one statement (`store.reports.record_terminals`),
+so sixteen pool processes share a commit instead of taking sixteen. Nothing waits for a group to fill: a report that
+arrives alone is committed at once, alone.
+
+What does not change, because the pool process still waits for its report's commit before its task returns:
+- with `acks_late`, the message is acknowledged only after the report is durable (Celery acknowledges once the task
+  has returned);
+- without it, the window between a body's end and its report's commit grows only by the wait for the commit in
+  flight (one commit at most) and the socket's round trip;
+- each report is counted exactly as it would be alone (the same function, row by row, in one transaction), and the
+  pool process that completed a batch gets its successor back to publish, as it would alone.
+
+Whatever goes wrong on the way sends the report alone, as before: the batcher unreachable (the worker stopping), a
+group the database refused for a reason that is not transient (one report's problem must not be the group's). A
+transient error (a lost connection, a deadlock between two groups, a failover) is answered as such and the pool
+process retries through the batcher, within `fanin_report_timeout`, as it retries its own statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import selectors
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from .. import retry
+from ..context import FanIn
+from ..store import reports
+from ..store.batches import RECORD_TERMINAL, TerminalRecord
+from ..store.reports import ReportConnection
+from ..store.statements import Runner
+from . import process
+
+logger = logging.getLogger("celery_fanin.hooks")
+
+_FRAME = struct.Struct("!I")  # each message: its length, then a pickle (sender and reader are this worker's own)
+# The most reports one statement commits: a group larger than this waits for the next round (one commit later).
+MAX_GROUP = 256
+
+# The answers a pool process gets: ("row", row) the report's row; ("retry", why) a transient error, send it again;
+# ("alone", why) send it on your own connection.
+_ROW, _RETRY, _ALONE = "row", "retry", "alone"
+
+# The batcher's socket, set in the main process before the pool starts (its processes inherit it); None: no batcher.
+_address: str | None = None
+_main_pid = 0  # the process that runs the batcher: its own reports (main-process signals) never wait for it
+
+
+class GroupRetry(ConnectionError):
+    """The batcher met a transient error with the group this report was in: `retry.call` sends it again."""
+
+
+class ReportBatcher:
+    """The worker main process's thread that commits its pool processes' reports in groups (see the module)."""
+
+    def __init__(self, fanin: FanIn) -> None:
+        self._fanin = fanin
+        self._runner = ReportConnection(fanin.database_url)  # its own: nothing else uses these connections
+        self._dir = tempfile.mkdtemp(prefix="celery-fanin-")  # 0700: only this user may connect (and send pickles)
+        self.address = os.path.join(self._dir, "reports.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(1024)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._buffers: dict[socket.socket, bytearray] = {}
+        self._stopping = False
+        self.groups = 0  # statements run, and reports they carried (for the tests and the benchmark)
+        self.reports = 0
+        self._thread = threading.Thread(target=self._loop, name="celery-fanin-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop taking reports (a pool process then sends its own), finish the group in flight, remove the socket."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if self.groups:
+            logger.info(
+                "report batcher: %d reports committed in %d statements (%.1f a commit)",
+                self.reports,
+                self.groups,
+                self.reports / self.groups,
+            )
+
+    # --- the thread ---------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                group = self._receive(self._selector.select())
+                while group:
+                    self._commit(group[:MAX_GROUP])
+                    group = group[MAX_GROUP:]
+        except Exception:  # noqa: BLE001 - the pool processes send alone once the socket is gone
+            logger.exception("the report batcher stopped; pool processes send their reports alone")
+        finally:
+            # Gone first, so that no pool process connects to a socket nobody reads (the pool's inherited copies of
+            # the listener would still take the connection).
+            shutil.rmtree(self._dir, ignore_errors=True)
+            for key in list(self._selector.get_map().values()):
+                with contextlib.suppress(OSError):
+                    key.fileobj.close()  # type: ignore[union-attr]
+            self._selector.close()
+            self._runner.reset()
+
+    def _receive(self, events: list[tuple[selectors.SelectorKey, int]]) -> list[tuple[socket.socket, dict[str, Any]]]:
+        """Accept new pool processes, and read every whole report that has arrived: the next group."""
+        group: list[tuple[socket.socket, dict[str, Any]]] = []
+        for key, _ in events:
+            sock: socket.socket = key.fileobj  # type: ignore[assignment]
+            if sock is self._listener:
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    while True:
+                        conn, _ = self._listener.accept()
+                        conn.setblocking(False)
+                        self._buffers[conn] = bytearray()
+                        self._selector.register(conn, selectors.EVENT_READ, None)
+            elif sock is self._wake_r:
+                with contextlib.suppress(OSError):
+                    sock.recv(64)
+            else:
+                group.extend((sock, report) for report in self._read(sock))
+        return group
+
+    def _read(self, sock: socket.socket) -> list[dict[str, Any]]:
+        buffer = self._buffers[sock]
+        try:
+            data = sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            data = b""
+        if not data:  # the pool process closed it (exited, or dropped it after an interruption)
+            self._forget(sock)
+            return []
+        buffer += data
+        out = []
+        while len(buffer) >= _FRAME.size:
+            (size,) = _FRAME.unpack_from(buffer)
+            if len(buffer) < _FRAME.size + size:
+                break
+            out.append(pickle.loads(bytes(buffer[_FRAME.size : _FRAME.size + size])))  # noqa: S301 - our own
+            del buffer[: _FRAME.size + size]
+        return out
+
+    def _forget(self, sock: socket.socket) -> None:
+        self._buffers.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _commit(self, group: list[tuple[socket.socket, dict[str, Any]]]) -> None:
+        """One statement, one commit, for the whole group (grouped by hand-off, the same for every report of one
+        worker's settings); each pool process gets its own row back."""
+        by_handoff: dict[object, list[tuple[socket.socket, dict[str, Any]]]] = {}
+        for sock, report in group:
+            by_handoff.setdefault(report["handoff"], []).append((sock, report))
+        for handoff, part in by_handoff.items():
+            answers: list[tuple[str, Any]]
+            try:
+                if len(part) == 1:  # alone: the statement a pool process sends itself (the set-based one costs more)
+                    rows = [self._runner.one(RECORD_TERMINAL, part[0][1])]
+                else:
+                    rows = reports.record_terminals(self._runner, [r for _, r in part], handoff)  # type: ignore[arg-type]
+                answers = [(_ROW, row) for row in rows]
+                self.groups += 1
+                self.reports += len(part)
+            except Exception as exc:  # noqa: BLE001 - each pool process decides from its answer
+                kind = _RETRY if retry.is_transient(exc) else _ALONE
+                if kind == _ALONE:
+                    logger.warning("a group of %d reports was refused (%s); each is sent alone", len(part), exc)
+                answers = [(kind, retry.brief(exc))] * len(part)
+            for (sock, _), answer in zip(part, answers, strict=True):
+                self._answer(sock, answer)
+
+    def _answer(self, sock: socket.socket, answer: tuple[str, Any]) -> None:
+        data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            sock.setblocking(True)
+            sock.sendall(_FRAME.pack(len(data)) + data)
+            sock.setblocking(False)
+        except OSError:  # the pool process is gone (or dropped the socket): nobody is waiting for this answer
+            self._forget(sock)
+
+
+# --- the pool process's side ------------------------------------------------------------------------------------
+
+
+class _Client:
+    """A pool process's connection to its worker's batcher, made on first use (after the fork)."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+
+    def call(self, report: Mapping[str, object], timeout: float | None = None) -> tuple[str, Any]:
+        """Send one report and wait for its answer, for up to `timeout` seconds; ("alone", ...) if the batcher
+        cannot be reached or does not answer in time."""
+        if _address is None:
+            return (_ALONE, "no batcher")
+        try:
+            sock = self.sock
+            if sock is None:
+                sock = self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(_address)
+            sock.settimeout(timeout)
+            data = pickle.dumps(dict(report), protocol=pickle.HIGHEST_PROTOCOL)
+            sock.sendall(_FRAME.pack(len(data)) + data)
+            (size,) = _FRAME.unpack(_receive(sock, _FRAME.size))
+            return pickle.loads(_receive(sock, size))  # type: ignore[no-any-return]  # noqa: S301 - our own
+        except OSError as exc:
+            self.close()
+            return (_ALONE, str(exc))
+        except BaseException:
+            # Interrupted (a soft time limit) with an answer still to come: the socket is dropped, so that the next
+            # report does not read this one's answer.
+            self.close()
+            raise
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionResetError("the report batcher closed the connection")
+        data += chunk
+    return bytes(data)
+
+
+def _client() -> _Client:
+    return _Client()
+
+
+def active() -> bool:
+    """Whether this process's reports go through a batcher (a pool process of a worker that started one)."""
+    return _address is not None and os.getpid() != _main_pid
+
+
+def record_terminal(runner: Runner, params: Mapping[str, object], timeout: float | None = None) -> TerminalRecord:
+    """A claimed report (`batches.terminal_params` with a claim) through the batcher, as `reports.record_terminal`
+    records it; alone on `runner` if the batcher cannot take it, or has not answered within `timeout` seconds (a
+    batcher thread stuck: the report is idempotent, so sending it alone too counts nothing twice)."""
+    kind, what = process.held(_client).call(params, timeout)
+    if kind == _RETRY:
+        raise GroupRetry(f"the group this report was in met {what}")
+    return reports.reported(what if kind == _ROW else runner.one(RECORD_TERMINAL, params))
+
+
+_batcher: ReportBatcher | None = None
+
+
+def _forked() -> None:
+    """In a new pool process: close its copies of the batcher's sockets (only the main process reads them)."""
+    batcher = _batcher
+    if batcher is not None:
+        for sock in (batcher._listener, batcher._wake_r, batcher._wake_w, *batcher._buffers):
+            with contextlib.suppress(OSError):
+                sock.close()  # this process's descriptor only: the main process keeps its own
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def start(fanin: FanIn, pool: Any) -> ReportBatcher | None:
+    """Start the worker's batcher if `fanin_report_batching` is on and `pool` (the worker's pool class, or its
+    name) is prefork: in the main process, before the pool starts, so that its processes inherit the address."""
+    global _address, _main_pid, _batcher
+    if not fanin.settings.report_batching or _batcher is not None:
+        return _batcher
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool
+
+    cls = get_implementation(pool) if isinstance(pool, str) else pool
+    if not (isinstance(cls, type) and issubclass(cls, TaskPool)):
+        logger.info("fanin_report_batching applies to a prefork pool only: each report is sent alone")
+        return None
+    _batcher = ReportBatcher(fanin)
+    _address, _main_pid = _batcher.address, os.getpid()
+    return _batcher
+
+
+def stop() -> None:
+    """Stop the worker's batcher (in its main process; a pool process's shutdown leaves it alone)."""
+    global _address, _batcher
+    batcher = _batcher
+    if batcher is None or os.getpid() != _main_pid:
+        return
+    _address, _batcher = None, None
+    batcher.stop()
