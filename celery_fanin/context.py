@@ -22,7 +22,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from . import redact, retry
 from .exceptions import FanInDatabaseError, FanInNotConfigured, summarise
 from .protocol import OnLost
-from .store import migrate
+from .store import cooperative, migrate
 from .store.pooler import transaction_pooled
 from .store.reports import ReportConnection, connect_options
 from .store.urls import sqlalchemy_url
@@ -387,6 +387,7 @@ class FanIn:
                     if self._engine is not None:
                         # Inherited across fork: drop the parent's connections without closing its sockets.
                         self._engine.dispose(close=False)
+                    cooperative.ensure()  # under eventlet, before the first connection
                     # pool_pre_ping: a connection the server dropped (a restart, a network cut) is found dead at
                     # checkout and replaced, instead of failing the first statement sent on it; one that finds the
                     # server read-only (25006, a failover) is discarded too (`retry.reconnect_on_read_only`).

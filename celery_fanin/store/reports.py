@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from . import cooperative
 from .batches import (
     NOTE_TRACEBACK,
     RECORD_STARTS,
@@ -89,6 +90,7 @@ class ReportConnection:
     connection; the callers retry psycopg's errors."""
 
     def __init__(self, sqlalchemy_url: str) -> None:
+        cooperative.ensure()  # under eventlet, before its first connection
         self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
         # Connections no statement is using now, the latest returned last, each with when it was returned.
         self._idle: list[tuple[_Held, float]] = []

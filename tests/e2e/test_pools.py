@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 from celery import chain
 
 from celery_fanin import FanIn, fan_in_group
 from celery_fanin.relay import Relay
+from celery_fanin.store.reports import libpq_conninfo
 from tests import app as tasks
 from tests.sql import unsend_outbox
 from tests.workers import RELAY_PUBLISHES, wait_for
@@ -80,3 +82,28 @@ def test_a_duplicate_delivery_of_a_running_successor_is_refused(
     status = handle.wait_batch(timeout=30)
     assert (status.successor_state, status.successor_runs, status.successor_duplicates) == ("succeeded", 1, 1)
     assert len(successor_runs(handle.batch_id)) == 1
+
+
+def test_an_eventlet_worker_runs_other_tasks_while_one_report_waits_for_a_lock(
+    producer: Any, processes: Any, e2e_env: dict[str, str]
+) -> None:
+    """Under eventlet, psycopg's C wait (psycopg-binary) blocks the whole hub: one report held up by a lock would
+    stall every task of the worker (`store/cooperative.py`). Here one child's report waits for its batch's row,
+    which the test holds, while another batch's child is taken, run and counted by the same worker."""
+    held = fan_in_group([tasks.ok.s(1)], then=tasks.record_run.s("held")).apply_async()
+    holder = psycopg.connect(libpq_conninfo(e2e_env["FANIN_DATABASE_URL"]))
+    try:
+        holder.execute("SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE", (held.batch_id,))
+        worker = processes.worker(pool="eventlet", concurrency=8)
+        wait_for(lambda: "Task tests.app.ok" in worker.output(), 30, message="the held child to run")
+        other = fan_in_group([tasks.ok.s(2)], then=tasks.record_run.s("other")).apply_async()
+        wait_for(
+            lambda: other.batch_status().remaining == 0,
+            20,
+            message="the other batch's child to be counted while the first report waits (a blocked hub runs nothing)",
+        )
+        assert held.batch_status().remaining == 1, "the held report got through the lock"
+    finally:
+        holder.rollback()
+        holder.close()
+    wait_for(lambda: held.batch_status().remaining == 0, 30, message="the held report once the row is free")
