@@ -30,6 +30,8 @@ import psycopg
 
 from bench.run import services
 from bench.scaling import Parked, _ints, _wal
+from celery_fanin.store.batches import Claim, terminal_params
+from celery_fanin.store.statements import q
 
 # One group of reports in one statement (one transaction): each child through the worker's report function.
 GROUP_REPORT = """
@@ -41,7 +43,25 @@ SELECT count(*) FILTER (WHERE r.counted), count(*) FILTER (WHERE r.late)
 """
 
 
-def _reporter(url: str, groups: list[list[tuple[str, str, int, str]]], ready: Any, go: Any, out: Any) -> None:
+# The same group as the worker's single report statements, one after another in one transaction and one round trip
+# (psycopg's pipeline mode): today's statement per child, one commit per group.
+SINGLE = q("report_terminal")
+
+
+def _single_params(child: tuple[str, str, int, str]) -> dict[str, object]:
+    claim = Claim(child[1], child[2], child[3])
+    return terminal_params(child[0], "succeeded", None, None, None, None, claim, None)
+
+
+def _pipelined(conn: psycopg.Connection[Any], group: list[tuple[str, str, int, str]]) -> int:
+    with conn.transaction(), conn.pipeline():
+        cursors = [conn.execute(SINGLE.psycopg, _single_params(c)) for c in group]
+    return sum(1 for cur in cursors if (row := cur.fetchone()) and row[0])
+
+
+def _reporter(
+    url: str, groups: list[list[tuple[str, str, int, str]]], style: str, ready: Any, go: Any, out: Any
+) -> None:
     conn = psycopg.connect(url, autocommit=True)
     conn.execute("SELECT 1")
     ready.release()
@@ -57,13 +77,32 @@ def _reporter(url: str, groups: list[list[tuple[str, str, int, str]]], ready: An
         }
         while True:
             try:
-                row = conn.execute(GROUP_REPORT, params).fetchone()
+                if style == "pipeline" and len(group) > 1:
+                    counted += _pipelined(conn, group)
+                elif style in ("pipeline", "single"):  # a group of one: today's statement, alone
+                    row = conn.execute(SINGLE.psycopg, _single_params(group[0])).fetchone()
+                    counted += int(bool(row and row[0]))
+                else:
+                    row = conn.execute(GROUP_REPORT, params).fetchone()
+                    counted += int(row[0]) if row else 0
                 break
             except psycopg.errors.DeadlockDetected:  # a leaf finishing locks the root after its leaves: retried
                 deadlocks += 1
-        counted += int(row[0]) if row else 0
     out.put((start, time.time(), counted, deadlocks))
     conn.close()
+
+
+def _backends_cpu(database: str) -> float:
+    """CPU seconds the PostgreSQL backends of `database` have used so far (Linux /proc)."""
+    from bench.drain import _cpu_seconds, _pids
+
+    total = 0.0
+    for pid in _pids("-f", f"postgres: .* {database} "):
+        try:
+            total += _cpu_seconds(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def _claims(url: str, ids: list[str]) -> dict[str, tuple[str, str, int, str, str]]:
@@ -77,8 +116,10 @@ def _claims(url: str, ids: list[str]) -> dict[str, tuple[str, str, int, str, str
         return {r[0]: (r[0], r[1], r[2], r[3], r[4]) for r in rows}
 
 
-def phase(url: str, ids: list[str], reporters: int, group: int) -> tuple[float, float, int]:
-    """Events/s, events per WAL flush and deadlocks of `reporters` processes reporting `ids` in groups of `group`."""
+def phase(url: str, ids: list[str], reporters: int, group: int, style: str = "set") -> tuple[float, float, int, float]:
+    """Events/s, events per WAL flush, deadlocks and PostgreSQL CPU µs per event of `reporters` processes reporting
+    `ids` in groups of `group`, each group as `style` sends it ("set": one set-returning statement; "pipeline": the
+    single statements in one transaction; "single": the single statement, groups of one only)."""
     claims = _claims(url, ids)
     work = []
     for i in range(reporters):
@@ -87,23 +128,25 @@ def phase(url: str, ids: list[str], reporters: int, group: int) -> tuple[float, 
         work.append([[c[:4] for c in g] for g in groups])
     ctx: Any = multiprocessing.get_context("fork")
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_reporter, args=(url, w, ready, go, out)) for w in work]
+    procs = [ctx.Process(target=_reporter, args=(url, w, style, ready, go, out)) for w in work]
     for p in procs:
         p.start()
     for _ in procs:
         if not ready.acquire(timeout=60):
             raise RuntimeError("a reporter did not start")
-    before = _wal(url)
+    database = url.rsplit("/", 1)[1].split("?")[0]
+    before, cpu_before = _wal(url), _backends_cpu(database)
     go.set()
     results = [out.get(timeout=600) for _ in procs]
-    after = _wal(url)
+    after, cpu_after = _wal(url), _backends_cpu(database)
     for p in procs:
         p.join(30)
     counted = sum(r[2] for r in results)
     if counted != len(ids):
         raise RuntimeError(f"{counted} of {len(ids)} reports counted")
     elapsed = max(r[1] for r in results) - min(r[0] for r in results)
-    return len(ids) / elapsed, len(ids) / max(1, after[1] - before[1]), sum(r[3] for r in results)
+    cpu = 1e6 * (cpu_after - cpu_before) / len(ids)
+    return len(ids) / elapsed, len(ids) / max(1, after[1] - before[1]), sum(r[3] for r in results), cpu
 
 
 def main() -> None:
@@ -113,6 +156,12 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=4000, help="children reported per phase")
     parser.add_argument("--children", type=int, default=10_000, help="children per batch (default layout)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--style",
+        choices=("set", "pipeline"),
+        default="set",
+        help="a group as one set-returning statement (default), or as the single statements in one transaction",
+    )
     args = parser.parse_args()
     if 1 not in args.groups:
         parser.error("--groups must include 1 (today's report), the base of every ratio")
@@ -120,6 +169,7 @@ def main() -> None:
         parked = Parked(url, f"{queue}-parked", broker, args.children, {})
         rates: dict[tuple[int, int], list[float]] = {(r, g): [] for r in args.reporters for g in args.groups}
         flushes: dict[tuple[int, int], list[float]] = {k: [] for k in rates}
+        cpus: dict[tuple[int, int], list[float]] = {k: [] for k in rates}
         ratios: dict[tuple[int, int], list[float]] = {k: [] for k in rates}
         deadlocks = 0
         for rnd in range(args.rounds):
@@ -128,10 +178,11 @@ def main() -> None:
                 figures: dict[int, float] = {}
                 for group in args.groups[shift:] + args.groups[:shift]:
                     _, ids = parked.take(args.events)
-                    rate, per_flush, dead = phase(url, ids, reporters, group)
+                    rate, per_flush, dead, cpu = phase(url, ids, reporters, group, args.style)
                     figures[group] = rate
                     rates[(reporters, group)].append(rate)
                     flushes[(reporters, group)].append(per_flush)
+                    cpus[(reporters, group)].append(cpu)
                     deadlocks += dead
                 for group in args.groups:
                     ratios[(reporters, group)].append(figures[group] / figures[1])
@@ -139,15 +190,19 @@ def main() -> None:
                 print(f"round {rnd + 1} reporters {reporters:>2}: {line}", flush=True)
     print(
         f"\none default batch of {args.children} ({parked.leaves} leaves), {args.events} reports a phase, "
-        f"{args.rounds} rounds; deadlocks retried: {deadlocks}"
+        f"{args.rounds} rounds, groups sent as {args.style!r}; deadlocks retried: {deadlocks}"
     )
-    print("| reporters | group | events/s (median, range) | vs group of 1, paired (median, range) | events/WAL flush |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| reporters | group | events/s (median, range) | vs group of 1, paired (median, range) | events/WAL flush "
+        "| PostgreSQL CPU µs/event |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for (reporters, group), v in rates.items():
         r, flush = ratios[(reporters, group)], statistics.median(flushes[(reporters, group)])
+        cpu = statistics.median(cpus[(reporters, group)])
         print(
             f"| {reporters} | {group} | {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f}) | "
-            f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) | {flush:.1f} |"
+            f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) | {flush:.1f} | {cpu:.0f} |"
         )
 
 

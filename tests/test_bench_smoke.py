@@ -217,11 +217,13 @@ def test_predicates_bench_smoke_times_the_three_forms_of_the_relay_s_scan() -> N
 
 
 @pytest.mark.timeout(240)
-def test_batched_reports_bench_smoke_counts_every_report_once_in_each_group_size() -> None:
+@pytest.mark.parametrize("style", ["set", "pipeline"])
+def test_batched_reports_bench_smoke_counts_every_report_once_in_each_group_size(style: str) -> None:
     """`python -m bench.batched_reports` (issue 41's prototype measurement, bench/NOTES.md) at a small N, so that it
-    cannot rot: every phase must count each of its reports exactly once (it raises otherwise), at each group size."""
+    cannot rot: every phase must count each of its reports exactly once (it raises otherwise), at each group size,
+    with either way of sending a group."""
     argv = [sys.executable, "-m", "bench.batched_reports", "--reporters", "1,2", "--groups", "1,4"]
-    argv += ["--events", "100", "--children", "400", "--rounds", "1"]
+    argv += ["--events", "100", "--children", "400", "--rounds", "1", "--style", style]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=220)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = [line for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
