@@ -21,9 +21,14 @@ def ensure() -> bool:
     patcher = sys.modules.get("eventlet.patcher")
     if patcher is None or not patcher.is_monkey_patched("select"):
         return False
+    import selectors
+
     from psycopg import waiting
 
     if waiting.wait is not waiting.wait_select:
         waiting.wait = waiting.wait_select
+        # Connecting and cancelling wait through a selector psycopg took when it was imported, maybe before
+        # eventlet patched `selectors`: the patched one from now on.
+        waiting.DefaultSelector = selectors.DefaultSelector  # type: ignore[misc]
         logger.info("eventlet has patched select: psycopg now waits through it (wait_select), not in C")
     return True

@@ -23,6 +23,7 @@ process retries through the batcher, within `fanin_report_timeout`, as it retrie
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -49,6 +50,11 @@ logger = logging.getLogger("celery_fanin.hooks")
 _FRAME = struct.Struct("!I")  # each message: its length, then a pickle (sender and reader are this worker's own)
 # The most reports one statement commits: a group larger than this waits for the next round (one commit later).
 MAX_GROUP = 256
+# How long a pool process waits for the batcher's answer before it sends its report alone: a group stuck on a row
+# lock must not hold every pool process of the worker for `fanin_report_timeout`.
+WAIT_SECONDS = 10.0
+# The largest report a pool process may send (its result is at most this, and far less in practice).
+MAX_FRAME = 512 * 1024 * 1024
 
 # The answers a pool process gets: ("row", row) the report's row; ("retry", why) a transient error, send it again;
 # ("alone", why) send it on your own connection.
@@ -72,7 +78,12 @@ class ReportBatcher:
         self._dir = tempfile.mkdtemp(prefix="celery-fanin-")  # 0700: only this user may connect (and send pickles)
         self.address = os.path.join(self._dir, "reports.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.address)
+        try:
+            self._listener.bind(self.address)
+        except OSError:
+            self._listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._listener.listen(1024)
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -154,12 +165,19 @@ class ReportBatcher:
             return []
         buffer += data
         out = []
-        while len(buffer) >= _FRAME.size:
-            (size,) = _FRAME.unpack_from(buffer)
-            if len(buffer) < _FRAME.size + size:
-                break
-            out.append(pickle.loads(bytes(buffer[_FRAME.size : _FRAME.size + size])))  # noqa: S301 - our own
-            del buffer[: _FRAME.size + size]
+        try:
+            while len(buffer) >= _FRAME.size:
+                (size,) = _FRAME.unpack_from(buffer)
+                if size > MAX_FRAME:
+                    raise ValueError(f"a frame of {size} bytes")
+                if len(buffer) < _FRAME.size + size:
+                    break
+                out.append(pickle.loads(bytes(buffer[_FRAME.size : _FRAME.size + size])))  # noqa: S301 - our own
+                del buffer[: _FRAME.size + size]
+        except Exception as exc:  # noqa: BLE001 - that pool process's connection is dropped, not the batcher
+            logger.warning("dropped a connection to the report batcher that sent something unreadable: %s", exc)
+            self._forget(sock)
+            return []
         return out
 
     def _forget(self, sock: socket.socket) -> None:
@@ -196,7 +214,7 @@ class ReportBatcher:
     def _answer(self, sock: socket.socket, answer: tuple[str, Any]) -> None:
         data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            sock.setblocking(True)
+            sock.settimeout(5.0)  # a pool process waiting reads at once; one that stopped reading is dropped
             sock.sendall(_FRAME.pack(len(data)) + data)
             sock.setblocking(False)
         except OSError:  # the pool process is gone (or dropped the socket): nobody is waiting for this answer
@@ -211,17 +229,23 @@ class _Client:
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
+        self._lock = threading.Lock()  # one report at a time on the socket (a pool process has one task at a time)
 
-    def call(self, report: Mapping[str, object], timeout: float | None = None) -> tuple[str, Any]:
-        """Send one report and wait for its answer, for up to `timeout` seconds; ("alone", ...) if the batcher
-        cannot be reached or does not answer in time."""
+    def call(self, report: Mapping[str, object], timeout: float | None = WAIT_SECONDS) -> tuple[str, Any]:
+        """Send one report and wait for its answer, for up to `timeout` seconds (connecting too); ("alone", ...) if
+        the batcher cannot be reached or does not answer in time."""
         if _address is None:
             return (_ALONE, "no batcher")
+        with self._lock:
+            return self._call(_address, report, timeout)
+
+    def _call(self, address: str, report: Mapping[str, object], timeout: float | None) -> tuple[str, Any]:
         try:
             sock = self.sock
             if sock is None:
                 sock = self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.connect(_address)
+                sock.settimeout(timeout)
+                sock.connect(address)
             sock.settimeout(timeout)
             data = pickle.dumps(dict(report), protocol=pickle.HIGHEST_PROTOCOL)
             sock.sendall(_FRAME.pack(len(data)) + data)
@@ -262,14 +286,24 @@ def active() -> bool:
     return _address is not None and os.getpid() != _main_pid
 
 
-def record_terminal(runner: Runner, params: Mapping[str, object], timeout: float | None = None) -> TerminalRecord:
+def record_terminal(runner: Runner, params: Mapping[str, object], timeout: float = WAIT_SECONDS) -> TerminalRecord:
     """A claimed report (`batches.terminal_params` with a claim) through the batcher, as `reports.record_terminal`
     records it; alone on `runner` if the batcher cannot take it, or has not answered within `timeout` seconds (a
-    batcher thread stuck: the report is idempotent, so sending it alone too counts nothing twice)."""
+    group stuck on a lock: the report is idempotent, so sending it alone too counts nothing twice).
+
+    A report sent alone that comes back late may have been committed by the batcher meanwhile, completing the batch
+    with nobody reading the answer: the relay is woken for the batch, as after an interrupted report
+    (`report._send_again`), instead of its successor waiting out the hand-off."""
     kind, what = process.held(_client).call(params, timeout)
     if kind == _RETRY:
         raise GroupRetry(f"the group this report was in met {what}")
-    return reports.reported(what if kind == _ROW else runner.one(RECORD_TERMINAL, params))
+    if kind == _ROW:
+        return reports.reported(what)
+    rec = reports.reported(runner.one(RECORD_TERMINAL, params))
+    if rec.late and what != "no batcher":
+        with contextlib.suppress(Exception):  # the relay's scan publishes it once the hand-off has passed
+            reports.wake_relay(runner, params["batch_id"])
+    return rec
 
 
 _batcher: ReportBatcher | None = None
@@ -282,6 +316,8 @@ def _forked() -> None:
         for sock in (batcher._listener, batcher._wake_r, batcher._wake_w, *batcher._buffers):
             with contextlib.suppress(OSError):
                 sock.close()  # this process's descriptor only: the main process keeps its own
+        with contextlib.suppress(OSError):
+            batcher._selector.close()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -300,9 +336,19 @@ def start(fanin: FanIn, pool: Any) -> ReportBatcher | None:
     if not (isinstance(cls, type) and issubclass(cls, TaskPool)):
         logger.info("fanin_report_batching applies to a prefork pool only: each report is sent alone")
         return None
-    _batcher = ReportBatcher(fanin)
+    try:
+        _batcher = ReportBatcher(fanin)
+    except OSError as exc:  # no socket (a TMPDIR whose path is too long for one): each report is sent alone
+        logger.warning("cannot start the report batcher (%s): each report is sent alone", exc)
+        return None
     _address, _main_pid = _batcher.address, os.getpid()
+    atexit.register(_remove, _batcher, _main_pid)  # a cold shutdown sends no worker_shutdown
     return _batcher
+
+
+def _remove(batcher: ReportBatcher, pid: int) -> None:
+    if os.getpid() == pid:  # not in a pool process, which inherits the handler
+        shutil.rmtree(batcher._dir, ignore_errors=True)
 
 
 def stop() -> None:

@@ -152,7 +152,7 @@ class Reporter:
             rec = report.send_terminal(
                 fanin,
                 about,
-                lambda runner: batching.record_terminal(runner, params, float(fanin.settings.report_timeout)),
+                lambda runner: batching.record_terminal(runner, params),
                 batch_id=marker.batch_id,
             )
         else:

@@ -5,6 +5,8 @@ run it in a real prefork worker: tests/e2e/test_batched_reports.py)."""
 from __future__ import annotations
 
 import random
+import socket
+import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from celery_fanin import retry
 from celery_fanin.context import FanIn
@@ -21,6 +23,7 @@ from celery_fanin.store.reports import ReportConnection, record_terminals, repor
 from celery_fanin.worker import batching
 from tests.sql import Held
 from tests.sql import batch as batch_row
+from tests.sql import outbox as outbox_rows
 from tests.store.helpers import create
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,16 +142,13 @@ def _through_batcher(fanin: FanIn, params: dict[str, object], client: batching._
     return reported(what)
 
 
-def test_the_batcher_commits_reports_that_arrive_together_in_one_statement(
-    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher
-) -> None:
-    """Twelve clients report a 240-child batch at once: every child is counted once, the one that completes it
-    gets the successor handed off, and reports shared statements (fewer statements than reports)."""
+def _pool_processes(app: Celery, store_engine: Engine, n: int, processes: int) -> dict[int, batches.TerminalRecord]:
+    """`processes` clients (each a pool process's) report an `n`-child batch's children at once, each a share of
+    them in turn: every child's record, by index."""
     fanin = FanIn.of(app)
-    batch, children, _ = create(store_engine, 240)
-    hands = [list(range(i, 240, 12)) for i in range(12)]
+    batch, children, _ = create(store_engine, n)
     recs: dict[int, batches.TerminalRecord] = {}
-    start = threading.Barrier(12)
+    start = threading.Barrier(processes)
 
     def pool_process(indexes: list[int]) -> None:
         client = batching._Client()
@@ -159,10 +159,19 @@ def test_the_batcher_commits_reports_that_arrive_together_in_one_statement(
         finally:
             client.close()
 
-    _together(pool_process, hands)
-    assert sorted(recs) == list(range(240)) and all(r.counted for r in recs.values())
+    _together(pool_process, [list(range(i, n, processes)) for i in range(processes)])
+    assert sorted(recs) == list(range(n)) and all(r.counted for r in recs.values())
+    return recs
+
+
+def test_the_batcher_commits_reports_that_arrive_together_in_one_statement(
+    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher
+) -> None:
+    """Twelve clients report a 240-child batch at once: every child is counted once, the one that completes it
+    gets the successor handed off, and reports shared statements (fewer statements than reports)."""
+    recs = _pool_processes(app, store_engine, 240, 12)
     [done] = [r for r in recs.values() if r.successor_created]
-    assert done.handed_off is not None and [h.batch_id for h in done.handed_off] == [batch.id]
+    assert done.handed_off is not None and len(done.handed_off) == 1
     assert batcher.reports == 240 and batcher.groups < 240, (batcher.reports, batcher.groups)
 
 
@@ -232,3 +241,65 @@ def test_the_batcher_starts_for_a_prefork_pool_only(app: Celery, monkeypatch: py
 
 def test_batching_is_off_by_default(app: Celery) -> None:
     assert batching.start(FanIn.of(app), "prefork") is None
+
+
+def test_a_pool_process_whose_group_is_stuck_sends_its_report_alone_after_a_while(
+    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group stuck (on a row lock, say) must not hold every pool process: after `WAIT_SECONDS` each sends its
+    report alone; the stuck group, once it goes on, finds the child counted (late) and counts nothing twice."""
+    batch, (child,), _ = create(store_engine, 1)
+    release = threading.Event()
+    commit = batcher._commit
+
+    def stuck(group: Any) -> None:
+        release.wait(30)
+        commit(group)
+
+    monkeypatch.setattr(batcher, "_commit", stuck)
+    try:
+        rec = batching.record_terminal(FanIn.of(app).reports, _params(child, batch, 0), timeout=0.5)
+    finally:
+        release.set()
+    assert rec.counted and rec.successor_created
+    assert batch_row(store_engine, batch.id, "succeeded", "remaining") == {"succeeded": 1, "remaining": 0}
+
+
+def test_a_report_the_batcher_committed_without_an_answer_wakes_the_relay_when_sent_alone(
+    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batcher committed the report that completed the batch, but its answer was lost: the report sent alone
+    comes back late, and the successor handed to nobody is made due for the relay at once, not after the
+    hand-off."""
+    batch, (child,), _ = create(store_engine, 1)
+    monkeypatch.setattr(batcher, "_answer", lambda sock, answer: batcher._forget(sock))
+    rec = batching.record_terminal(FanIn.of(app).reports, _params(child, batch, 0))
+    assert rec.late and not rec.counted
+    [row] = outbox_rows(store_engine, batch.id, "sent_at", "available_at")
+    with store_engine.connect() as conn:
+        due = conn.execute(text("SELECT :at <= now()"), {"at": row["available_at"]}).scalar_one()
+    assert row["sent_at"] is None and due, "the successor waits out the hand-off"
+
+
+def test_a_connection_that_sends_something_unreadable_is_dropped_and_the_batcher_goes_on(
+    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher
+) -> None:
+    batch, (child,), _ = create(store_engine, 1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bad:
+        bad.connect(batcher.address)
+        bad.sendall(struct.pack("!I", 5) + b"\x00junk")
+        bad.settimeout(5)
+        assert bad.recv(16) == b"", "the batcher kept a connection that sent no report"
+    client = batching._Client()
+    try:
+        assert _through_batcher(FanIn.of(app), _params(child, batch, 0), client).counted
+    finally:
+        client.close()
+
+
+def test_groups_larger_than_max_group_are_split_and_each_report_answered(
+    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batching, "MAX_GROUP", 2)
+    _pool_processes(app, store_engine, 60, 6)
+    assert batcher.reports == 60 and batcher.groups >= 30
