@@ -20,7 +20,7 @@ from celery_fanin import retry
 from celery_fanin.context import FanIn
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection, record_terminals, reported
-from celery_fanin.worker import batching
+from celery_fanin.worker import batching, process
 from tests.sql import Held
 from tests.sql import batch as batch_row
 from tests.sql import outbox as outbox_rows
@@ -127,6 +127,7 @@ def batcher(app: Celery, monkeypatch: pytest.MonkeyPatch) -> Iterator[batching.R
     """The app's batcher thread, running in this process; the test's threads stand for pool processes (each with a
     client of its own, as each pool process has), so `active` is made true here."""
     app.conf.fanin_report_timeout = 10.0
+    process.held(batching._client).close()  # this process's client, if an earlier test's batcher left it connected
     running = batching.ReportBatcher(FanIn.of(app))
     monkeypatch.setattr(batching, "_address", running.address)
     monkeypatch.setattr(batching, "_main_pid", -1)
@@ -134,6 +135,7 @@ def batcher(app: Celery, monkeypatch: pytest.MonkeyPatch) -> Iterator[batching.R
         yield running
     finally:
         running.stop()
+        process.held(batching._client).close()
 
 
 def _through_batcher(fanin: FanIn, params: dict[str, object], client: batching._Client) -> batches.TerminalRecord:
