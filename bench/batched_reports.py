@@ -62,10 +62,13 @@ def _pipelined(conn: psycopg.Connection[Any], group: list[tuple[str, str, int, s
 def _reporter(
     url: str, groups: list[list[tuple[str, str, int, str]]], style: str, ready: Any, go: Any, out: Any
 ) -> None:
+    from bench.drain import _cpu_seconds
+
     conn = psycopg.connect(url, autocommit=True)
-    conn.execute("SELECT 1")
+    backend = conn.info.backend_pid  # this machine's server: its CPU read from /proc, before the backend exits
     ready.release()
     go.wait()
+    cpu = _cpu_seconds(backend)
     start = time.time()
     counted = deadlocks = 0
     for group in groups:
@@ -88,21 +91,9 @@ def _reporter(
                 break
             except psycopg.errors.DeadlockDetected:  # a leaf finishing locks the root after its leaves: retried
                 deadlocks += 1
-    out.put((start, time.time(), counted, deadlocks))
+    end = time.time()
+    out.put((start, end, counted, deadlocks, _cpu_seconds(backend) - cpu))
     conn.close()
-
-
-def _backends_cpu(database: str) -> float:
-    """CPU seconds the PostgreSQL backends of `database` have used so far (Linux /proc)."""
-    from bench.drain import _cpu_seconds, _pids
-
-    total = 0.0
-    for pid in _pids("-f", f"postgres: .* {database} "):
-        try:
-            total += _cpu_seconds(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 def _claims(url: str, ids: list[str]) -> dict[str, tuple[str, str, int, str, str]]:
@@ -134,18 +125,17 @@ def phase(url: str, ids: list[str], reporters: int, group: int, style: str = "se
     for _ in procs:
         if not ready.acquire(timeout=60):
             raise RuntimeError("a reporter did not start")
-    database = url.rsplit("/", 1)[1].split("?")[0]
-    before, cpu_before = _wal(url), _backends_cpu(database)
+    before = _wal(url)
     go.set()
     results = [out.get(timeout=600) for _ in procs]
-    after, cpu_after = _wal(url), _backends_cpu(database)
+    after = _wal(url)
     for p in procs:
         p.join(30)
     counted = sum(r[2] for r in results)
     if counted != len(ids):
         raise RuntimeError(f"{counted} of {len(ids)} reports counted")
     elapsed = max(r[1] for r in results) - min(r[0] for r in results)
-    cpu = 1e6 * (cpu_after - cpu_before) / len(ids)
+    cpu = 1e6 * sum(r[4] for r in results) / len(ids)  # the reporters' backends only
     return len(ids) / elapsed, len(ids) / max(1, after[1] - before[1]), sum(r[3] for r in results), cpu
 
 
