@@ -40,9 +40,9 @@ from typing import Any
 from .. import retry
 from ..context import FanIn
 from ..store import reports
-from ..store.batches import RECORD_TERMINAL, TerminalRecord
+from ..store.batches import RECORD_TERMINAL, TerminalRecord, terminal_record
 from ..store.reports import ReportConnection
-from ..store.statements import Runner
+from ..store.statements import Runner, Statement
 from . import process
 
 logger = logging.getLogger("celery_fanin.hooks")
@@ -286,24 +286,47 @@ def active() -> bool:
     return _address is not None and os.getpid() != _main_pid
 
 
-def record_terminal(runner: Runner, params: Mapping[str, object], timeout: float = WAIT_SECONDS) -> TerminalRecord:
-    """A claimed report (`batches.terminal_params` with a claim) through the batcher, as `reports.record_terminal`
-    records it; alone on `runner` if the batcher cannot take it, or has not answered within `timeout` seconds (a
-    group stuck on a lock: the report is idempotent, so sending it alone too counts nothing twice).
+class Batched:
+    """A `statements.Runner` over a pool process's own (`runner`) that sends a child's claimed terminal report
+    (RECORD_TERMINAL) through the worker's batcher: what `reports.record_terminal` runs is unchanged. Every other
+    statement goes on `runner`, and so does a report the batcher cannot take or has not answered within `timeout`
+    seconds (a group stuck on a lock: the report is idempotent, so sending it alone too counts nothing twice).
 
     A report sent alone that comes back late may have been committed by the batcher meanwhile, completing the batch
     with nobody reading the answer: the relay is woken for the batch, as after an interrupted report
     (`report._send_again`), instead of its successor waiting out the hand-off."""
-    kind, what = process.held(_client).call(params, timeout)
-    if kind == _RETRY:
-        raise GroupRetry(f"the group this report was in met {what}")
-    if kind == _ROW:
-        return reports.reported(what)
-    rec = reports.reported(runner.one(RECORD_TERMINAL, params))
-    if rec.late and what != "no batcher":
-        with contextlib.suppress(Exception):  # the relay's scan publishes it once the hand-off has passed
-            reports.wake_relay(runner, params["batch_id"])
-    return rec
+
+    def __init__(self, runner: Runner, timeout: float = WAIT_SECONDS) -> None:
+        self.runner = runner
+        self.timeout = timeout
+
+    def one(self, statement: Statement, params: Mapping[str, object]) -> tuple[Any, ...]:
+        if statement is not RECORD_TERMINAL:
+            return self.runner.one(statement, params)
+        kind, what = process.held(_client).call(params, self.timeout)
+        if kind == _RETRY:
+            raise GroupRetry(f"the group this report was in met {what}")
+        if kind == _ROW:
+            return tuple(what)
+        row = self.runner.one(RECORD_TERMINAL, params)
+        if terminal_record(row).late and what != "no batcher":
+            with contextlib.suppress(Exception):  # the relay's scan publishes it once the hand-off has passed
+                reports.wake_relay(self.runner, params["batch_id"])
+        return row
+
+    def all(self, statement: Statement, params: Mapping[str, object]) -> list[tuple[Any, ...]]:
+        return self.runner.all(statement, params)
+
+
+def runner(own: Runner) -> Runner:
+    """What this process's reports run on: through the batcher in a pool process of a worker that has one, else
+    `own` itself."""
+    return Batched(own) if active() else own
+
+
+def record_terminal(runner: Runner, params: Mapping[str, object], timeout: float = WAIT_SECONDS) -> TerminalRecord:
+    """One claimed report (`batches.terminal_params` with a claim) through the batcher (`Batched`)."""
+    return reports.reported(Batched(runner, timeout).one(RECORD_TERMINAL, params))
 
 
 _batcher: ReportBatcher | None = None

@@ -143,36 +143,23 @@ class Reporter:
                 logger.warning("result of task_id=%s cannot be encoded, stored as none: %s", task_id, err)
         exc_type, exc_message = _exc_fields(exc)
         claim = claim_of(marker)
-        about = f"terminal outcome of task {task_id}"
-        rec: batches.TerminalRecord | None
-        if not unrun and batching.active():  # a pool process of a worker that commits reports in groups
-            params = batches.terminal_params(
-                task_id, state, result, exc_type, exc_message, start, claim, fanin.report_handoff
-            )
-            rec = report.send_terminal(
-                fanin,
-                about,
-                lambda runner: batching.record_terminal(runner, params),
-                batch_id=marker.batch_id,
-            )
-        else:
-            rec = report.send_terminal(
-                fanin,
-                about,
-                lambda runner: reports.record_terminal(
-                    runner,
-                    task_id,
-                    state,
-                    result=result,
-                    exc_type=exc_type,
-                    exc_message=exc_message,
-                    start=start,
-                    claim=claim,
-                    unrun=unrun,
-                    handoff=fanin.report_handoff,
-                ),
-                batch_id=marker.batch_id,
-            )
+        rec: batches.TerminalRecord | None = report.send_terminal(
+            fanin,
+            f"terminal outcome of task {task_id}",
+            lambda runner: reports.record_terminal(
+                batching.runner(runner),  # a pool process of a worker that commits reports in groups: its batcher
+                task_id,
+                state,
+                result=result,
+                exc_type=exc_type,
+                exc_message=exc_message,
+                start=start,
+                claim=claim,
+                unrun=unrun,
+                handoff=fanin.report_handoff,
+            ),
+            batch_id=marker.batch_id,
+        )
         extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
         if rec is None:
             return None
