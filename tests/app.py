@@ -51,6 +51,7 @@ app.conf.update(
     result_backend=os.environ.get("FANIN_TEST_RESULT_BACKEND") or None,
     fanin_store_child_results_in_backend=os.environ.get("FANIN_TEST_STORE_CHILD_RESULTS") == "1",
     fanin_report_batching=os.environ.get("FANIN_TEST_REPORT_BATCHING") == "1",
+    fanin_successor_inline=os.environ.get("FANIN_TEST_SUCCESSOR_INLINE") == "1",
 )
 
 
@@ -215,6 +216,26 @@ def successor_dies_once(outcome: dict[str, Any], label: str) -> None:
     if _redis().incr(f"e2e:successor_dies_once:{outcome['batch_id']}") == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     record_run(outcome, label)
+
+
+@app.task
+def pid_of(i: int) -> int:
+    """A child that returns the process it ran in."""
+    return os.getpid()
+
+
+@app.task
+def pid_successor(outcome: dict[str, Any], label: str) -> int:
+    """A successor that records its run as `label@pid`, with its children's results (their processes' pids)."""
+    record_run(outcome, f"{label}@{os.getpid()}", with_values=True)
+    return os.getpid()
+
+
+@app.task(acks_late=True)
+def pid_successor_acks_late(outcome: dict[str, Any], label: str) -> int:
+    """`pid_successor`, acknowledged late."""
+    record_run(outcome, f"{label}@{os.getpid()}", with_values=True)
+    return os.getpid()
 
 
 @app.task

@@ -888,9 +888,7 @@ def publish_successor(
     Built like a child's message when it can be (no result-backend subscription for a result this process never
     reads, no per-call routing), else through Celery's own `apply_async`.
     """
-    marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
-    if chord is not None:
-        marker[HEADER_CHORD] = chord
+    marker = _successor_marker(batch_id, step, chord)
     eager = is_eager(app)
     confirms = None
     if not eager and publish_mode(prod) == "confirm":
@@ -909,6 +907,47 @@ def publish_successor(
         raise
 
 
+@dataclass(frozen=True)
+class Built:
+    """One message as the fast path builds it (`_Builder.build`), before anything publishes it."""
+
+    route: _Route
+    headers: dict[str, Any]
+    body: Any
+    properties: dict[str, Any]
+
+
+def successor_message(
+    app: Celery, batch_id: uuid.UUID, step: str, task_id: str, then: Signature, outcome: Any, chord: str | None = None
+) -> Built | None:
+    """The successor's message exactly as `publish_successor` would send it on its fast path, not sent (for a run
+    in this process: `dispatch.inline`), or None where Celery's own `apply_async` would build it."""
+    if not bulk_publish_enabled(app):
+        return None
+    marker = _successor_marker(batch_id, step, chord)
+    try:
+        return Built(
+            *_Builder(app, str(batch_id)).build(0, task_id, _as_successor(then), first_arg=outcome, marker=marker)
+        )
+    except _Unsupported:
+        return None
+
+
+def _successor_marker(batch_id: uuid.UUID, step: str, chord: str | None) -> dict[str, Any]:
+    marker = {HEADER_SUCCESSOR: str(batch_id), HEADER_STEP: step}
+    if chord is not None:
+        marker[HEADER_CHORD] = chord
+    return marker
+
+
+def _as_successor(then: Signature) -> Signature:
+    """The parent a chain's freeze stored is the task before the fan-in; the successor is the child of the task that
+    finished the batch, when one publishes it, as a chord's body is of the header task that completed it."""
+    then = then.clone()
+    then.options.pop("parent_id", None)
+    return then
+
+
 def _publish_successor(
     app: Celery,
     prod: Producer,
@@ -920,10 +959,7 @@ def _publish_successor(
     marker: dict[str, Any],
 ) -> None:
     target = confirms.producer if confirms is not None else prod
-    # The parent a chain's freeze stored is the task before the fan-in; the successor is the child of the task that
-    # finished the batch, when one publishes it, as a chord's body is of the header task that completed it.
-    then = then.clone()
-    then.options.pop("parent_id", None)
+    then = _as_successor(then)
     if bulk_publish_enabled(app):
         builder = _Builder(app, str(batch_id))
         try:

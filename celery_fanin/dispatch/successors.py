@@ -32,6 +32,7 @@ from ..protocol import (
 )
 from ..store import outbox, queries, recovery, reports
 from ..store.outcomes import build_outcome
+from . import inline
 
 logger = logging.getLogger("celery_fanin.dispatch")
 
@@ -166,26 +167,87 @@ def _publish_handed_off(fanin: FanIn, rows: Sequence[outbox.OutboxRow]) -> int:
     Published but not marked (the database lost meanwhile), a row goes out again from the relay once due (not
     sooner: the relay is not woken for it), and the guard refuses that copy. Only a completed batch is handed off,
     so nothing here abandons children."""
+    here: list[tuple[Due, inline.Message]] = []
     with contextlib.ExitStack() as stack:
-        send = _to_broker(fanin.app, stack.enter_context(publish.producer(fanin.app, batched=len(rows) > 1)))
+        send = _to_broker_when_needed(fanin.app, stack, batched=len(rows) > 1)
+        if len(rows) == 1 and fanin.settings.successor_inline and inline.job_reason_not(fanin.app) is None:
+            send = _here_or(fanin.app, send, here)
         # A complete batch with no failures needs no read for its outcome (see build_outcome).
         failures = any(row.batch is not None and row.batch.failed for row in rows)
         conn = stack.enter_context(fanin.engine.connect()) if failures else None
         for row in rows:
             _send_successor(fanin, conn, send, row)
+    if here:  # after the engine's connection went back: the successor's body may take any time
+        _run_here(fanin, rows, *here[0])
+        return len(rows)
     # After the producer's batch flushed (and, on RabbitMQ, was confirmed): a failed publish raised above.
     _log_published(rows)
-    try:
-        reports.mark_sent(fanin.reports, [row.id for row in rows])
-    except Exception:  # noqa: BLE001 - published: the relay's copy, once the row is due, meets the run guard
-        logger.warning(
-            "published the successor of batch_id=%s but could not mark it sent; the relay publishes it again once "
-            "due, and its run guard refuses the second copy",
-            rows[0].batch_id,
-            exc_info=True,
-            extra={"batch_id": str(rows[0].batch_id)},
-        )
+    mark_sent(fanin, rows[0].batch_id, [row.id for row in rows])
     return len(rows)
+
+
+def _to_broker_when_needed(app: Celery, stack: contextlib.ExitStack, batched: bool) -> Callable[[Due], None]:
+    """`_to_broker` on a producer taken from the pool at the first message (none for a successor run here),
+    flushed when `stack` closes."""
+    send: Callable[[Due], None] | None = None
+
+    def deliver(due: Due) -> None:
+        nonlocal send
+        if send is None:
+            send = _to_broker(app, stack.enter_context(publish.producer(app, batched=batched)))
+        send(due)
+
+    return deliver
+
+
+def _here_or(
+    app: Celery, to_broker: Callable[[Due], None], here: list[tuple[Due, inline.Message]]
+) -> Callable[[Due], None]:
+    """Keep a successor this process may run (`dispatch.inline`) in `here`, with its message; publish any other."""
+
+    def deliver(due: Due) -> None:
+        built = publish.successor_message(
+            app, due.batch_id, due.step, due.task_id, due.signature, due.outcome, due.chord
+        )
+        msg = inline.message(app, due.task_id, built) if built is not None else None
+        if msg is None:
+            to_broker(due)
+        else:
+            here.append((due, msg))
+
+    return deliver
+
+
+def _run_here(fanin: FanIn, rows: Sequence[outbox.OutboxRow], due: Due, msg: inline.Message) -> None:
+    """Run a completed batch's successor in this process (`fanin_successor_inline`). Its outbox row is marked sent
+    (not durably, as after a publish) by its run guard once admitted (`inline.take_unsent`), else here."""
+    extra = {"batch_id": str(due.batch_id), "step": due.step}
+    logger.info(
+        "running successor batch_id=%s step=%s here, where its batch completed", due.batch_id, due.step, extra=extra
+    )
+    inline.hold_unsent(msg.task_id, [row.id for row in rows])
+    try:
+        inline.run(fanin.app, msg)
+    finally:
+        unsent = inline.take_unsent(msg.task_id)  # its guard did not take them (refused it, or never got that far)
+        if unsent:
+            mark_sent(fanin, due.batch_id, unsent)
+
+
+def mark_sent(fanin: FanIn, batch_id: uuid.UUID | str, ids: list[int]) -> None:
+    """Mark a handed-off successor's outbox rows sent (`store.reports.mark_sent`, not durable), after its publish or
+    once its run here was admitted. Never raises: a row left unsent goes out again from the relay once due, and
+    its run guard refuses that copy."""
+    try:
+        reports.mark_sent(fanin.reports, ids)
+    except Exception:  # noqa: BLE001 - see above
+        logger.warning(
+            "could not mark the successor of batch_id=%s sent; the relay publishes it again once due, and its run "
+            "guard refuses that copy",
+            batch_id,
+            exc_info=True,
+            extra={"batch_id": str(batch_id)},
+        )
 
 
 def _log_published(rows: Sequence[outbox.OutboxRow]) -> None:

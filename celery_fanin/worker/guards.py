@@ -18,6 +18,8 @@ from celery import Celery, Signature, chord, group
 from celery.canvas import _chain
 from celery.exceptions import Ignore, Retry
 
+from ..context import FanIn
+from ..dispatch import inline, successors
 from ..protocol import (
     BODY_CLAIM,
     HEADER_CARRIER,
@@ -28,7 +30,7 @@ from ..protocol import (
     SuccessorState,
     request_header,
 )
-from . import runtime, successor_runs
+from . import report, runtime, successor_runs
 from .reporter import claim_refusal, fanin_for
 from .successor_runs import due_at
 
@@ -75,6 +77,7 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
             )
             raise Ignore()
         if fanin is not None and marker is not None and marker.is_successor:
+            _mark_inline_sent(fanin, marker, task_id)
             why = request_header(request, HEADER_CHORD)
             if why:
                 # A chord's body whose header did not all succeed: admitted (so this is its one run), failed here
@@ -88,6 +91,14 @@ def _guard(before_start: Callable[..., Any]) -> Callable[..., Any]:
 
     before_start_guarded._fanin_guard = True  # type: ignore[attr-defined]
     return before_start_guarded
+
+
+def _mark_inline_sent(fanin: FanIn, marker: Marker, task_id: str) -> None:
+    """A successor run where its batch completed (`dispatch.inline`), now admitted: its outbox row is marked sent
+    by this process's background thread, beside its body rather than before it."""
+    ids = inline.take_unsent(task_id)
+    if ids:
+        report.background().submit(lambda: successors.mark_sent(fanin, marker.batch_id, ids))
 
 
 def _canvas_errbacks(canvas: Any) -> list[Any]:

@@ -263,6 +263,7 @@ def make_app(url: str) -> Celery:
         fanin_successor_lease_grace=600,
         fanin_track_started=True,
         fanin_expires_grace=0,  # the expiry sweep counts a child as soon as its `expires` passed
+        fanin_successor_inline=True,  # where a successor is handed to its worker (`successor_handoff`)
     )
 
     # shared=False: a shared task is added to every app finalized after it, before that app's own task of the same
@@ -345,11 +346,13 @@ class MessageMachine(RuleBasedStateMachine):
     url: ClassVar[str]
     # Which kinds of rules may run (a hole's run enables the rules that reach it; the full model enables all).
     features: ClassVar[frozenset[str]] = frozenset(
-        {"duplicate", "replace", "stall", "relay", "events", "faults", "outage", "forge", "expiry", "twin"}
+        {"duplicate", "replace", "stall", "relay", "events", "faults", "outage", "forge", "expiry", "twin", "inline"}
     )
     held_start: ClassVar[bool] = False  # the first child's copy taken through a cut and held (see first_batch)
     # Hole 7's search: the first batch's successor replaces itself with a chain whose part fails (see first_batch).
     forced_chain: ClassVar[str] = ""
+    # Hole 8's search: a completed batch's successor is handed to its worker from the start (`successor_handoff`).
+    inline_first: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -357,6 +360,8 @@ class MessageMachine(RuleBasedStateMachine):
         with self.engine.begin() as conn:
             conn.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))  # constant names
         self.app = APPS[self.url]
+        # The app is shared by the examples: each starts with the handoff it says (`successor_handoff`).
+        self.app.conf.fanin_successor_handoff = 0.2 if self.inline_first else 0
         self.fanin = FanIn.of(self.app)
         FAULTS.clear()
         FAULTS.install()
@@ -566,6 +571,16 @@ class MessageMachine(RuleBasedStateMachine):
         """The relay's outbox round: a successor handed to its worker is the relay's once the handoff passed."""
         successor_dispatch.publish_outbox(self.fanin)
         self._drain("relay")
+
+    @precondition(lambda self: "inline" in self.features)
+    @rule(on=st.booleans())
+    def successor_handoff(self, on: bool) -> None:
+        """From now on (`on`), a completed batch's successor is handed to the worker whose report completed it,
+        and that pool process runs it there and then, with no message (`fanin_successor_inline`, on in this model):
+        its guard admits it as it would a first delivery, and its outbox row is marked sent by the background
+        thread once admitted. The relay's copy once the handoff passed, the stall scan's and any duplicate meet
+        that guard. Off: the worker claims the row as the relay does and publishes it (a copy, for the model)."""
+        self.app.conf.fanin_successor_handoff = 0.2 if on else 0
 
     @precondition(lambda self: "events" in self.features)
     @rule(

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import Phase
@@ -44,6 +45,7 @@ CASES = {
     "4-lost-start-and-expiry-sweep": frozenset({"outage", "expiry"}),
     "6-forged-dead-owner": frozenset({"forge"}),
     "7-failed-part-leaves-successor-replaced": frozenset({"replace", "duplicate"}),
+    "8-inline-successor-unguarded": frozenset({"inline", "stall", "relay"}),
     "all": MessageMachine.features,
 }
 # Hypothesis turns a random part of the rules off in each example (swarm testing): the expiry case needs its
@@ -99,6 +101,22 @@ def _parts_report_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Reporter, "end_replacement", lambda self, fanin, marker, state, exc: False)
 
 
+def _inline_successor_unguarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not a hole that was: the inline run (issue 41) taken through the successor's body without Celery's tracer,
+    # so without its run guard. A copy (the relay's, the stall scan's) must then be found running it again.
+    from celery_fanin.dispatch import inline
+
+    def unguarded(app: Any, msg: inline.Message) -> None:
+        task = app.tasks[msg.name]
+        task.push_request(**msg.request)
+        try:
+            task.run(*msg.args, **msg.kwargs)
+        finally:
+            task.pop_request()
+
+    monkeypatch.setattr(inline, "run", unguarded)
+
+
 # hole -> its fix undone: the model must find each.
 UNDO = {
     "1-replaced-successor-runs-again": Undo(
@@ -119,6 +137,7 @@ UNDO = {
     "4-lost-start-and-expiry-sweep": Undo(patch=_starts_dropped_and_sweep_without_their_time),
     "5-transient-error-drops-report": Undo(patch=_old_transient),
     "7-failed-part-leaves-successor-replaced": Undo(patch=_parts_report_nothing),
+    "8-inline-successor-unguarded": Undo(patch=_inline_successor_unguarded),
     "6-forged-dead-owner": Undo(
         sql=(
             (
@@ -139,10 +158,19 @@ def _run(
     APPS[url] = make_app(url)
     held_start = case == "4-lost-start-and-expiry-sweep"
     forced_chain = "chain-fail" if case == "7-failed-part-leaves-successor-replaced" else ""
+    # Hole 8's search: the first batch's successor handed to its worker, which runs it there (the rule that turns
+    # that on comes too late for the first batch, and a second batch's children take most of a case's steps).
+    inline_first = case == "8-inline-successor-unguarded"
     machine = type(
         "Messages",
         (MessageMachine,),
-        {"url": url, "features": CASES[case], "held_start": held_start, "forced_chain": forced_chain},
+        {
+            "url": url,
+            "features": CASES[case],
+            "held_start": held_start,
+            "forced_chain": forced_chain,
+            "inline_first": inline_first,
+        },
     )
     STATS.clear()
     started = time.monotonic()

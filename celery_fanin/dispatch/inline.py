@@ -1,0 +1,157 @@
+"""A completed batch's successor run in the pool process whose report completed the batch (`fanin_successor_inline`).
+
+A successor published to the broker waits for its message to be written, delivered, received by a worker's main
+process and handed to a pool process before its run guard even starts: about 1.5 ms of the fan-in's successor
+latency on the benchmark's machine (bench/NOTES.md, "the successor run where its batch completed"). Here the
+process that completed the batch builds the same message, with the same task id and headers, and runs it through
+Celery's own tracer (`celery.app.trace.trace_task`): the same task guards, run guard, signals, result backend and
+`link`s as a delivered copy. Nothing is admitted differently: the run guard admits this execution as it would
+the message's first delivery, with a durable commit, and any later copy (the relay's, once the handoff passed) is
+refused as a duplicate.
+
+Only where the broker's way and this one cannot be told apart by the successor (`reason_not`): a task this worker
+runs, routed to a queue this worker consumes, acknowledged early (not `acks_late`: a delivered one would be
+redelivered at once if its worker died), with no `eta`/`countdown`, and no time limit on the successor or on the
+child's job it would run inside (the worker enforces a time limit per job, and this job is the child's).
+Otherwise, and whenever building the message fails, the successor is published as before.
+
+Off by default (`fanin_successor_inline`): revoking a task id reaches only a worker's main process, and a prefork
+pool process keeps the revoked ids it was forked with, so a revoke of the successor's id sent before its batch
+completes, which a delivered message would meet, does not stop it here. Threads, gevent, eventlet and solo pools
+run in the main process and see them.
+
+What differs, and is documented (docs/concepts/outbox.md): the worker sends no task events (`task-received`,
+`task-started`, `task-succeeded`) for an inline successor, since those come from the main process's request; and
+the child's message, under `acks_late`, is acknowledged after the successor's body returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from celery.app.trace import trace_task
+from celery.worker import state as worker_state
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from ..broker.publish import Built
+
+logger = logging.getLogger("celery_fanin.dispatch")
+
+
+@dataclass(frozen=True)
+class Message:
+    """The successor's message as a worker would have received it: what Celery's tracer takes."""
+
+    name: str
+    task_id: str
+    request: dict[str, Any]
+    args: tuple[Any, ...] | list[Any]
+    kwargs: dict[str, Any]
+
+
+def job_reason_not(app: Celery) -> str | None:
+    """Why no successor may run in this process now, whatever it is, or None: this must be a worker's task (the
+    child whose report completed the batch) whose job has no time limit, the worker enforcing it per job."""
+    current = app.current_worker_task  # None outside a worker's task, and in eager mode
+    if current is None:
+        return "not in a worker's task"
+    if any(getattr(current.request, "timelimit", None) or ()) or current.time_limit or current.soft_time_limit:
+        return "the child's job has a time limit"
+    if app.conf.task_time_limit or app.conf.task_soft_time_limit:
+        return "the worker sets time limits"
+    return None
+
+
+def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[str, Any]) -> str | None:
+    """Why this successor must go through the broker, or None when this process may run it now.
+
+    `declare`: the queue its route names (`broker.publish._Route.declare`); `headers`: its message's headers."""
+    why = job_reason_not(app)
+    if why is not None:
+        return why
+    task = app.tasks.get(name)
+    if task is None:
+        return "task not registered in this worker"
+    if headers.get("id") in worker_state.revoked:
+        # The worker's main process would discard its message. (Its live set: in a prefork pool process, the copy
+        # made when the process was forked, which is why the setting is off by default.)
+        return "revoked"
+    if headers.get("eta") is not None:
+        return "eta or countdown"
+    if any(headers.get("timelimit") or ()) or task.time_limit or task.soft_time_limit:
+        return "the successor has a time limit"
+    if task.acks_late:
+        return "acks_late: a delivered successor is redelivered at once if its worker dies"
+    if not declare or getattr(declare[0], "name", None) not in app.amqp.queues.consume_from:
+        return "routed to a queue this worker does not consume"
+    return None
+
+
+def message(app: Celery, task_id: str, built: Built) -> Message | None:
+    """The built message (`broker.publish.successor_message`), taken through its serializer and back as a worker
+    would read it, or None when it must be published (`reason_not`, or its content not accepted here)."""
+    route, headers, properties = built.route, built.headers, built.properties
+    name = headers["task"]
+    why = reason_not(app, name, route.declare, headers)
+    if why is None:
+        try:
+            content_type, encoding, payload = dumps(built.body, serializer=route.serializer)
+            args, kwargs, embed = loads(
+                payload, content_type, encoding, accept=prepare_accept_content(app.conf.accept_content)
+            )
+        except Exception as exc:  # noqa: BLE001 - a worker would refuse it too: the broker's way says so properly
+            why = f"its body cannot be read back here ({exc.__class__.__name__})"
+    if why is not None:
+        logger.debug("successor task_id=%s published, not run here: %s", task_id, why)
+        return None
+    job = app.current_worker_task.request  # type: ignore[union-attr]  # reason_not checked it
+    request = dict(headers)
+    request.update(
+        {
+            "properties": properties,
+            "reply_to": properties.get("reply_to"),
+            "correlation_id": properties.get("correlation_id"),
+            "hostname": job.hostname,
+            "delivery_info": {
+                "exchange": route.exchange,
+                "routing_key": route.routing_key,
+                "priority": properties.get("priority"),
+                "redelivered": False,
+            },
+            "args": args,
+            "kwargs": kwargs,
+            "is_eager": False,
+        },
+        **(embed or {}),
+    )
+    return Message(name, task_id, request, args, kwargs)
+
+
+# The outbox rows of the successors running here, by task id: marked sent by the run guard's thread once it admitted
+# the run (`take_unsent`), off the path to the body's first line and before a long body lets the relay publish a
+# copy once the handoff passed; else by `dispatch.successors` after the run. (Not in the request: Celery copies a
+# request's fields into the messages a retry or a replacement publishes.)
+_unsent: dict[str, list[int]] = {}
+_unsent_lock = threading.Lock()
+
+
+def hold_unsent(task_id: str, ids: list[int]) -> None:
+    with _unsent_lock:
+        _unsent[task_id] = ids
+
+
+def take_unsent(task_id: str) -> list[int]:
+    """The outbox rows of the successor `task_id` running here, to the first caller only ([] for any other)."""
+    with _unsent_lock:
+        return _unsent.pop(task_id, [])
+
+
+def run(app: Celery, msg: Message) -> None:
+    """Run the successor through Celery's tracer, as a pool process runs a delivered message: the tracer stores
+    its result, sends its signals and runs its links and error callbacks, and the task guards admit it. (A
+    `Reject(requeue=True)` it raises requeues nothing, as for any message acknowledged when received.)"""
+    trace_task(app.tasks[msg.name], msg.task_id, msg.args, msg.kwargs, msg.request, app=app)
