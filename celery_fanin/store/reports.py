@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
 
 import psycopg
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from . import cooperative
 from .batches import (
@@ -89,9 +89,17 @@ class ReportConnection:
     the successor handed to it (`store.outbox`). A statement that raises, whatever the exception, drops the
     connection; the callers retry psycopg's errors."""
 
-    def __init__(self, sqlalchemy_url: str) -> None:
+    def __init__(self, sqlalchemy_url: str, lock_timeout: float | None = None) -> None:
+        """`lock_timeout`: seconds a statement waits for a lock before it fails (SQLSTATE 55P03, transient); None,
+        the server's setting."""
         cooperative.ensure()  # under eventlet, before its first connection
-        self._conninfo = make_conninfo(libpq_conninfo(sqlalchemy_url), **connect_options(sqlalchemy_url))
+        conninfo = libpq_conninfo(sqlalchemy_url)
+        options: dict[str, str | int] = dict(connect_options(sqlalchemy_url))
+        if lock_timeout is not None:  # added to the URL's own `options`, if it has any
+            own = conninfo_to_dict(conninfo).get("options")
+            setting = f"-c lock_timeout={int(lock_timeout * 1000)}"
+            options["options"] = f"{own} {setting}" if own else setting
+        self._conninfo = make_conninfo(conninfo, **options)
         # Connections no statement is using now, the latest returned last, each with when it was returned.
         self._idle: list[tuple[_Held, float]] = []
         self._pid = os.getpid()

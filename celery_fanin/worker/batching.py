@@ -56,8 +56,15 @@ WAIT_SECONDS = 10.0
 # The largest report a pool process may send (its result is at most this, and far less in practice).
 MAX_FRAME = 512 * 1024 * 1024
 
-# The answers a pool process gets: ("row", row) the report's row; ("retry", why) a transient error, send it again;
-# ("alone", why) send it on your own connection.
+# How long the batcher's statement waits for a row lock before its group is given back (SQLSTATE 55P03): a batch row
+# another session holds (an operator's transaction, a long reconcile) would otherwise hold up every report queued
+# behind it, of every batch, for as long as it is held. Its reports are then sent alone, each waiting on its own
+# connection as it would without the batcher; a group commits in about a millisecond.
+LOCK_TIMEOUT = 1.0
+
+# The answers a pool process gets: ("row", row) the report's row; ("retry", why) a transient error of the group;
+# ("alone", why) a refusal that is not transient. After either of the last two the report is sent alone, on the
+# pool process's own connection: the batcher's connection may be what fails (a connection limit, a lock).
 _ROW, _RETRY, _ALONE = "row", "retry", "alone"
 
 # The batcher's socket, set in the main process before the pool starts (its processes inherit it); None: no batcher.
@@ -65,16 +72,13 @@ _address: str | None = None
 _main_pid = 0  # the process that runs the batcher: its own reports (main-process signals) never wait for it
 
 
-class GroupRetry(ConnectionError):
-    """The batcher met a transient error with the group this report was in: `retry.call` sends it again."""
-
-
 class ReportBatcher:
     """The worker main process's thread that commits its pool processes' reports in groups (see the module)."""
 
     def __init__(self, fanin: FanIn) -> None:
         self._fanin = fanin
-        self._runner = ReportConnection(fanin.database_url)  # its own: nothing else uses these connections
+        # Its own (nothing else uses these connections), bounded in how long it waits for a lock (LOCK_TIMEOUT).
+        self._runner = ReportConnection(fanin.database_url, lock_timeout=LOCK_TIMEOUT)
         self._dir = tempfile.mkdtemp(prefix="celery-fanin-")  # 0700: only this user may connect (and send pickles)
         self.address = os.path.join(self._dir, "reports.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -289,8 +293,8 @@ def active() -> bool:
 class Batched:
     """A `statements.Runner` over a pool process's own (`runner`) that sends a child's claimed terminal report
     (RECORD_TERMINAL) through the worker's batcher: what `reports.record_terminal` runs is unchanged. Every other
-    statement goes on `runner`, and so does a report the batcher cannot take or has not answered within `timeout`
-    seconds (a group stuck on a lock: the report is idempotent, so sending it alone too counts nothing twice).
+    statement goes on `runner`, and so does a report the batcher cannot take, could not commit, or has not answered
+    within `timeout` seconds (the report is idempotent, so sending it alone too counts nothing twice).
 
     A report sent alone that comes back late may have been committed by the batcher meanwhile, completing the batch
     with nobody reading the answer: the relay is woken for the batch, as after an interrupted report
@@ -304,10 +308,11 @@ class Batched:
         if statement is not RECORD_TERMINAL:
             return self.runner.one(statement, params)
         kind, what = process.held(_client).call(params, self.timeout)
-        if kind == _RETRY:
-            raise GroupRetry(f"the group this report was in met {what}")
         if kind == _ROW:
             return tuple(what)
+        # Alone, on this process's own connection: after a timeout, a refusal, or a transient error of the group
+        # (the batcher's connection lost or refused, its lock wait given up), any of which may be the batcher's
+        # alone. A transient error here is retried by the caller, through the batcher again.
         row = self.runner.one(RECORD_TERMINAL, params)
         if terminal_record(row).late and what != "no batcher":
             with contextlib.suppress(Exception):  # the relay's scan publishes it once the hand-off has passed

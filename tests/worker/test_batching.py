@@ -8,6 +8,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from celery_fanin import retry
 from celery_fanin.context import FanIn
 from celery_fanin.store import batches
 from celery_fanin.store.reports import ReportConnection, record_terminals, reported
+from celery_fanin.store.statements import Statement
 from celery_fanin.worker import batching, process
 from tests.sql import Held
 from tests.sql import batch as batch_row
@@ -189,17 +191,44 @@ def test_a_stopped_batcher_leaves_each_report_to_its_process(
     assert rec.counted and rec.successor_created
 
 
-def test_a_group_that_meets_a_lost_database_is_answered_as_transient(
+def test_a_group_the_batcher_cannot_commit_is_sent_alone_on_the_pool_process_s_connection(
     app: Celery, store_engine: Engine, batcher: batching.ReportBatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The batcher cannot reach the database: each pool process is told to send again (`GroupRetry`, which the
-    retry policy takes as transient), not to give up, and not to count anything."""
+    """The batcher's own connection fails (here: a server that is not there; in a real run, a connection limit or a
+    lost backend): the pool process sends its report alone at once, on its own connection, which still works,
+    rather than sending it through the batcher again until `fanin_report_timeout` gives it up."""
     batch, (child,), _ = create(store_engine, 1)
     monkeypatch.setattr(batcher, "_runner", ReportConnection("postgresql://127.0.0.1:1/none"))
-    with pytest.raises(batching.GroupRetry) as raised:
-        batching.record_terminal(FanIn.of(app).reports, _params(child, batch, 0))
-    assert retry.is_transient(raised.value)
-    assert batch_row(store_engine, batch.id, "remaining")["remaining"] == 1
+    rec = batching.record_terminal(FanIn.of(app).reports, _params(child, batch, 0))
+    assert rec.counted and rec.successor_created
+    assert batcher.groups == 0
+
+
+def test_a_group_waiting_on_a_locked_batch_gives_up_its_wait_and_its_reports_go_alone(
+    app: Celery, store_engine: Engine, batcher: batching.ReportBatcher
+) -> None:
+    """Another session holds a batch's row: the batcher's statement gives up waiting after LOCK_TIMEOUT, so that the
+    reports of other batches queued behind it are not held for as long as the lock is; the report of the locked
+    batch waits alone, on its pool process's connection, as it would without the batcher."""
+    fanin = FanIn.of(app)
+    locked, (held_child,), _ = create(store_engine, 1)
+    other, (free_child,), _ = create(store_engine, 1)
+    done: dict[str, batches.TerminalRecord] = {}
+    with store_engine.connect() as holder:
+        holder.execute(text("SELECT 1 FROM fanin_batches WHERE id = :b FOR UPDATE"), {"b": locked.id})
+        waiting = threading.Thread(
+            target=lambda: done.setdefault(
+                "locked", batching.record_terminal(fanin.reports, _params(held_child, locked, 0))
+            )
+        )
+        waiting.start()
+        started = time.monotonic()
+        done["other"] = batching.record_terminal(FanIn.of(app).reports, _params(free_child, other, 0))
+        assert done["other"].counted and time.monotonic() - started < batching.LOCK_TIMEOUT + 5
+        assert "locked" not in done, "the locked batch's report waits while the lock is held"
+        holder.rollback()
+    waiting.join(30)
+    assert done["locked"].counted and done["locked"].successor_created
 
 
 def test_an_interrupted_client_drops_its_socket_so_the_next_report_reads_its_own_answer(
@@ -305,3 +334,23 @@ def test_groups_larger_than_max_group_are_split_and_each_report_answered(
     monkeypatch.setattr(batching, "MAX_GROUP", 2)
     _pool_processes(app, store_engine, 60, 6)
     assert batcher.reports == 60 and batcher.groups >= 30
+
+
+def _show(setting: str) -> Statement:
+    return Statement(f"show_{setting}", "", f"SHOW {setting}")
+
+
+def test_the_batcher_s_lock_timeout_is_added_to_the_url_s_own_options(database_url: str) -> None:
+    """The lock bound is the batcher connection's alone, and keeps what the URL's `options` already set."""
+    sep = "&" if "?" in database_url else "?"
+    runner = ReportConnection(f"{database_url}{sep}options=-c%20statement_timeout%3D7000", lock_timeout=0.25)
+    try:
+        assert runner.one(_show("lock_timeout"), {}) == ("250ms",)
+        assert runner.one(_show("statement_timeout"), {}) == ("7s",)
+    finally:
+        runner.reset()
+    plain = ReportConnection(database_url)
+    try:
+        assert plain.one(_show("lock_timeout"), {}) == ("0",)
+    finally:
+        plain.reset()
