@@ -38,8 +38,8 @@ app.conf.update(
     # "0": every successor through the relay, as before the worker published its own (issue 23 item 1)
     fanin_worker_publishes_successors=os.environ.get("BENCH_WORKER_PUBLISHES", "1") == "1",
     fanin_report_batching=os.environ.get("BENCH_REPORT_BATCHING", "0") == "1",
-    # "1": a completed batch's successor run where its batch completed, with no message (opt-in, issue 41)
-    fanin_successor_inline=os.environ.get("BENCH_SUCCESSOR_INLINE", "0") == "1",
+    # "0": every successor published, as before it could run where its batch completed (issue 41)
+    fanin_successor_inline=os.environ.get("BENCH_SUCCESSOR_INLINE", "1") == "1",
 )
 FanIn(app)
 

@@ -156,9 +156,9 @@ class Settings:
     # A completed batch's successor runs in the pool process whose report completed the batch, through Celery's
     # tracer, instead of going through the broker (dispatch/inline.py): when this worker runs its task, consumes its
     # queue, and neither it nor the child's job has a time limit or an eta. Its run guard admits it as it would the
-    # message. Off by default: a prefork pool process cannot see the worker's revoked task ids, so a revoke of the
-    # successor's id sent before its batch completes would not stop it there (docs/concepts/outbox.md).
-    successor_inline: bool = False
+    # message, and a successor whose id the worker has revoked is published (to be discarded) instead. False: every
+    # successor is published.
+    successor_inline: bool = True
 
     def __post_init__(self) -> None:
         for name in CHECKED:

@@ -51,7 +51,7 @@ app.conf.update(
     result_backend=os.environ.get("FANIN_TEST_RESULT_BACKEND") or None,
     fanin_store_child_results_in_backend=os.environ.get("FANIN_TEST_STORE_CHILD_RESULTS") == "1",
     fanin_report_batching=os.environ.get("FANIN_TEST_REPORT_BATCHING") == "1",
-    fanin_successor_inline=os.environ.get("FANIN_TEST_SUCCESSOR_INLINE") == "1",
+    fanin_successor_inline=os.environ.get("FANIN_TEST_SUCCESSOR_INLINE", "1") == "1",
 )
 
 

@@ -15,10 +15,10 @@ redelivered at once if its worker died), with no `eta`/`countdown`, and no time 
 child's job it would run inside (the worker enforces a time limit per job, and this job is the child's).
 Otherwise, and whenever building the message fails, the successor is published as before.
 
-Off by default (`fanin_successor_inline`): revoking a task id reaches only a worker's main process, and a prefork
-pool process keeps the revoked ids it was forked with, so a revoke of the successor's id sent before its batch
-completes, which a delivered message would meet, does not stop it here. Threads, gevent, eventlet and solo pools
-run in the main process and see them.
+A successor whose task id the worker has revoked is published, to be discarded by the worker as its message
+would be. Celery sends a revoke to the worker's main process only, and a prefork pool process keeps the revoked
+ids it was forked with: the main process mirrors its set into memory its pool processes share (`SharedRevoked`,
+made at `worker_init`). Threads, gevent, eventlet and solo pools run tasks in the main process and read its set.
 
 What differs, and is documented (docs/concepts/outbox.md): the worker sends no task events (`task-received`,
 `task-started`, `task-succeeded`) for an inline successor, since those come from the main process's request; and
@@ -27,13 +27,17 @@ the child's message, under `acks_late`, is acknowledged after the successor's bo
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import mmap
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from billiard.process import current_process
 from celery import Celery
 from celery.app.trace import trace_task
+from celery.utils.collections import LimitedSet
 from celery.worker import state as worker_state
 from kombu.serialization import dumps, loads, prepare_accept_content
 
@@ -76,10 +80,9 @@ def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[s
     task = app.tasks.get(name)
     if task is None:
         return "task not registered in this worker"
-    if headers.get("id") in worker_state.revoked:
-        # The worker's main process would discard its message. (Its live set: in a prefork pool process, the copy
-        # made when the process was forked, which is why the setting is off by default.)
-        return "revoked"
+    why = _revoked(str(headers.get("id")))
+    if why is not None:  # the worker's main process would discard its message
+        return why
     if headers.get("eta") is not None:
         return "eta or countdown"
     if any(headers.get("timelimit") or ()) or task.time_limit or task.soft_time_limit:
@@ -89,6 +92,106 @@ def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[s
     if not declare or getattr(declare[0], "name", None) not in app.amqp.queues.consume_from:
         return "routed to a queue this worker does not consume"
     return None
+
+
+# --- the worker's revoked task ids, where its pool processes can read them ----------------------------------------
+
+_SLOT = 16  # bytes of a task id's digest
+_SLOTS = 1 << 17  # 2 MiB of shared memory (touched pages only); rebuilt from the worker's set when half full
+_EMPTY = bytes(_SLOT)
+
+
+class SharedRevoked:
+    """The worker's revoked task ids (`celery.worker.state.revoked`: Celery sends a revoke to the main process only,
+    and a prefork pool process keeps the copy it was forked with), mirrored where the pool processes read them: an
+    anonymous shared mapping made by the main process before its pool forks, written by it alone.
+
+    An open-addressing table of 16-byte digests. Written as the main process's set is (`track`): a revoke is seen
+    here as soon as the main process took it, as its own check of a message would see it; a read racing the write
+    of that id may miss it, the race a message received just before its revoke has with Celery too. Never shrunk:
+    rebuilt from the set (bounded by Celery) once half full."""
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, _SLOTS * _SLOT)  # anonymous mappings are shared with the processes forked later
+        self._used = 0
+        self._lock = threading.Lock()  # the main process's threads (its consumer, a control command) write
+
+    @staticmethod
+    def _digest(task_id: str) -> bytes:
+        digest = hashlib.blake2b(task_id.encode(), digest_size=_SLOT).digest()
+        return digest if digest != _EMPTY else b"\x01" + digest[1:]
+
+    def _find(self, digest: bytes) -> tuple[int, bool]:
+        """The slot that holds `digest`, or the empty slot where it would go (and whether it was found)."""
+        i = int.from_bytes(digest[:8], "little") % _SLOTS
+        while True:
+            slot = self._map[i * _SLOT : (i + 1) * _SLOT]
+            if slot == digest:
+                return i, True
+            if slot == _EMPTY:
+                return i, False
+            i = (i + 1) % _SLOTS
+
+    def add(self, task_id: str) -> None:
+        with self._lock:
+            self._add(self._digest(task_id))
+            if self._used > _SLOTS // 2:
+                self._map[:] = bytes(len(self._map))
+                self._used = 0
+                for item in list(worker_state.revoked):
+                    self._add(self._digest(str(item)))
+
+    def _add(self, digest: bytes) -> None:
+        i, found = self._find(digest)
+        if not found:
+            self._map[i * _SLOT : (i + 1) * _SLOT] = digest
+            self._used += 1
+
+    def __contains__(self, task_id: str) -> bool:
+        return self._find(self._digest(task_id))[1]
+
+    def track(self, revoked: Any) -> None:
+        """Mirror Celery's set from now on (its `add` and `update`, wrapped on the instance every part of Celery
+        holds), and what it holds already."""
+        add, update = revoked.add, revoked.update
+
+        def tracked_add(item: Any, *args: Any, **kwargs: Any) -> Any:
+            result = add(item, *args, **kwargs)
+            self.add(str(item))
+            return result
+
+        def tracked_update(other: Any) -> Any:
+            items = other if isinstance(other, (dict, LimitedSet)) else list(other or ())
+            result = update(items)
+            for item in list(items):
+                self.add(str(item))
+            return result
+
+        revoked.add, revoked.update = tracked_add, tracked_update
+        for item in list(revoked):
+            self.add(str(item))
+
+
+_shared: SharedRevoked | None = None
+
+
+def share_revoked_ids() -> None:
+    """In a worker's main process, before its pool starts (`worker_init`): its revoked task ids, shared with the pool
+    processes it forks from now on."""
+    global _shared
+    if _shared is None:
+        _shared = SharedRevoked()
+        _shared.track(worker_state.revoked)
+
+
+def _revoked(task_id: str) -> str | None:
+    if task_id in worker_state.revoked:  # the worker's own set, live in its main process (threads, gevent, solo)
+        return "revoked"
+    if current_process().name == "MainProcess":
+        return None
+    if _shared is None:  # a pool process that did not inherit them (spawned, or a worker without the hook)
+        return "this process cannot see the worker's revoked task ids"
+    return "revoked" if task_id in _shared else None
 
 
 def message(app: Celery, task_id: str, built: Built) -> Message | None:

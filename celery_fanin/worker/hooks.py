@@ -17,6 +17,7 @@ from celery.app.trace import build_tracer
 from celery.worker import state as worker_state
 from celery.worker.consumer.consumer import Consumer
 
+from ..dispatch import inline
 from ..exceptions import FanInNotConfigured
 from ..protocol import BODY_CLAIM, ChildState, Marker, SuccessorState, body_claim, put_claim, stamp_slot
 from . import batching, middleware, report, runtime, starts, successor_runs
@@ -205,6 +206,7 @@ class WorkerHooks(middleware.Middleware):
             guard_tasks(app)  # type: ignore[arg-type]
             self._report_decode_errors()
             successor_runs.new_worker_key()  # before the pool starts: its processes inherit it
+            inline.share_revoked_ids()  # the same: a successor revoked ahead is never run where it completed
             batching.start(fanin, getattr(sender, "pool_cls", None) or app.conf.worker_pool)  # type: ignore[union-attr]
 
     def worker_process_init(self, **_: Any) -> None:

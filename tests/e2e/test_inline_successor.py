@@ -1,10 +1,10 @@
 """A completed batch's successor run in the pool process whose report completed it (`fanin_successor_inline`,
 celery_fanin/dispatch/inline.py), and every case where it must go through the broker instead.
 
-Real `celery worker` subprocesses (prefork, and threads for a revoke), Redis and PostgreSQL, the setting turned on
-(it is off by default). Whether a successor went through the broker is
-read from the worker's own log: Celery's main process logs "Task <name>[<id>] received" for every message it
-takes, and an inline successor is no message.
+Real `celery worker` subprocesses (prefork, and threads for a revoke), Redis and PostgreSQL. Whether a successor
+went through the broker is read from the worker's own log: Celery's main process logs "Task <name>[<id>]
+received" for every message it takes, and an inline successor is no message. (On by default: the tests that are
+about publishing turn it off, tests/e2e/test_successor_publish.py.)
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_many_batches_each_run_their_successor_once_where_they_completed(
 def test_a_successor_that_cannot_run_where_its_batch_completed_is_published(
     producer: Any, processes: Any, successor_runs: Runs, case: str
 ) -> None:
-    env = {} if case == "setting off" else INLINE
+    env = {"FANIN_TEST_SUCCESSOR_INLINE": "0"} if case == "setting off" else INLINE
     worker = processes.worker(env, concurrency=2)
     processes.relay()
     child, then, name = tasks.pid_of.s(0), tasks.pid_successor.s(case), "pid_successor"
@@ -131,13 +131,15 @@ def test_a_successor_killed_in_its_body_here_runs_again_once_its_lease_lapsed(
     assert worker.output().count(f"successor_dies_once[{handle.successor_task_id}] received") == 1
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_successor_revoked_before_its_batch_completed_is_not_run_where_it_completed(
-    producer: Any, processes: Any, successor_runs: Runs
+    producer: Any, processes: Any, successor_runs: Runs, pool: str
 ) -> None:
-    """On a pool that runs tasks in the worker's main process (threads), the revoked ids are the worker's own: the
-    successor is published instead, and its worker discards the message and records it revoked, as it does with
-    the setting off (tests/e2e/test_rerun.py). A prefork pool process cannot see them: docs/concepts/outbox.md."""
-    worker = processes.worker(INLINE, pool="threads", concurrency=2)
+    """The successor's task id revoked while its batch runs: it is published instead, and its worker discards the
+    message and records it revoked, as with the setting off (tests/e2e/test_rerun.py). A prefork pool process reads
+    the revoked ids its main process shares (`SharedRevoked`: the revoke came after the fork); a threads pool runs
+    in the main process and reads the worker's own set."""
+    worker = processes.worker(INLINE, pool=pool, concurrency=2)
     processes.relay()
     rows(producer, tasks.ATTEMPTS_DDL)
     key = f"inline-revoked-{uuid.uuid4().hex[:8]}"

@@ -30,6 +30,13 @@ Runs = Callable[[str], list[dict[str, Any]]]
 __all__ = ["broker_env"]  # the `e2e_env` fixture, on the broker each test is parametrized with
 
 
+@pytest.fixture(autouse=True)
+def _published(e2e_env: dict[str, str]) -> None:
+    """These tests are about publishing: with `fanin_successor_inline` (the default) the worker that completed a
+    batch runs its successor with no message (tests/e2e/test_inline_successor.py), so it is turned off here."""
+    e2e_env["FANIN_TEST_SUCCESSOR_INLINE"] = "0"
+
+
 def _outbox(env: dict[str, str], batch_id: str) -> list[tuple[Any, ...]]:
     """The batch's outbox rows: (sent, attempts)."""
     return env_rows(env, "SELECT sent_at IS NOT NULL, attempts FROM fanin_outbox WHERE batch_id = %s", batch_id)
