@@ -11,8 +11,9 @@ refused as a duplicate.
 
 Only where the broker's way and this one cannot be told apart by the successor (`reason_not`): a task this worker
 runs, routed to a queue this worker consumes, acknowledged early (not `acks_late`: a delivered one would be
-redelivered at once if its worker died), with no `eta`/`countdown`, and no time limit on the successor or on the
-child's job it would run inside (the worker enforces a time limit per job, and this job is the child's).
+redelivered at once if its worker died), with Celery's own `Request` class, with no `eta`/`countdown`, and no
+time limit on the successor or on the child's job it would run inside (the worker enforces a time limit per job,
+and this job is the child's).
 Otherwise, and whenever building the message fails, the successor is published as before.
 
 A successor whose task id the worker has revoked is published, to be discarded by the worker as its message
@@ -39,6 +40,7 @@ from celery import Celery
 from celery.app.trace import trace_task
 from celery.utils.collections import LimitedSet
 from celery.worker import state as worker_state
+from celery.worker.request import Request
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ..broker.publish import Built
@@ -89,9 +91,16 @@ def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[s
         return "the successor has a time limit"
     if task.acks_late:
         return "acks_late: a delivered successor is redelivered at once if its worker dies"
+    if task.Request not in _CELERY_REQUEST:
+        return "a custom Request class (its hooks run in the main process, for a message)"
     if not declare or getattr(declare[0], "name", None) not in app.amqp.queues.consume_from:
         return "routed to a queue this worker does not consume"
     return None
+
+
+# What `Task.Request` is unless a task sets its own: a custom one's hooks (on_success, on_failure, ...) run in the
+# worker's main process for a delivered message, and would not run for a successor run here.
+_CELERY_REQUEST = ("celery.worker.request:Request", Request)
 
 
 # --- the worker's revoked task ids, where its pool processes can read them ----------------------------------------
