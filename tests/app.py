@@ -119,10 +119,20 @@ CREATE TABLE IF NOT EXISTS e2e_successor_runs (
 """
 
 
-def _db() -> psycopg.Connection:
+def _db(wait: float = 120.0) -> psycopg.Connection:
+    """The test's own connection for what a task records. A connection refused (a restart or an outage the chaos
+    suite makes, even between a successor's admission and its body's first line) is tried again for up to `wait`
+    seconds: what a task records is the test's evidence, not the code under test, which must not fail for it."""
     # FANIN_TEST_RUNS_URL: the database without the fault proxy a test may put in front of FANIN_DATABASE_URL.
     url = os.environ.get("FANIN_TEST_RUNS_URL") or os.environ["FANIN_DATABASE_URL"]
-    return psycopg.connect(libpq_conninfo(url), autocommit=True)  # several hosts too (tests/ha)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return psycopg.connect(libpq_conninfo(url), autocommit=True)  # several hosts too (tests/ha)
+        except psycopg.OperationalError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)  # a retry's pause, bounded by `wait`: no condition to wait on but the server itself
 
 
 def _redis() -> redis.Redis:
