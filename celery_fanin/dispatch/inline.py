@@ -33,6 +33,7 @@ import logging
 import mmap
 import threading
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from billiard.process import current_process
@@ -41,6 +42,7 @@ from celery.app.trace import trace_task
 from celery.utils.collections import LimitedSet
 from celery.worker import state as worker_state
 from celery.worker.request import Request
+from kombu.message import Message as KombuMessage
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from ..broker.publish import Built
@@ -106,7 +108,7 @@ _CELERY_REQUEST = ("celery.worker.request:Request", Request)
 # --- the worker's revoked task ids, where its pool processes can read them ----------------------------------------
 
 _SLOT = 16  # bytes of a task id's digest
-_SLOTS = 1 << 17  # 2 MiB of shared memory (touched pages only); rebuilt from the worker's set when half full
+_SLOTS = 1 << 17  # 2 MiB per table, two tables (touched pages only); rebuilt from the worker's set when half full
 _EMPTY = bytes(_SLOT)
 
 
@@ -118,10 +120,11 @@ class SharedRevoked:
     An open-addressing table of 16-byte digests. Written as the main process's set is (`track`): a revoke is seen
     here as soon as the main process took it, as its own check of a message would see it; a read racing the write
     of that id may miss it, the race a message received just before its revoke has with Celery too. Never shrunk:
-    rebuilt from the set (bounded by Celery) once half full."""
+    once half full, rebuilt from the set (bounded by Celery) into a second table, which readers then switch to (the
+    first byte of the mapping names the live one), so that no reader sees a table being refilled."""
 
     def __init__(self) -> None:
-        self._map = mmap.mmap(-1, _SLOTS * _SLOT)  # anonymous mappings are shared with the processes forked later
+        self._map = mmap.mmap(-1, 1 + 2 * _SLOTS * _SLOT)  # anonymous: shared with the processes forked later
         self._used = 0
         self._lock = threading.Lock()  # the main process's threads (its consumer, a control command) write
 
@@ -130,34 +133,40 @@ class SharedRevoked:
         digest = hashlib.blake2b(task_id.encode(), digest_size=_SLOT).digest()
         return digest if digest != _EMPTY else b"\x01" + digest[1:]
 
-    def _find(self, digest: bytes) -> tuple[int, bool]:
-        """The slot that holds `digest`, or the empty slot where it would go (and whether it was found)."""
+    def _find(self, table: int, digest: bytes) -> tuple[int, bool]:
+        """Where `digest` is in `table` (0 or 1), or the empty slot where it would go (and whether it was found)."""
+        base = 1 + table * _SLOTS * _SLOT
         i = int.from_bytes(digest[:8], "little") % _SLOTS
         while True:
-            slot = self._map[i * _SLOT : (i + 1) * _SLOT]
+            at = base + i * _SLOT
+            slot = self._map[at : at + _SLOT]
             if slot == digest:
-                return i, True
+                return at, True
             if slot == _EMPTY:
-                return i, False
+                return at, False
             i = (i + 1) % _SLOTS
 
     def add(self, task_id: str) -> None:
         with self._lock:
-            self._add(self._digest(task_id))
+            live = self._map[0]
+            self._used += self._add(live, self._digest(task_id))
             if self._used > _SLOTS // 2:
-                self._map[:] = bytes(len(self._map))
-                self._used = 0
-                for item in list(worker_state.revoked):
-                    self._add(self._digest(str(item)))
+                spare = 1 - live
+                base = 1 + spare * _SLOTS * _SLOT
+                self._map[base : base + _SLOTS * _SLOT] = bytes(_SLOTS * _SLOT)
+                self._used = sum(self._add(spare, self._digest(str(item))) for item in list(worker_state.revoked))
+                self._used += self._add(spare, self._digest(task_id))  # whether or not Celery's set holds it yet
+                self._map[0] = spare
 
-    def _add(self, digest: bytes) -> None:
-        i, found = self._find(digest)
-        if not found:
-            self._map[i * _SLOT : (i + 1) * _SLOT] = digest
-            self._used += 1
+    def _add(self, table: int, digest: bytes) -> int:
+        at, found = self._find(table, digest)
+        if found:
+            return 0
+        self._map[at : at + _SLOT] = digest
+        return 1
 
     def __contains__(self, task_id: str) -> bool:
-        return self._find(self._digest(task_id))[1]
+        return self._find(self._map[0], self._digest(task_id))[1]
 
     def track(self, revoked: Any) -> None:
         """Mirror Celery's set from now on (its `add` and `update`, wrapped on the instance every part of Celery
@@ -204,8 +213,9 @@ def _revoked(task_id: str) -> str | None:
 
 
 def message(app: Celery, task_id: str, built: Built) -> Message | None:
-    """The built message (`broker.publish.successor_message`), taken through its serializer and back as a worker
-    would read it, or None when it must be published (`reason_not`, or its content not accepted here)."""
+    """The built message (`broker.publish.successor_message`), taken through its serializer and back, and read by
+    Celery's own `Request` as a worker's main process reads a delivered one; None when it must be published
+    (`reason_not`, its content not accepted here, or its `expires` passed: the worker discards that message)."""
     route, headers, properties = built.route, built.headers, built.properties
     name = headers["task"]
     why = reason_not(app, name, route.declare, headers)
@@ -215,31 +225,30 @@ def message(app: Celery, task_id: str, built: Built) -> Message | None:
             args, kwargs, embed = loads(
                 payload, content_type, encoding, accept=prepare_accept_content(app.conf.accept_content)
             )
+            received = Request(
+                KombuMessage(
+                    body=payload,
+                    content_type=content_type,
+                    content_encoding=encoding,
+                    headers=headers,
+                    properties=properties,
+                    delivery_info={"exchange": route.exchange, "routing_key": route.routing_key},
+                ),
+                app=app,
+                hostname=app.current_worker_task.request.hostname,  # type: ignore[union-attr]  # reason_not checked
+                task=app.tasks[name],
+                body=(args, kwargs, embed),
+                decoded=True,
+            )
+            if received.expires is not None and datetime.now(received.expires.tzinfo) >= received.expires:
+                why = "its expires passed"
         except Exception as exc:  # noqa: BLE001 - a worker would refuse it too: the broker's way says so properly
             why = f"its body cannot be read back here ({exc.__class__.__name__})"
     if why is not None:
         logger.debug("successor task_id=%s published, not run here: %s", task_id, why)
         return None
-    job = app.current_worker_task.request  # type: ignore[union-attr]  # reason_not checked it
-    request = dict(headers)
-    request.update(
-        {
-            "properties": properties,
-            "reply_to": properties.get("reply_to"),
-            "correlation_id": properties.get("correlation_id"),
-            "hostname": job.hostname,
-            "delivery_info": {
-                "exchange": route.exchange,
-                "routing_key": route.routing_key,
-                "priority": properties.get("priority"),
-                "redelivered": False,
-            },
-            "args": args,
-            "kwargs": kwargs,
-            "is_eager": False,
-        },
-        **(embed or {}),
-    )
+    # What a pool process adds to the main process's request (`celery.app.trace.fast_trace_task`).
+    request = {**received.request_dict, "is_eager": False, **(embed or {})}
     return Message(name, task_id, request, args, kwargs)
 
 

@@ -62,10 +62,10 @@ MAX_FRAME = 512 * 1024 * 1024
 # connection as it would without the batcher; a group commits in about a millisecond.
 LOCK_TIMEOUT = 1.0
 
-# The answers a pool process gets: ("row", row) the report's row; ("retry", why) a transient error of the group;
-# ("alone", why) a refusal that is not transient. After either of the last two the report is sent alone, on the
-# pool process's own connection: the batcher's connection may be what fails (a connection limit, a lock).
-_ROW, _RETRY, _ALONE = "row", "retry", "alone"
+# The answers a pool process gets: ("row", row) the report's row, or ("alone", why) the group was not committed
+# (any error, transient or not), and the report is sent alone on the pool process's own connection: the batcher's
+# connection may be what fails (a connection limit, a lock).
+_ROW, _ALONE = "row", "alone"
 
 # The batcher's socket, set in the main process before the pool starts (its processes inherit it); None: no batcher.
 _address: str | None = None
@@ -207,11 +207,10 @@ class ReportBatcher:
                 answers = [(_ROW, row) for row in rows]
                 self.groups += 1
                 self.reports += len(part)
-            except Exception as exc:  # noqa: BLE001 - each pool process decides from its answer
-                kind = _RETRY if retry.is_transient(exc) else _ALONE
-                if kind == _ALONE:
+            except Exception as exc:  # noqa: BLE001 - each pool process sends its report alone
+                if not retry.is_transient(exc):
                     logger.warning("a group of %d reports was refused (%s); each is sent alone", len(part), exc)
-                answers = [(kind, retry.brief(exc))] * len(part)
+                answers = [(_ALONE, retry.brief(exc))] * len(part)
             for (sock, _), answer in zip(part, answers, strict=True):
                 self._answer(sock, answer)
 

@@ -5,7 +5,9 @@ completed the batch), without a broker. The e2e tests run the main ones in real 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -14,7 +16,9 @@ from celery._state import _task_stack
 from celery.worker.request import Request
 from kombu import Queue
 
+from celery_fanin.broker import publish
 from celery_fanin.dispatch import inline
+from celery_fanin.protocol import HEADER_SUCCESSOR
 
 
 class _OwnRequest(Request):  # type: ignore[misc]  # Celery's Request is untyped
@@ -99,3 +103,29 @@ def test_a_child_s_job_or_worker_with_a_time_limit_publishes_it(app: Celery, in_
 def test_a_revoked_successor_is_published(app: Celery, in_child: Task, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inline.worker_state, "revoked", {"s-1"})
     assert _reason(app) == "revoked"
+
+
+def _built(app: Celery, **options: Any) -> Any:
+    sig = app.tasks["t.successor"].s().set(**options)
+    built = publish.successor_message(app, uuid.uuid4(), "then", "s-1", sig, {"succeeded": 1})
+    assert built is not None, "the fast builder builds a plain successor"
+    return built
+
+
+def test_the_message_run_here_is_the_one_a_worker_would_have_received(app: Celery, in_child: Task) -> None:
+    built = _built(app, priority=3)
+    msg = inline.message(app, "s-1", built)
+    assert msg is not None
+    assert (msg.name, msg.task_id, msg.args, msg.kwargs) == ("t.successor", "s-1", [{"succeeded": 1}], {})
+    request = msg.request
+    assert request["id"] == "s-1" and request["task"] == "t.successor" and request["hostname"] == "w@h"
+    assert request["is_eager"] is False and request["args"] == [{"succeeded": 1}]
+    assert request["delivery_info"]["routing_key"] == built.route.routing_key
+    assert request["delivery_info"]["priority"] == 3 == request["properties"]["priority"]
+    assert "callbacks" in request and "chord" in request, "the body's embedded fields, as a pool process adds them"
+    assert request[HEADER_SUCCESSOR] == built.headers[HEADER_SUCCESSOR], "the fan-in's headers ride along"
+
+
+def test_a_successor_whose_expires_passed_is_published(app: Celery, in_child: Task) -> None:
+    assert inline.message(app, "s-1", _built(app, expires=datetime.now(timezone.utc) - timedelta(seconds=1))) is None
+    assert inline.message(app, "s-1", _built(app, expires=60)) is not None

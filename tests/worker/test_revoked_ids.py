@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import uuid
+from typing import Any
 
 import pytest
 from celery.utils.collections import LimitedSet
@@ -71,6 +72,32 @@ def test_a_table_half_full_is_rebuilt_from_celery_s_bounded_set(monkeypatch: pyt
         revoked.add(task_id)
     assert all(task_id in shared for task_id in ids[-10:])  # what the set holds now
     assert sum(task_id in shared for task_id in ids) < 33  # rebuilt at least once: not all 40 kept
+
+
+def test_a_reader_during_a_rebuild_still_sees_what_was_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild fills a second table and then switches readers to it: a pool process reading while the main
+    process refills never finds the table empty (read here from inside the refill, as a racing reader would)."""
+    monkeypatch.setattr(inline, "_SLOTS", 64)
+    keep = str(uuid.uuid4())
+    seen: list[bool] = []
+    shared: inline.SharedRevoked
+
+    class Probed(LimitedSet):  # type: ignore[misc]  # Celery's LimitedSet is untyped
+        def __iter__(self) -> Any:
+            for item in super().__iter__():
+                seen.append(keep in shared)
+                yield item
+
+    revoked = Probed(maxlen=10)
+    monkeypatch.setattr(inline.worker_state, "revoked", revoked)
+    shared = inline.SharedRevoked()
+    shared.track(revoked)
+    revoked.add(keep)
+    for _ in range(40):
+        revoked.add(str(uuid.uuid4()))
+        revoked.add(keep)  # still revoked: Celery keeps it as its newest
+    assert seen and all(seen), "a reader during a rebuild missed an id the worker had revoked"
+    assert keep in shared
 
 
 def test_a_pool_process_that_did_not_inherit_the_ids_runs_nothing_here(monkeypatch: pytest.MonkeyPatch) -> None:
