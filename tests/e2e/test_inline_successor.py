@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -99,6 +100,21 @@ def test_a_successor_that_cannot_run_where_its_batch_completed_is_published(
     assert _received(worker, name, handle.successor_task_id), "published, and delivered as a message"
     status = handle.batch_status()
     assert (status.successor_runs, status.successor_duplicates) == (1, 0)
+
+
+def test_a_successor_whose_expires_passed_while_its_batch_ran_is_discarded_as_a_message_would_be(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    """Its `expires` passed before the last child reported: published, and the worker discards the message and
+    records the successor revoked, instead of the completing process running it."""
+    worker = processes.worker(INLINE, concurrency=2)
+    processes.relay()
+    then = tasks.pid_successor.s("expired").set(expires=datetime.now(timezone.utc) + timedelta(seconds=1))
+    handle = fan_in_group([tasks.sleepy.s(2)], then=then).apply_async()
+    status = handle.wait_batch(timeout=30)
+    assert (status.successor_state, status.successor_runs) == ("revoked", 0)
+    assert successor_runs(handle.batch_id) == []
+    assert _received(worker, "pid_successor", handle.successor_task_id), "published, and discarded as a message"
 
 
 def test_a_successor_routed_to_another_workers_queue_runs_there(
