@@ -248,6 +248,13 @@ def pid_successor_acks_late(outcome: dict[str, Any], label: str) -> int:
     return os.getpid()
 
 
+@app.task(rate_limit="600/m")
+def pid_successor_rate_limited(outcome: dict[str, Any], label: str) -> int:
+    """`pid_successor`, with a rate limit (the worker's main process throttles its messages)."""
+    record_run(outcome, f"{label}@{os.getpid()}", with_values=True)
+    return os.getpid()
+
+
 @app.task
 def slow_successor(outcome: dict[str, Any], label: str, seconds: float) -> None:
     sleepy(seconds)

@@ -11,7 +11,8 @@ refused as a duplicate.
 
 Only where the broker's way and this one cannot be told apart by the successor (`reason_not`): a task this worker
 runs, routed to a queue this worker consumes, acknowledged early (not `acks_late`: a delivered one would be
-redelivered at once if its worker died), with Celery's own `Request` class, with no `eta`/`countdown`, and no
+redelivered at once if its worker died), with no `rate_limit` (the main process's token bucket throttles a
+delivered one), with Celery's own `Request` class, with no `eta`/`countdown` nor a passed `expires`, and no
 time limit on the successor or on the child's job it would run inside (the worker enforces a time limit per job,
 and this job is the child's).
 Otherwise, and whenever building the message fails, the successor is published as before.
@@ -69,9 +70,21 @@ def job_reason_not(app: Celery) -> str | None:
         return "not in a worker's task"
     if any(getattr(current.request, "timelimit", None) or ()) or current.time_limit or current.soft_time_limit:
         return "the child's job has a time limit"
-    if app.conf.task_time_limit or app.conf.task_soft_time_limit:
+    if app.conf.task_time_limit or app.conf.task_soft_time_limit or any(_worker_limits):
         return "the worker sets time limits"
     return None
+
+
+# The worker's own default time limits (`celery worker --time-limit/--soft-time-limit`): Celery keeps them on the
+# WorkController and hands them to the pool per job, never in `app.conf`, so a pool process cannot read them there.
+# Noted by the main process at `worker_init` (`note_worker`), before its pool forks.
+_worker_limits: tuple[float | None, float | None] = (None, None)
+
+
+def note_worker(worker: Any) -> None:
+    """In a worker's main process at `worker_init`: its default time limits, inherited by the pool it forks."""
+    global _worker_limits
+    _worker_limits = (getattr(worker, "time_limit", None) or None, getattr(worker, "soft_time_limit", None) or None)
 
 
 def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[str, Any]) -> str | None:
@@ -93,10 +106,14 @@ def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[s
         return "the successor has a time limit"
     if task.acks_late:
         return "acks_late: a delivered successor is redelivered at once if its worker dies"
+    if task.rate_limit and not app.conf.worker_disable_rate_limits:
+        return "a rate limit (the worker's main process throttles its messages)"
     if task.Request not in _CELERY_REQUEST:
         return "a custom Request class (its hooks run in the main process, for a message)"
     if not declare or getattr(declare[0], "name", None) not in app.amqp.queues.consume_from:
         return "routed to a queue this worker does not consume"
+    if _queues_changed():
+        return "the worker's queues changed since this process started"
     return None
 
 
@@ -200,6 +217,42 @@ def share_revoked_ids() -> None:
     if _shared is None:
         _shared = SharedRevoked()
         _shared.track(worker_state.revoked)
+
+
+# --- whether the worker's main process changed the queues it consumes since a pool process was forked --------------
+# `add_consumer` / `cancel_consumer` change `app.amqp.queues` in the main process only: a prefork pool process keeps
+# the set it was forked with, and would run here a successor routed to a queue its worker no longer consumes. The main
+# process counts its changes in shared memory; a pool process compares that count with the one it was forked with.
+
+_queues_generation = 0  # the main process's count; a forked pool process's copy is the count at its fork
+_queues_shared: mmap.mmap | None = None
+
+
+def share_queue_changes(app: Celery) -> None:
+    """In a worker's main process, before its pool starts (`worker_init`): count its changes of consumed queues."""
+    global _queues_shared
+    if _queues_shared is not None:
+        return
+    _queues_shared = mmap.mmap(-1, 8)
+    queues = app.amqp.queues
+    for method in ("select_add", "select", "deselect"):
+        original = getattr(queues, method)
+
+        def counted(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            global _queues_generation
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                _queues_generation += 1
+                _queues_shared[:8] = _queues_generation.to_bytes(8, "little")  # type: ignore[index]
+
+        setattr(queues, method, counted)
+
+
+def _queues_changed() -> bool:
+    if _queues_shared is None or current_process().name == "MainProcess":
+        return False  # the main process reads its own live set (threads, gevent, eventlet, solo)
+    return int.from_bytes(_queues_shared[:8], "little") != _queues_generation
 
 
 def _revoked(task_id: str) -> str | None:

@@ -78,7 +78,7 @@ def test_many_batches_each_run_their_successor_once_where_they_completed(
 
 @pytest.mark.parametrize(
     "case",
-    ["setting off", "successor time limit", "child soft time limit", "successor acks_late", "countdown"],
+    ["setting off", "successor time limit", "child soft time limit", "successor acks_late", "countdown", "rate limit"],
 )
 def test_a_successor_that_cannot_run_where_its_batch_completed_is_published(
     producer: Any, processes: Any, successor_runs: Runs, case: str
@@ -95,6 +95,8 @@ def test_a_successor_that_cannot_run_where_its_batch_completed_is_published(
         then, name = tasks.pid_successor_acks_late.s(case), "pid_successor_acks_late"
     elif case == "countdown":
         then = then.set(countdown=0.2)
+    elif case == "rate limit":  # ran inline, a rate-limited successor skipped the worker's token bucket
+        then, name = tasks.pid_successor_rate_limited.s(case), "pid_successor_rate_limited"
     handle = fan_in_group([child], then=then).apply_async()
     finished(handle, successor_runs, timeout=30)
     assert _received(worker, name, handle.successor_task_id), "published, and delivered as a message"
@@ -166,3 +168,35 @@ def test_a_successor_revoked_before_its_batch_completed_is_not_run_where_it_comp
     wait_for(lambda: handle.batch_status().successor_state == "revoked", 30, message="the successor revoked")
     assert successor_runs(handle.batch_id) == []
     assert _received(worker, "pid_successor", handle.successor_task_id), "published, then discarded"
+
+
+def test_a_worker_time_limit_given_on_its_command_line_publishes_the_successor(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    """`celery worker --soft-time-limit 4` is not in `app.conf` (Celery keeps it on the WorkController and gives it
+    to the pool per job): the child's job has it, and a successor run inside that job got what was left of the
+    child's 4 s, failing with SoftTimeLimitExceeded 1.5 s into its body. Published, it gets its own 4 s."""
+    worker = processes.worker(INLINE, concurrency=2, extra=["--soft-time-limit", "4"])
+    processes.relay()
+    handle = fan_in_group([tasks.sleepy.s(2.5)], then=tasks.slow_successor.s("cli-limit", 3)).apply_async()
+    status = handle.wait_batch(timeout=60)
+    assert (status.successor_state, status.successor_runs) == ("succeeded", 1)
+    assert len(successor_runs(handle.batch_id)) == 1
+    assert _received(worker, "slow_successor", handle.successor_task_id), "published, and delivered as a message"
+
+
+def test_a_successor_routed_to_a_queue_its_worker_stopped_consuming_is_published(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    """`cancel_consumer` changes the queues of the worker's main process only: a prefork pool process still held
+    the set it was forked with and ran there a successor routed to the cancelled queue."""
+    here = processes.worker(INLINE, concurrency=2, extra=["-Q", "celery,inline-cancelled"])
+    replies = producer.control.cancel_consumer("inline-cancelled", destination=[here.name], reply=True, timeout=5)
+    assert replies, "the worker stopped consuming the queue"
+    other = processes.worker(INLINE, concurrency=1, extra=["-Q", "inline-cancelled"])
+    processes.relay()
+    then = tasks.pid_successor.s("cancelled").set(queue="inline-cancelled")
+    handle = fan_in_group([tasks.pid_of.s(0)], then=then).apply_async()
+    run = finished(handle, successor_runs, timeout=30)
+    assert [_ran_in(run)] != run["values"], "not in the child's pool process"
+    assert _received(other, "pid_successor", handle.successor_task_id), "run by the worker consuming its queue"

@@ -45,6 +45,9 @@ def app() -> Iterator[Celery]:
     @app.task(shared=False, name="t.own", Request=_OwnRequest)
     def own(outcome: Any) -> None: ...
 
+    @app.task(shared=False, name="t.rated", rate_limit="10/m")
+    def rated(outcome: Any) -> None: ...
+
     app.finalize()
     yield app
 
@@ -84,6 +87,7 @@ def test_outside_a_worker_s_task_nothing_runs_here(app: Celery) -> None:
         ("t.limited", "here", {}, "the successor has a time limit"),
         ("t.late", "here", {}, "acks_late: a delivered successor is redelivered at once if its worker dies"),
         ("t.own", "here", {}, "a custom Request class (its hooks run in the main process, for a message)"),
+        ("t.rated", "here", {}, "a rate limit (the worker's main process throttles its messages)"),
     ],
 )
 def test_each_difference_a_successor_could_see_publishes_it(
@@ -129,3 +133,45 @@ def test_the_message_run_here_is_the_one_a_worker_would_have_received(app: Celer
 def test_a_successor_whose_expires_passed_is_published(app: Celery, in_child: Task) -> None:
     assert inline.message(app, "s-1", _built(app, expires=datetime.now(timezone.utc) - timedelta(seconds=1))) is None
     assert inline.message(app, "s-1", _built(app, expires=60)) is not None
+
+
+def test_a_worker_with_time_limits_on_its_command_line_publishes_it(
+    app: Celery, in_child: Task, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`celery worker --soft-time-limit N` (or `--time-limit`): Celery keeps it on the WorkController and gives it
+    to the pool with each job, never in `app.conf`; the child's job has it all the same, and a successor run in it
+    would get what is left of the child's budget (a real worker: SoftTimeLimitExceeded in the successor's body)."""
+    monkeypatch.setattr(inline, "_worker_limits", (None, None))
+    inline.note_worker(type("Worker", (), {"time_limit": None, "soft_time_limit": 4.0})())
+    assert _reason(app) == "the worker sets time limits"
+    inline.note_worker(type("Worker", (), {"time_limit": 30, "soft_time_limit": None})())
+    assert _reason(app) == "the worker sets time limits"
+    inline.note_worker(type("Worker", (), {"time_limit": None, "soft_time_limit": None})())
+    assert _reason(app) is None
+
+
+def test_a_pool_process_whose_worker_changed_its_queues_since_the_fork_publishes_it(
+    app: Celery, in_child: Task, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cancel_consumer` / `add_consumer` change the main process's queues only: a prefork pool process keeps the set
+    it was forked with, so it cannot tell whether its worker still consumes the successor's queue."""
+    monkeypatch.setattr(inline, "_queues_shared", None)
+    monkeypatch.setattr(inline, "_queues_generation", 0)
+    pool_process = type("Process", (), {"name": "ForkPoolWorker-1"})()
+    monkeypatch.setattr(inline, "current_process", lambda: pool_process)
+    monkeypatch.setattr(inline, "_shared", inline.SharedRevoked())  # what a forked pool process inherits
+    inline.share_queue_changes(app)
+    assert _reason(app) is None
+    forked = inline._queues_generation
+    app.amqp.queues.deselect("here")  # the main process: cancel_consumer("here")
+    monkeypatch.setattr(inline, "_queues_generation", forked)  # the pool process's copy, from its fork
+    assert _reason(app, queue="celery") is not None
+    app.amqp.queues.select_add("here")
+    monkeypatch.setattr(inline, "_queues_generation", forked)
+    assert _reason(app) == "the worker's queues changed since this process started"
+
+
+def test_a_rate_limited_successor_runs_here_where_the_worker_disables_rate_limits(app: Celery, in_child: Task) -> None:
+    assert _reason(app, "t.rated") is not None
+    app.conf.worker_disable_rate_limits = True  # no token bucket in the main process either
+    assert _reason(app, "t.rated") is None
