@@ -250,15 +250,30 @@ def share_queue_changes(app: Celery) -> None:
 
 
 def _queues_changed() -> bool:
-    if _queues_shared is None or current_process().name == "MainProcess":
+    if _queues_shared is None or not _in_pool_process():
         return False  # the main process reads its own live set (threads, gevent, eventlet, solo)
     return int.from_bytes(_queues_shared[:8], "little") != _queues_generation
+
+
+def prepare_worker(worker: Any, app: Celery) -> None:
+    """In a worker's main process at `worker_init`, before its pool forks: what its pool processes must read of it
+    to tell whether a successor may run where its batch completed (its revoked ids, its command line's time limits,
+    its changes of consumed queues)."""
+    share_revoked_ids()
+    note_worker(worker)
+    share_queue_changes(app)
+
+
+def _in_pool_process() -> bool:
+    """Whether this is a prefork pool process, which holds copies of its worker's state made when it was forked
+    (threads, gevent, eventlet and solo pools run tasks in the main process, which holds the live state)."""
+    return current_process().name != "MainProcess"
 
 
 def _revoked(task_id: str) -> str | None:
     if task_id in worker_state.revoked:  # the worker's own set, live in its main process (threads, gevent, solo)
         return "revoked"
-    if current_process().name == "MainProcess":
+    if not _in_pool_process():
         return None
     if _shared is None:  # a pool process that did not inherit them (spawned, or a worker without the hook)
         return "this process cannot see the worker's revoked task ids"

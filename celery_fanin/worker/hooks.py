@@ -206,9 +206,7 @@ class WorkerHooks(middleware.Middleware):
             guard_tasks(app)  # type: ignore[arg-type]
             self._report_decode_errors()
             successor_runs.new_worker_key()  # before the pool starts: its processes inherit it
-            inline.share_revoked_ids()  # the same: a successor revoked ahead is never run where it completed
-            inline.note_worker(sender)  # its time limits given on the command line, which app.conf does not hold
-            inline.share_queue_changes(app)  # and its queues changed at runtime (add_consumer, cancel_consumer)
+            inline.prepare_worker(sender, app)  # the same: what a successor run where its batch completed checks
             batching.start(fanin, getattr(sender, "pool_cls", None) or app.conf.worker_pool)  # type: ignore[union-attr]
 
     def worker_process_init(self, **_: Any) -> None:
