@@ -23,6 +23,8 @@ Prints a table, writes JSON (and a PNG plot of end-to-end time against N) under 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -454,13 +456,15 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
     from celery_fanin.worker import runtime
 
     claims: dict[str, Claim] = {}
-    if kind in ("fanin", "fanin_one_conn", "fanin_sql"):  # what each child's message says, read before the clock
+    if kind in ("fanin", "fanin_one_conn", "fanin_batched", "fanin_sql"):  # what each child's message says, read first
         with psycopg.connect(url, autocommit=True) as db:
             rows = db.execute(
                 "SELECT task_id, batch_id::text, idx, task_name FROM fanin_children WHERE task_id = ANY(%s)", (ids,)
             )
             claims = {r[0]: Claim(r[1], r[2], r[3]) for r in rows}
-    if kind in ("fanin", "fanin_one_conn"):
+    if kind in ("fanin", "fanin_one_conn", "fanin_batched"):
+        # fanin_batched: forked from a process running a worker's report batcher (bench.scaling), so that its reports
+        # go through it, as a prefork pool process's do with `fanin_report_batching`.
         app = Celery("bench-reporter", set_as_current=False)
         app.conf.fanin_database_url = url
         fanin = FanIn(app)
@@ -468,13 +472,18 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         with fanin.engine.connect():  # connect before the clock starts (the engine, and the report connection)
             pass
         record_starts(fanin.reports, [])
-        if kind == "fanin_one_conn":
+        if kind == "fanin_batched":
+            from celery_fanin.worker import batching
+
+            if not batching.active():
+                raise RuntimeError("fanin_batched: this reporter was not forked from a process running a batcher")
+        if kind in ("fanin_one_conn", "fanin_batched"):
             # The report path uses the report connection only: closing the engine's keeps one connection per
             # reporter, as a pool process reporting holds, so that 64 reporters fit a server's max_connections.
             fanin.engine.dispose()
         ready.release()
         go.wait()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()
         for i, (task_id, marker) in enumerate(zip(ids, markers, strict=True)):
             runtime.current.reporter.record_child(fanin, task_id, marker, "succeeded", value=i, has_value=True)
     elif kind == "raw_engine":
@@ -488,7 +497,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
             pass
         ready.release()
         go.wait()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()
         for _ in ids:
             with engine.begin() as conn:
                 conn.execute(stmt).one()
@@ -498,7 +507,7 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         conn = psycopg.connect(url, autocommit=True)
         ready.release()
         go.wait()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()
         for task_id in ids:
             params = terminal_params(task_id, "succeeded", None, None, None, claim=claims[task_id])
             conn.execute(RECORD_TERMINAL_SQL, params).fetchone()
@@ -507,25 +516,35 @@ def _reporter(url: str, batch_id: str, kind: str, ids: list[str], ready: Any, go
         conn = psycopg.connect(url, autocommit=True)
         ready.release()
         go.wait()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()
         for _ in ids:
             conn.execute("UPDATE bench_hot SET n = n - 1 WHERE id = 1 AND n > 0 RETURNING n").fetchone()
         conn.close()
-    out.put((start, time.time(), len(ids)))
+    out.put((start, time.time(), len(ids), time.process_time() - cpu))
 
 
 # What every reporter imports, loaded once into the fork server (see `_concurrent`).
 _REPORTER_PRELOAD = ["bench.run", "celery", "celery_fanin", "celery_fanin.worker.hooks", "sqlalchemy", "psycopg"]
 
 
-def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]], start_method: str = "forkserver") -> float:
+def _concurrent(
+    url: str,
+    batch_id: str,
+    kind: str,
+    work: list[list[str]],
+    start_method: str = "forkserver",
+    cpu: dict[str, float] | None = None,
+) -> float:
     """Events/s of `len(work)` reporter processes started together, each reporting its list once.
 
     The clock starts once every reporter is connected, so how they start changes no figure, only the run's length.
     The default forks them from a server process started once per run with their imports done (a spawned
     interpreter took ~0.5 s of both cores per reporter, for every phase); the harness itself is not forked, as it
     holds broker connections and their threads. `start_method="fork"` forks the caller (bench.scaling starts up to
-    64 per phase); the caller must then hold no connection that a reporter would use (each opens its own)."""
+    64 per phase); the caller must then hold no connection that a reporter would use (each opens its own).
+
+    `cpu`, if given, is filled with the CPU seconds spent from the start to the last reporter's end: "reporters"
+    (their loops), "postgres" (the whole server, `postgres_cpu`)."""
     ctx: Any = multiprocessing.get_context(start_method)  # a str names no context type mypy can tell
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_REPORTER_PRELOAD)  # no effect once the server runs: it is started once
@@ -536,13 +555,40 @@ def _concurrent(url: str, batch_id: str, kind: str, work: list[list[str]], start
     for _ in procs:
         if not ready.acquire(timeout=120):
             raise RuntimeError("a reporter process did not start")
+    pg = postgres_cpu(url) if cpu is not None else 0.0
     go.set()
     results = [out.get(timeout=600) for _ in procs]
+    if cpu is not None:
+        cpu["postgres"] = postgres_cpu(url) - pg
+        cpu["reporters"] = sum(r[3] for r in results)
     for p in procs:
         p.join(30)
     start = min(r[0] for r in results)
     end = max(r[1] for r in results)
     return sum(r[2] for r in results) / (end - start)
+
+
+@functools.cache
+def _postmaster(url: str) -> int:
+    """The local server's postmaster: the parent of a backend."""
+    with psycopg.connect(url, autocommit=True) as db:
+        row = db.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def postgres_cpu(url: str) -> float:
+    """CPU seconds the whole local PostgreSQL server has used so far: its postmaster's own and its exited children's
+    (which it reaps), and each running child's (backends, WAL writer, ...), from /proc. Read at two points, the
+    difference counts a backend that exited between them once."""
+    postmaster = _postmaster(url)
+    fields = Path(f"/proc/{postmaster}/stat").read_text().rsplit(")", 1)[1].split()
+    total = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
+    for child in Path(f"/proc/{postmaster}/task/{postmaster}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 # --- report ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ Two curves, each measured in one run with its series alternated:
 
 - terminal events/s against concurrent reporters (1, 2, 4, ... 64 processes) on one batch of `--children`
   children: flat (`max_width` = the batch), trees of `--leaves` leaf counters (`max_width` = children / leaves),
-  the batch with the library's default settings (no `max_width` given), and the raw one-row `UPDATE` beside them.
+  the batch with the library's default settings (no `max_width` given), the same through a worker's report
+  batcher (`default-batched`: `fanin_report_batching`, one batcher per `--per-batcher` reporters, its reports per
+  commit counted), and the raw one-row `UPDATE` beside them; with CPU µs per event for the reporters, the batchers
+  and the whole PostgreSQL server.
   The reporters are bench/run.py's: the worker's own terminal-report path (`Reporter.record_child`) and the
   raw `UPDATE ... RETURNING` in autocommit. Each round sweeps the reporter counts (ascending, then descending the
   next round) and, at each count, runs the series in an order rotated per count and round; every phase reports
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
@@ -36,9 +40,12 @@ from typing import Any
 
 import psycopg
 
-from bench.run import ROOT, Proc, _concurrent, machine, purge_queue, services, start_run
+from bench.run import ROOT, Proc, _concurrent, machine, postgres_cpu, purge_queue, services, start_run
 
 RAW = "raw"
+# The default layout again, each reporter sending its reports through a worker's report batcher
+# (`fanin_report_batching`), one batcher per `--per-batcher` reporters, as a prefork worker's pool processes do.
+BATCHED = "default-batched"
 
 
 def _ints(text: str) -> list[int]:
@@ -111,6 +118,16 @@ def terminal_curves(
     options = series_options(args.children, args.leaves)
     pools = {name: Parked(url, parked_queue, broker, args.children, opts) for name, opts in options.items()}
     names = [*options, RAW]
+    if args.per_batcher:
+        pools[BATCHED] = Parked(url, parked_queue, broker, args.children, options["default"])
+        names.insert(len(options), BATCHED)
+    # What the batchers counted, per phase: reports per statement (each statement one commit), and the reports
+    # that went alone (a batcher's refusal or timeout; each its own commit).
+    per_statement: dict[int, list[float]] = {r: [] for r in args.reporters}
+    # CPU µs per event, by role (the reporters' loops, the batchers' threads, the whole PostgreSQL server).
+    cpu_us: dict[str, dict[int, dict[str, list[float]]]] = {name: {r: {} for r in args.reporters} for name in names}
+    alone: dict[int, list[int]] = {r: [] for r in args.reporters}
+    vs_default: dict[int, list[float]] = {r: [] for r in args.reporters}
     runs: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     ratios: dict[str, dict[int, list[float]]] = {name: {r: [] for r in args.reporters} for name in names}
     errors: list[str] = []
@@ -129,8 +146,15 @@ def terminal_curves(
                 work = [ids[i::reporters] for i in range(reporters)]
                 kind = RAW if name == RAW else "fanin_one_conn"
                 before = _wal(url)
+                cpu: dict[str, float] = {}
                 try:
-                    figures[name] = _concurrent(url, batch_id, kind, work, start_method="fork")
+                    if name == BATCHED:
+                        figures[name], groups, sent = _concurrent_batched(url, batch_id, work, args.per_batcher, cpu)
+                        commits = groups + (len(ids) - sent)
+                        per_statement[reporters].append(len(ids) / max(1, commits))
+                        alone[reporters].append(len(ids) - sent)
+                    else:
+                        figures[name] = _concurrent(url, batch_id, kind, work, start_method="fork", cpu=cpu)
                 except Exception as exc:  # noqa: BLE001 - keep the other figures; the error is reported
                     errors.append(f"round {rnd + 1} reporters {reporters} {name}: {exc!r}"[:500])
                     progress(errors[-1])
@@ -140,26 +164,106 @@ def terminal_curves(
                 runs[name][reporters].append(figures[name])
                 wal_bytes[name][reporters].append((after[0] - before[0]) / len(ids))
                 per_sync[name][reporters].append(len(ids) / max(1, after[1] - before[1]))
+                for role, seconds in cpu.items():
+                    cpu_us[name][reporters].setdefault(role, []).append(seconds / len(ids) * 1e6)
             for name in names:
                 if figures[name] == figures[name] and figures[RAW] == figures[RAW]:  # neither failed (NaN)
                     ratios[name][reporters].append(figures[name] / figures[RAW])
+            if BATCHED in figures and figures[BATCHED] == figures[BATCHED] and figures["default"] == figures["default"]:
+                vs_default[reporters].append(figures[BATCHED] / figures["default"])
             progress(
                 f"round {rnd + 1} reporters {reporters:>2}: "
                 + " ".join(f"{n} {figures[n]:.0f}/s ({figures[n] / figures[RAW]:.2f})" for n in names)
+                + (f" reports/commit batched {per_statement[reporters][-1]:.1f}" if per_statement[reporters] else "")
             )
+    series = {
+        name: {str(r): _figures(v, ratios[name][r], wal_bytes[name][r], per_sync[name][r]) for r, v in per.items()}
+        for name, per in runs.items()
+    }
+    for name, per_count in cpu_us.items():
+        for r, roles in per_count.items():
+            if roles:
+                series[name][str(r)]["cpu_us_per_event"] = {k: statistics.median(v) for k, v in roles.items()}
+    for r in args.reporters if BATCHED in series else []:
+        f = series[BATCHED][str(r)]
+        if per_statement[r]:
+            f["reports_per_commit"] = statistics.median(per_statement[r])
+            f["reports_per_commit_runs"] = per_statement[r]
+            f["sent_alone"] = alone[r]
+        if vs_default[r]:
+            f["ratio_to_default"] = statistics.median(vs_default[r])
+            f["ratio_to_default_runs"] = vs_default[r]
     return {
         "children": args.children,
         "events_per_phase": args.events,
+        "per_batcher": args.per_batcher,
         "rounds": args.rounds,
         "reporters": args.reporters,
         "default_max_width": Settings().max_width,
-        "leaves": {name: pools[name].leaves for name in options},
+        "leaves": {name: pools[name].leaves for name in pools},
         "errors": errors,
-        "series": {
-            name: {str(r): _figures(v, ratios[name][r], wal_bytes[name][r], per_sync[name][r]) for r, v in per.items()}
-            for name, per in runs.items()
-        },
+        "series": series,
     }
+
+
+def _batcher_host(url: str, batch_id: str, work: list[list[str]], ready: Any, go: Any, out: Any, stats: Any) -> None:
+    """One prefork worker's main process with `fanin_report_batching` on, and no Celery around it: it starts the
+    worker's own batcher (`batching.start`), forks its reporters (which inherit the batcher's address, as pool
+    processes do), waits for them, and sends what the batcher counted (statements, reports)."""
+    from celery import Celery
+    from celery.concurrency.prefork import TaskPool
+
+    from bench.run import _reporter
+    from celery_fanin import FanIn
+    from celery_fanin.worker import batching
+
+    app = Celery("bench-batcher", set_as_current=False)
+    app.conf.fanin_database_url = url
+    app.conf.fanin_report_batching = True
+    batcher = batching.start(FanIn(app), TaskPool)
+    if batcher is None:
+        raise RuntimeError("the report batcher did not start")
+    ctx: Any = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_reporter, args=(url, batch_id, "fanin_batched", ids, ready, go, out)) for ids in work]
+    for p in procs:
+        p.start()
+    go.wait()
+    cpu = time.process_time()  # from here on, this process is the batcher's thread
+    for p in procs:
+        p.join()
+    stats.put((batcher.groups, batcher.reports, time.process_time() - cpu))
+    batching.stop()
+
+
+def _concurrent_batched(
+    url: str, batch_id: str, work: list[list[str]], per_batcher: int, cpu: dict[str, float]
+) -> tuple[float, int, int]:
+    """As `bench.run._concurrent`, the reporters split among batchers of `per_batcher` reporters each (the workers
+    of a deployment, each with its pool processes): events/s, and the statements and reports the batchers
+    committed (a report the batcher did not commit went alone); `cpu` as there, with "batchers" too."""
+    ctx: Any = multiprocessing.get_context("fork")
+    ready, go, out, stats = ctx.Semaphore(0), ctx.Event(), ctx.Queue(), ctx.Queue()
+    hosts = [
+        ctx.Process(target=_batcher_host, args=(url, batch_id, work[i : i + per_batcher], ready, go, out, stats))
+        for i in range(0, len(work), per_batcher)
+    ]
+    for h in hosts:
+        h.start()
+    for _ in work:
+        if not ready.acquire(timeout=120):
+            raise RuntimeError("a reporter process did not start")
+    pg = postgres_cpu(url)
+    go.set()
+    results = [out.get(timeout=600) for _ in work]
+    counted = [stats.get(timeout=60) for _ in hosts]
+    cpu["postgres"] = postgres_cpu(url) - pg
+    cpu["reporters"] = sum(r[3] for r in results)
+    cpu["batchers"] = sum(c[2] for c in counted)
+    for h in hosts:
+        h.join(30)
+    start = min(r[0] for r in results)
+    end = max(r[1] for r in results)
+    return sum(r[2] for r in results) / (end - start), sum(c[0] for c in counted), sum(c[1] for c in counted)
 
 
 def _figures(v: list[float], ratios: list[float], wal: list[float], syncs: list[float]) -> dict[str, Any]:
@@ -297,10 +401,38 @@ def table(report: dict[str, Any]) -> str:
     for r in t["reporters"]:
         cells = [_wal_cell(t["series"][n][str(r)]) for n in names]
         lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    lines += ["", "CPU µs per event: reporters' loops / batchers / the whole PostgreSQL server:", "", head, lines[1]]
+    for r in t["reporters"]:
+        cells = [_cpu_cell(t["series"][n][str(r)]) for n in names]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    if BATCHED in t["series"]:
+        lines += [
+            "",
+            f"{BATCHED}: reports through a worker's batcher, {t.get('per_batcher')} reporters per batcher; paired to "
+            "default (no batcher) within each round; reports per commit from the batchers' counts:",
+            "",
+            "| reporters | events/s | vs default, paired (min–max) | reports per commit | sent alone |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in t["reporters"]:
+            f = t["series"][BATCHED][str(r)]
+            vs = f.get("ratio_to_default_runs") or [float("nan")]
+            lines.append(
+                f"| {r} | {f['median']:.0f} | {f.get('ratio_to_default', float('nan')):.2f} "
+                f"({min(vs):.2f}–{max(vs):.2f}) | {f.get('reports_per_commit', float('nan')):.1f} "
+                f"| {sum(f.get('sent_alone', []))} |"
+            )
     lines += ["", "| relays | successors/s, median (min–max) |", "|---:|---:|"]
     for k, f in report["relay"]["relays"].items():
         lines.append(f"| {k} | {f['median']:.0f} ({f['min']:.0f}–{f['max']:.0f}) |")
     return "\n".join(lines)
+
+
+def _cpu_cell(f: dict[str, Any]) -> str:
+    c = f.get("cpu_us_per_event")
+    if not c:
+        return ""
+    return " / ".join(f"{c[k]:.0f}" if k in c else "-" for k in ("reporters", "batchers", "postgres"))
 
 
 def _wal_cell(f: dict[str, Any]) -> str:
@@ -314,7 +446,7 @@ def _label(name: str, t: dict[str, Any]) -> str:
         return "raw UPDATE"
     leaves = t["leaves"].get(name, 0)
     shape = f"{leaves} leaves" if leaves else "flat"
-    return f"{name} ({shape})" if name in ("default",) else name
+    return f"{name} ({shape})" if name in ("default", BATCHED) else name
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
@@ -355,6 +487,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--relay-rounds", type=int, default=2)
     p.add_argument("--creators", type=int, default=4, help="processes reporting the relay phase's children")
     p.add_argument("--skip-relay", action="store_true", help="the terminal curves only")
+    p.add_argument(
+        "--per-batcher",
+        type=int,
+        default=16,
+        help="the default-batched series: reporters per report batcher, as pool processes per worker (0: no series)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "report")
     p.add_argument("--smoke", action="store_true", help="a tiny run of every series: checks the harness")
     args = p.parse_args(argv)

@@ -156,7 +156,8 @@ def test_dashboard_bench_smoke_times_every_page(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_scaling_smoke_writes_every_series(tmp_path: Path) -> None:
     """`python -m bench.scaling --smoke` (BENCHMARKS.md, docs/concepts/scaling.md), so that it cannot rot: every
-    reporter count of every series (flat, a tree, the defaults, the raw UPDATE) and every relay count has a rate,
+    reporter count of every series (flat, a tree, the defaults, the defaults through a worker's report batcher, the
+    raw UPDATE) and every relay count has a rate,
     and the relays sent every successor they were given. Its figures mean nothing at this size."""
     argv = [sys.executable, "-m", "bench.scaling", "--smoke", "--out", str(tmp_path)]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=220)
@@ -165,7 +166,17 @@ def test_scaling_smoke_writes_every_series(tmp_path: Path) -> None:
     terminal = report["terminal"]
     assert terminal["errors"] == []  # no phase failed (a failed one is reported, and its figure left out)
     assert terminal["reporters"] == [1, 2, 4]
-    assert set(terminal["series"]) == {"flat", "tree-4", "default", "raw"}
+    assert set(terminal["series"]) == {"flat", "tree-4", "default", "default-batched", "raw"}
+    # The default batch through a worker's report batcher: every report committed by it (none sent alone), its
+    # statements counted, and its rate paired with the default batch's of the same round.
+    for reporters, figures in terminal["series"]["default-batched"].items():
+        assert figures["sent_alone"] == [0], reporters
+        assert 1 <= figures["reports_per_commit"] <= int(reporters), (reporters, figures)
+        assert figures["ratio_to_default"] > 0 and set(figures["cpu_us_per_event"]) == {
+            "reporters",
+            "batchers",
+            "postgres",
+        }
     assert terminal["leaves"]["flat"] == 0 and terminal["leaves"]["tree-4"] == 4  # the layouts asked for
     for name, per in terminal["series"].items():
         assert set(per) == {"1", "2", "4"}, name
