@@ -290,9 +290,11 @@ def record_starts(runner: Runner, starts: Sequence[Start]) -> int:
     return int(runner.one(RECORD_STARTS, starts_params(starts))[0])
 
 
-def note_traceback(runner: Runner, task_id: str, traceback: str) -> bool:
-    """Keep a failed child's traceback (`fanin_note_traceback`: once, bounded); False if nothing took it."""
-    return bool(runner.one(NOTE_TRACEBACK, {"task_id": task_id, "traceback": traceback})[0])
+def note_traceback(runner: Runner, task_id: str, traceback: str, exc_type: str | None, exc_message: str | None) -> bool:
+    """Keep a failed child's traceback (`fanin_note_traceback_v2`: once, bounded, and only onto a counted failure
+    with this error type and text, as this copy reported them); False if nothing took it."""
+    params = {"task_id": task_id, "traceback": traceback, "exc_type": exc_type, "exc_message": exc_message}
+    return bool(runner.one(NOTE_TRACEBACK, params)[0])
 
 
 def wake_relay(runner: Runner, batch_id: object) -> None:

@@ -163,10 +163,16 @@ class Reporter:
         extra = {"batch_id": marker.batch_id, "child_index": marker.index, "task_id": task_id, "state": state}
         if rec is None:
             return None
-        trace = format_traceback(exc) if rec.counted and state != ChildState.SUCCEEDED else None
-        if trace is not None:  # the counted run's, kept in the database only (never in the successor's message)
+        # The counted run's traceback, kept in the database only (never in the successor's message). A late report
+        # may be this very run's, resent after its first copy was counted with the answer lost (a soft time limit
+        # in the wait, a group's answer too late): the function writes it only onto a counted failure with this
+        # error's type and text, so another copy's failure never gets this one's traceback.
+        trace = format_traceback(exc) if (rec.counted or rec.late) and state != ChildState.SUCCEEDED else None
+        if trace is not None:
             report.send_terminal(
-                fanin, f"traceback of task {task_id}", lambda runner: reports.note_traceback(runner, task_id, trace)
+                fanin,
+                f"traceback of task {task_id}",
+                lambda runner: reports.note_traceback(runner, task_id, trace, exc_type, exc_message),
             )
         if rec.counted:
             logger.debug(

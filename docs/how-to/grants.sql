@@ -22,6 +22,7 @@ REVOKE EXECUTE ON FUNCTION fanin_settle_v2(uuid, integer, integer, double precis
                                                     timestamptz, integer, text, double precision),
                            fanin_report_unrun_v2(text, uuid, integer, text, text, text, text, double precision),
                            fanin_note_traceback(text, text),
+                           fanin_note_traceback_v2(text, text, text, text),
                            fanin_note_successor_traceback(uuid, text, text),
                            fanin_record_starts(text[], integer[], text[], timestamptz[]),
                            fanin_seal(uuid),
@@ -89,7 +90,8 @@ GRANT EXECUTE ON FUNCTION fanin_add_children(uuid, uuid[], integer[], integer, i
 -- returned by the report that created it (fanin_handed_off, also read on its own) and marked sent, any other
 -- through the relay's claim, marked sent or failed, and the rest of a batch past its threshold abandoned; one the
 -- worker leaves to the relay is made due at once (fanin_wake_relay). A failed child's or successor's traceback is
--- written once, after the report that counted the failure (fanin_note_traceback, fanin_note_successor_traceback).
+-- written once, after the report that counted the failure or its late resend (fanin_note_traceback_v2,
+-- fanin_note_successor_traceback; fanin_note_traceback for workers not yet restarted).
 -- A replaced successor ends when a task of its replacement before the carrier fails (fanin_end_replacement).
 -- Read access for BatchOutcome.results().
 GRANT SELECT ON fanin_batches, fanin_children, fanin_successors, fanin_successor_reruns, fanin_outbox TO fanin_worker;
@@ -97,6 +99,7 @@ GRANT EXECUTE ON FUNCTION fanin_report_terminal_v2(text, uuid, integer, text, te
                                                    timestamptz, integer, text, double precision),
                           fanin_report_unrun_v2(text, uuid, integer, text, text, text, text, double precision),
                           fanin_note_traceback(text, text),
+                          fanin_note_traceback_v2(text, text, text, text),
                           fanin_note_successor_traceback(uuid, text, text),
                           fanin_record_starts(text[], integer[], text[], timestamptz[]),
                           fanin_claim_run_v2(uuid, text, text, integer, double precision, double precision, text,

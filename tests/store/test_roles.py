@@ -444,6 +444,8 @@ EXECUTES = {
         # a main-process event about a copy that never ran (counted only while no copy started the child)
         "fanin_report_unrun_v2(text,uuid,integer,text,text,text,text,double precision)",
         "fanin_note_traceback(text,text)",
+        # the same, only onto the counted failure of the same error (a late resend's, since version 35)
+        "fanin_note_traceback_v2(text,text,text,text)",
         "fanin_note_successor_traceback(uuid,text,text)",
         "fanin_claim_run_v2(uuid,text,text,integer,double precision,double precision,text,text,text,text)",
         "fanin_count_duplicate(uuid,text)",

@@ -278,7 +278,9 @@ def test_a_statement_interrupted_by_another_exception_leaves_the_next_statement_
 
     wait_for(lambda: state() == "complete", 10, message="the interrupted report committed by the server")
     try:
-        note_traceback(reports, "no-such-task", "tb")  # the thread's next statement, tried once by its callers
+        note_traceback(
+            reports, "no-such-task", "tb", None, None
+        )  # the thread's next statement, tried once by its callers
     finally:
         reports.reset()
 

@@ -291,8 +291,9 @@ SELECT s.batch_id, s.step FROM fanin_successors s
 SELECT run, attempt, state, run_owner FROM fanin_claim_run_v2(:id, :step, :task_id, :retries, CAST(:lease AS double precision), CAST(:grace AS double precision), :owner, :owner_key, :carrier, :dead_owner);
 
 -- name: note_traceback
--- A failed child's traceback, after the report that counted the failure (bounded and written once by the function)
-SELECT fanin_note_traceback(:task_id, :traceback);
+-- A failed child's traceback, after the report that counted the failure or a late resend of it (bounded, written
+-- once, and only onto a counted failure of the same error type and text, by the function)
+SELECT fanin_note_traceback_v2(:task_id, :traceback, :exc_type, :exc_message);
 
 -- name: note_successor_traceback
 -- A failed successor's traceback, after its run was recorded failed

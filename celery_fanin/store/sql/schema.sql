@@ -1357,6 +1357,22 @@ BEGIN
 END
 $$;
 
+-- The same, written only onto the failure it belongs to (version 35): a resent report that came back late (its
+-- first copy was counted, its answer lost) writes its traceback when the counted failure has its error's type and
+-- text. fanin_note_traceback stays for workers not yet restarted.
+-- fanin_note_traceback_v2(text,text,text,text)
+CREATE FUNCTION fanin_note_traceback_v2(p_task_id text, p_traceback text, p_exc_type text, p_exc_message text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- Only a child counted as not succeeded, only the first traceback, and only onto the failure it belongs to.
+    UPDATE fanin_children SET traceback = right(p_traceback, 16000)
+     WHERE task_id = p_task_id AND state NOT IN ('pending', 'started', 'succeeded') AND traceback IS NULL
+       AND exc_type IS NOT DISTINCT FROM p_exc_type AND exc_message IS NOT DISTINCT FROM p_exc_message;
+    RETURN FOUND;
+END
+$$;
+
 -- fanin_note_successor_traceback(uuid,text,text)
 CREATE FUNCTION fanin_note_successor_traceback(p_batch uuid, p_step text, p_traceback text)
 RETURNS boolean
