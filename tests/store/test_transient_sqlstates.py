@@ -326,6 +326,41 @@ def test_a_child_report_interrupted_by_the_soft_time_limit_is_sent_again_and_its
     assert row.due, "the successor handed to the interrupted report waits out the hand-off instead of the relay"
 
 
+def test_a_failed_child_s_report_interrupted_by_the_soft_time_limit_keeps_its_traceback_when_sent_again(
+    short_reports: FanIn, store_engine: Engine
+) -> None:
+    """The same interruption on a failure's report: the first copy is counted with nobody reading its answer, the
+    one sent again is late, and the failure's traceback is written all the same (`fanin_note_traceback_v2`: onto
+    the counted failure of the same error), as the counted report would have written it."""
+    from celery_fanin.protocol import Marker
+    from celery_fanin.worker.reporter import Reporter
+
+    batch, (child, _), _ = create(store_engine, 2)
+    try:
+        raise ValueError("the body failed")
+    except ValueError as error:
+        exc = error
+    rec = _soft_time_limit_during(
+        short_reports,
+        "SELECT 1 FROM fanin_batches WHERE id = %s FOR UPDATE",
+        batch.id,
+        lambda: Reporter(None).record_child(
+            short_reports,
+            child.task_id,
+            Marker(str(batch.id), 0, None, task_name=child.task_name),
+            "failed",
+            exc=exc,
+        ),
+    )
+    assert rec is not None and rec.late and not rec.counted, "the second report was counted again"
+    with store_engine.connect() as conn:
+        row = conn.execute(
+            text("SELECT state, exc_type, traceback FROM fanin_children WHERE task_id = :t"), {"t": child.task_id}
+        ).one()
+    assert (row.state, row.exc_type) == ("failed", "ValueError")
+    assert row.traceback is not None and row.traceback.endswith("ValueError: the body failed\n"), row.traceback
+
+
 def test_a_successor_s_end_interrupted_by_the_soft_time_limit_is_sent_again(
     short_reports: FanIn, store_engine: Engine
 ) -> None:
