@@ -175,3 +175,16 @@ def test_a_rate_limited_successor_runs_here_where_the_worker_disables_rate_limit
     assert _reason(app, "t.rated") is not None
     app.conf.worker_disable_rate_limits = True  # no token bucket in the main process either
     assert _reason(app, "t.rated") is None
+
+
+def test_a_stamped_successor_or_one_with_its_own_links_is_published(app: Celery) -> None:
+    """A stamped successor signature (Celery's stamping API) or one with its own `link`/`link_error` is built by
+    Celery's `apply_async`, not the fast builder, so it is never run where its batch completed: it is published,
+    and the worker's main process applies `revoke_by_stamped_headers` (which a pool process does not see) and runs
+    its links as for any message."""
+    stamped = app.tasks["t.successor"].s()
+    stamped.stamp(tenant="a")
+    assert stamped.options["stamped_headers"] == ["tenant"]
+    linked = app.tasks["t.successor"].s().set(link=app.tasks["t.child"].si())
+    for sig in (stamped, linked):
+        assert publish.successor_message(app, uuid.uuid4(), "then", "s-1", sig, {"succeeded": 1}) is None
