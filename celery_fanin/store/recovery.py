@@ -34,7 +34,8 @@ class OverdueChild:
 
 def overdue_children(conn: Connection, limit: int = 500) -> list[OverdueChild]:
     """Unfinished children of running batches whose child_timeout has passed since they last started (or were
-    published or redriven)."""
+    published or redriven). Each with the batch its message names (a tree's root, for a leaf's child), which a
+    redriven copy names again."""
     rows = conn.execute(
         q("overdue_children").text,
         {"n": limit},

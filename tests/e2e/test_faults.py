@@ -142,6 +142,54 @@ def test_child_lost_with_its_worker_is_redriven(producer: Any, processes: Any, s
     assert len(successor_runs(handle.batch_id)) == 1
 
 
+@pytest.mark.timeout(150)
+def test_a_tree_child_redriven_after_its_worker_was_lost_hands_its_successor_to_the_worker_that_completes_it(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    """A tree's children are rows of its leaves, and their messages name its root. The relay redrove a tree's lost
+    child naming its leaf instead, so the report that completed the batch found no successor handed to it (the root
+    holds the outbox row): the successor waited out the whole hand-off (600 s here) before the relay published it.
+    The redriven copy names the root, as the producer's did."""
+    env = {"FANIN_TEST_SUCCESSOR_HANDOFF": "600"}
+    first = processes.worker(extra_env=env)
+    processes.relay()
+    key = f"redrive-tree-{uuid.uuid4().hex[:8]}"
+    children = [tasks.sleepy_once.s(key, 60, 0.1), tasks.ok.s(1)]
+    handle = fan_in_group(
+        children, then=tasks.record_run.s("redriven-tree"), child_timeout=clock.LONG, on_lost="redrive", max_width=1
+    ).apply_async()
+    members = "batch_id IN (SELECT id FROM fanin_batches WHERE id = :b OR parent_id = :b)"
+    assert rows(producer, "SELECT count(*) AS n FROM fanin_batches WHERE parent_id = :b", b=handle.batch_id)[0].n == 2
+    wait_for(
+        lambda: rows(
+            producer,
+            f"SELECT 1 FROM fanin_children WHERE {members} AND idx = 0 AND state = 'started'",
+            b=handle.batch_id,
+        ),
+        20,
+        message="the long child to start",
+    )
+    clock.wait_finished(producer, handle.batch_id, {1})
+    first.kill()  # the whole worker: without acks_late the message is gone
+    clock.expire_child_timeout(producer, handle.batch_id)
+    wait_for(
+        lambda: rows(
+            producer, f"SELECT 1 FROM fanin_children WHERE {members} AND idx = 0 AND redrives = 1", b=handle.batch_id
+        ),
+        30,
+        message="the lost child to be redriven",
+    )
+    processes.worker(extra_env=env)
+    wait_for(
+        lambda: successor_runs(handle.batch_id),
+        45,
+        message="the successor to run (handed to the worker whose report completed the batch, not after 600 s)",
+    )
+    status = handle.wait_batch(timeout=30)
+    assert (status.succeeded, status.failed, status.successor_state, status.successor_runs) == (2, 0, "succeeded", 1)
+    assert len(successor_runs(handle.batch_id)) == 1
+
+
 def test_deadline_proceed_runs_successor_with_partial_outcome(
     producer: Any, processes: Any, successor_runs: Runs
 ) -> None:

@@ -380,7 +380,10 @@ SELECT b.id FROM fanin_batches b
 
 -- name: overdue_children
 -- Unfinished children of running batches whose child_timeout has passed since they last started (or were...
-SELECT c.task_id, c.batch_id, c.idx, c.task_name, c.state, b.on_lost, c.redrives, b.max_redrives,
+-- batch_id is the batch the child's message names: a tree's root for a leaf's child (as the producer published it),
+-- so that a redriven copy's report finds the successor it creates (handed to its worker, or woken for the relay)
+SELECT c.task_id, coalesce(b.parent_id, b.id) AS batch_id, c.idx, c.task_name, c.state, b.on_lost, c.redrives,
+       b.max_redrives,
        c.message, c.content_type, c.content_encoding
   FROM fanin_batches b
   JOIN fanin_children c ON c.batch_id = b.id AND c.state IN ('pending', 'started')
