@@ -29,6 +29,7 @@ the child's message, under `acks_late`, is acknowledged after the successor's bo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import mmap
@@ -113,7 +114,7 @@ def reason_not(app: Celery, name: str, declare: tuple[Any, ...], headers: dict[s
     if not declare or getattr(declare[0], "name", None) not in app.amqp.queues.consume_from:
         return "routed to a queue this worker does not consume"
     if _queues_changed():
-        return "the worker's queues changed since this process started"
+        return "the worker's queues or task limits changed since this process started"
     return None
 
 
@@ -229,24 +230,48 @@ _queues_shared: mmap.mmap | None = None
 
 
 def share_queue_changes(app: Celery) -> None:
-    """In a worker's main process, before its pool starts (`worker_init`): count its changes of consumed queues."""
+    """In a worker's main process, before its pool starts (`worker_init`): count its changes of consumed queues, and
+    of task limits by the control commands (`_count_control_commands`)."""
     global _queues_shared
     if _queues_shared is not None:
         return
     _queues_shared = mmap.mmap(-1, 8)
     queues = app.amqp.queues
     for method in ("select_add", "select", "deselect"):
-        original = getattr(queues, method)
+        setattr(queues, method, _counted(getattr(queues, method)))
+    _count_control_commands()
 
-        def counted(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            global _queues_generation
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                _queues_generation += 1
-                _queues_shared[:8] = _queues_generation.to_bytes(8, "little")  # type: ignore[index]
 
-        setattr(queues, method, counted)
+def _counted(original: Any) -> Any:
+    """`original`, counted as a change of the worker's state once it returns (or raises)."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        global _queues_generation
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _queues_generation += 1
+            if _queues_shared is not None:
+                _queues_shared[:8] = _queues_generation.to_bytes(8, "little")
+
+    counted.fanin_counted = True  # type: ignore[attr-defined]
+    return counted
+
+
+# Celery's control commands that change a task's limits in the worker's main process only: `rate_limit` at once (the
+# main process's token buckets), `time_limit` once the consumer restarts (Celery builds each task's request class,
+# with its limits, per consumer start). A prefork pool process keeps the task as it was forked, so it could not tell
+# that a successor, or the child's job it would run in, is now limited.
+_LIMIT_COMMANDS = ("rate_limit", "time_limit")
+
+
+def _count_control_commands() -> None:
+    from celery.worker.control import Panel  # the worker's handlers: its pidbox dispatches through this very dict
+
+    for name in _LIMIT_COMMANDS:
+        handler = Panel.data.get(name)
+        if handler is not None and not getattr(handler, "fanin_counted", False):
+            Panel.data[name] = functools.wraps(handler)(_counted(handler))
 
 
 def _queues_changed() -> bool:

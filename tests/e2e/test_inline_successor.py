@@ -200,3 +200,22 @@ def test_a_successor_routed_to_a_queue_its_worker_stopped_consuming_is_published
     run = finished(handle, successor_runs, timeout=30)
     assert [_ran_in(run)] != run["values"], "not in the child's pool process"
     assert _received(other, "pid_successor", handle.successor_task_id), "run by the worker consuming its queue"
+
+
+def test_a_rate_limit_set_at_runtime_by_control_command_publishes_the_successor(
+    producer: Any, processes: Any, successor_runs: Runs
+) -> None:
+    """`celery control rate_limit` changes the task in the worker's main process only (its token bucket): a prefork
+    pool process forked before it still held the task unlimited, and would run the successor where its batch
+    completed, past the worker's bucket. Published, the main process throttles it."""
+    worker = processes.worker(INLINE, concurrency=2)
+    processes.relay()
+    replies = producer.control.rate_limit(
+        "tests.app.pid_successor", "600/m", destination=[worker.name], reply=True, timeout=5
+    )
+    assert replies and "ok" in next(iter(replies[0].values())), replies
+    handle = fan_in_group([tasks.pid_of.s(0)], then=tasks.pid_successor.s("runtime rate limit")).apply_async()
+    finished(handle, successor_runs, timeout=30)
+    assert _received(worker, "pid_successor", handle.successor_task_id), "published, and delivered as a message"
+    status = handle.batch_status()
+    assert (status.successor_runs, status.successor_duplicates) == (1, 0)

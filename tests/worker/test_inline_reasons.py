@@ -168,7 +168,7 @@ def test_a_pool_process_whose_worker_changed_its_queues_since_the_fork_publishes
     assert _reason(app, queue="celery") is not None
     app.amqp.queues.select_add("here")
     monkeypatch.setattr(inline, "_queues_generation", forked)
-    assert _reason(app) == "the worker's queues changed since this process started"
+    assert _reason(app) == "the worker's queues or task limits changed since this process started"
 
 
 def test_a_rate_limited_successor_runs_here_where_the_worker_disables_rate_limits(app: Celery, in_child: Task) -> None:
@@ -188,3 +188,33 @@ def test_a_stamped_successor_or_one_with_its_own_links_is_published(app: Celery)
     linked = app.tasks["t.successor"].s().set(link=app.tasks["t.child"].si())
     for sig in (stamped, linked):
         assert publish.successor_message(app, uuid.uuid4(), "then", "s-1", sig, {"succeeded": 1}) is None
+
+
+@pytest.mark.parametrize("command", ["rate_limit", "time_limit"])
+def test_a_pool_process_whose_worker_changed_a_task_s_limits_by_control_command_publishes_it(
+    app: Celery, in_child: Task, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """`celery control rate_limit` / `time_limit` change the task in the worker's main process only (its token bucket
+    at once, its jobs' time limits once the consumer restarts): a prefork pool process keeps the task it was forked
+    with, so it cannot tell that the successor, or the child's job it would run in, is now limited."""
+    from celery.worker.control import Panel
+
+    monkeypatch.setattr(inline, "_queues_shared", None)
+    monkeypatch.setattr(inline, "_queues_generation", 0)
+    monkeypatch.setitem(Panel.data, command, Panel.data[command])  # put back after the test
+    pool_process = type("Process", (), {"name": "ForkPoolWorker-1"})()
+    monkeypatch.setattr(inline, "current_process", lambda: pool_process)
+    monkeypatch.setattr(inline, "_shared", inline.SharedRevoked())
+    inline.share_queue_changes(app)
+    inline._count_control_commands()  # twice (a second worker in this process): counted once
+    forked = inline._queues_generation
+    state = type("State", (), {"app": app, "consumer": type("Consumer", (), {"reset_rate_limits": lambda: None})})()
+    arguments = {"rate_limit": {"rate_limit": "1/m"}, "time_limit": {"soft": 1.0, "hard": 2.0}}[command]
+    reply = Panel.data[command](state, task_name="t.successor", **arguments)
+    assert "ok" in reply, reply  # Celery's own command ran
+    assert inline._queues_generation == forked + 1, "counted once"
+    # The pool process's copies, from its fork: the count, and the task as it was (here the command changed it).
+    monkeypatch.setattr(inline, "_queues_generation", forked)
+    task = app.tasks["t.successor"]
+    task.rate_limit = task.time_limit = task.soft_time_limit = None
+    assert _reason(app) == "the worker's queues or task limits changed since this process started"
