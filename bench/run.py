@@ -555,8 +555,10 @@ def _concurrent(
     for _ in procs:
         if not ready.acquire(timeout=120):
             raise RuntimeError("a reporter process did not start")
-    pg = postgres_cpu(url) if cpu is not None else 0.0
-    go.set()
+    try:
+        pg = postgres_cpu(url) if cpu is not None else 0.0
+    finally:
+        go.set()  # whatever happened, no reporter is left waiting (the process would wait for it at its exit)
     results = [out.get(timeout=600) for _ in procs]
     if cpu is not None:
         cpu["postgres"] = postgres_cpu(url) - pg
@@ -571,10 +573,10 @@ def _concurrent(
 @functools.cache
 def _postmaster(url: str) -> int:
     """The local server's postmaster: the parent of a backend."""
-    with psycopg.connect(url, autocommit=True) as db:
+    with psycopg.connect(url, autocommit=True) as db:  # read while the backend lives: it exits with the connection
         row = db.execute("SELECT pg_backend_pid()").fetchone()
-    assert row is not None
-    return int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert row is not None
+        return int(Path(f"/proc/{row[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def postgres_cpu(url: str) -> float:

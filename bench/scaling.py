@@ -252,8 +252,10 @@ def _concurrent_batched(
     for _ in work:
         if not ready.acquire(timeout=120):
             raise RuntimeError("a reporter process did not start")
-    pg = postgres_cpu(url)
-    go.set()
+    try:
+        pg = postgres_cpu(url)
+    finally:
+        go.set()  # whatever happened, no reporter is left waiting (the process would wait for it at its exit)
     results = [out.get(timeout=600) for _ in work]
     counted = [stats.get(timeout=60) for _ in hosts]
     cpu["postgres"] = postgres_cpu(url) - pg
