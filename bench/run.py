@@ -550,21 +550,31 @@ def _concurrent(
         ctx.set_forkserver_preload(_REPORTER_PRELOAD)  # no effect once the server runs: it is started once
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_reporter, args=(url, batch_id, kind, ids, ready, go, out)) for ids in work]
+    rate = timed_phase(url, procs, len(work), ready, go, out, cpu)
+    for p in procs:
+        p.join(30)
+    return rate
+
+
+def timed_phase(
+    url: str, procs: list[Any], reporters: int, ready: Any, go: Any, out: Any, cpu: dict[str, float] | None
+) -> float:
+    """Start `procs`, wait until `reporters` `_reporter`s (theirs, or their children) are connected, start them
+    together and collect their results: events/s, from the first one's start to the last one's end. `cpu` as
+    `_concurrent` says. The caller joins `procs`."""
     for p in procs:
         p.start()
-    for _ in procs:
+    for _ in range(reporters):
         if not ready.acquire(timeout=120):
             raise RuntimeError("a reporter process did not start")
     try:
         pg = postgres_cpu(url) if cpu is not None else 0.0
     finally:
         go.set()  # whatever happened, no reporter is left waiting (the process would wait for it at its exit)
-    results = [out.get(timeout=600) for _ in procs]
+    results = [out.get(timeout=600) for _ in range(reporters)]
     if cpu is not None:
         cpu["postgres"] = postgres_cpu(url) - pg
         cpu["reporters"] = sum(r[3] for r in results)
-    for p in procs:
-        p.join(30)
     start = min(r[0] for r in results)
     end = max(r[1] for r in results)
     return sum(r[2] for r in results) / (end - start)

@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from bench.run import ROOT, Proc, _concurrent, machine, postgres_cpu, purge_queue, services, start_run
+from bench.run import ROOT, Proc, _concurrent, machine, purge_queue, services, start_run, timed_phase
 
 RAW = "raw"
 # The default layout again, each reporter sending its reports through a worker's report batcher
@@ -247,25 +247,12 @@ def _concurrent_batched(
         ctx.Process(target=_batcher_host, args=(url, batch_id, work[i : i + per_batcher], ready, go, out, stats))
         for i in range(0, len(work), per_batcher)
     ]
-    for h in hosts:
-        h.start()
-    for _ in work:
-        if not ready.acquire(timeout=120):
-            raise RuntimeError("a reporter process did not start")
-    try:
-        pg = postgres_cpu(url)
-    finally:
-        go.set()  # whatever happened, no reporter is left waiting (the process would wait for it at its exit)
-    results = [out.get(timeout=600) for _ in work]
+    rate = timed_phase(url, hosts, len(work), ready, go, out, cpu)
     counted = [stats.get(timeout=60) for _ in hosts]
-    cpu["postgres"] = postgres_cpu(url) - pg
-    cpu["reporters"] = sum(r[3] for r in results)
     cpu["batchers"] = sum(c[2] for c in counted)
     for h in hosts:
         h.join(30)
-    start = min(r[0] for r in results)
-    end = max(r[1] for r in results)
-    return sum(r[2] for r in results) / (end - start), sum(c[0] for c in counted), sum(c[1] for c in counted)
+    return rate, sum(c[0] for c in counted), sum(c[1] for c in counted)
 
 
 def _figures(v: list[float], ratios: list[float], wal: list[float], syncs: list[float]) -> dict[str, Any]:
